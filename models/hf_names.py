@@ -1,0 +1,61 @@
+"""Our parameter paths <-> HF safetensors tensor names and layouts (shared by all three families).
+
+Our modules are named like HF's (`self_attn.q_proj`, `mlp.down_proj`, `input_layernorm`, ...), so the
+map is mechanical: stacked `layers/...` leaves hold one HF tensor per layer; kernels are stored
+[in..., out...] (JAX's x @ W) where HF stores Linear weights [out, in]; q/k/v kernels split the
+output into (heads, head_dim) and o_proj splits its input the same way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+Path = tuple[str, ...]
+
+
+def is_stacked(path: Path) -> bool:
+    return path[0] == "layers"
+
+
+def hf_name(path: Path, layer: int | None = None) -> str:
+    """('layers', 'self_attn', 'q_proj', 'kernel'), 3 -> 'model.layers.3.self_attn.q_proj.weight'."""
+    if path == ("embedding",):
+        return "model.embed_tokens.weight"
+    if path == ("lm_head",):
+        return "lm_head.weight"
+    *modules, leaf = path
+    suffix = "bias" if leaf == "bias" else "weight"
+    if modules[0] == "layers":
+        return ".".join(["model.layers", str(layer), *modules[1:], suffix])
+    return ".".join(["model", *modules, suffix])
+
+
+def _kernel_in_dims(path: Path) -> int:
+    return 2 if path[-2] == "o_proj" else 1
+
+
+def from_hf(path: Path, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """HF tensor -> our layout with `shape` (the per-layer shape for stacked leaves)."""
+    if path[-1] == "kernel" or path == ("lm_head",):
+        return w.T.reshape(shape)
+    return w.reshape(shape)
+
+
+def to_hf(path: Path, x: np.ndarray) -> np.ndarray:
+    """Our (per-layer) array -> HF tensor layout."""
+    if path == ("lm_head",):
+        return x.T
+    if path[-1] == "kernel":
+        n_in = _kernel_in_dims(path)
+        rows = math.prod(x.shape[:n_in])
+        return x.reshape(rows, -1).T
+    if path[-1] == "bias":
+        return x.reshape(-1)
+    return x
+
+
+def hf_shape(path: Path, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF tensor shape for one of our (per-layer) shapes."""
+    return to_hf(path, np.empty(shape, np.uint8)).shape

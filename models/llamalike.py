@@ -1,0 +1,297 @@
+"""The shared llama-like decoder behind Llama 3.x, Qwen2.5 and Qwen3 dense models.
+
+One pure Flax Linen module family; the variants (llama.py, qwen2.py, qwen3.py) only translate an HF
+config into a `DecoderConfig` and say which features are on:
+  - grouped-query attention with HF's non-interleaved ("rotate half") RoPE, incl. `llama3` scaled
+    frequencies (Llama 3.1 paper / HF `_compute_llama3_parameters`);
+  - optional q/k/v biases (Qwen2.5) and per-head q/k RMSNorm before RoPE (Qwen3);
+  - SwiGLU MLP, pre-norm residual blocks, tied or untied LM head.
+Layers are stacked with `nn.scan` (params get a leading `layers` axis) and can be rematerialized;
+every parameter carries logical axis names for sharding rules. Norms call `surogate_jax.ops.rms_norm`
+(our CUDA kernel on GPU, its pure-JAX reference elsewhere). Attention goes through
+`jax.nn.dot_product_attention`: cuDNN flash attention on GPU for bf16/fp16, XLA otherwise.
+
+Packed rows: `segment_ids [B, T]` (equal ids = same document) restrict attention to the token's own
+document, and `positions [B, T]` restart per document, so a packed row computes exactly what each
+document would alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from surogate_jax.ops import rms_norm
+
+Dtype = Any
+
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """`llama3` frequency scaling (the only scaled RoPE type we implement)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Everything that shapes the math of the decoder; nothing about training."""
+
+    model_type: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    initializer_range: float = 0.02
+    # Numerics and execution (not part of the HF math).
+    dtype: Dtype = jnp.float32  # activations / matmul inputs
+    param_dtype: Dtype = jnp.float32
+    attention_impl: str = "auto"  # "auto" | "cudnn" | "xla"
+    remat_policy: str = "none"  # one of REMAT_POLICIES
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.attention_impl not in ("auto", "cudnn", "xla"):
+            raise ValueError(f"attention_impl={self.attention_impl!r}: use auto, cudnn or xla")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}")
+
+    def replace(self, **kw) -> DecoderConfig:
+        return dataclasses.replace(self, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+
+
+def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim/2] in float64 numpy (HF formula, llama3 scaling if set)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(cfg: DecoderConfig, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [B, T, head_dim] in float32 (each frequency repeated for both halves)."""
+    inv = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
+    ang_BTF = positions_BT.astype(jnp.float32)[..., None] * inv
+    ang_BTK = jnp.concatenate([ang_BTF, ang_BTF], axis=-1)
+    return jnp.cos(ang_BTK), jnp.sin(ang_BTK)
+
+
+def apply_rope(x_BTHK: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array) -> jax.Array:
+    """HF rotate-half RoPE, computed in float32 and rounded once to x's dtype."""
+    x = x_BTHK.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    out = x * cos_BTK[:, :, None, :] + rotated * sin_BTK[:, :, None, :]
+    return out.astype(x_BTHK.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+
+
+def _param(mod: nn.Module, name: str, init, shape, axes, dtype):
+    return mod.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis with a learned scale (HF `weight`)."""
+
+    eps: float
+    axis_name: str
+    dtype: Dtype
+    param_dtype: Dtype
+
+    @nn.compact
+    def __call__(self, x):
+        scale = _param(
+            self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,), self.param_dtype
+        )
+        return rms_norm(x.astype(self.dtype), scale.astype(self.dtype), self.eps)
+
+
+class Linear(nn.Module):
+    """x[..., in] @ kernel[in, *out] (+ bias[*out]); `axes` names every kernel dim."""
+
+    out_shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    cfg: DecoderConfig
+    use_bias: bool = False
+    in_dims: int = 1  # how many trailing dims of x are contracted
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        in_shape = x.shape[x.ndim - self.in_dims :]
+        init = nn.initializers.normal(cfg.initializer_range)
+        kernel = _param(self, "kernel", init, (*in_shape, *self.out_shape), self.axes, cfg.param_dtype)
+        contract = (tuple(range(x.ndim - self.in_dims, x.ndim)), tuple(range(self.in_dims)))
+        y = jax.lax.dot_general(x.astype(cfg.dtype), kernel.astype(cfg.dtype), (contract, ((), ())))
+        if self.use_bias:
+            bias_axes = self.axes[self.in_dims :]
+            bias = _param(self, "bias", nn.initializers.zeros, self.out_shape, bias_axes, cfg.param_dtype)
+            y = y + bias.astype(cfg.dtype)
+        return y
+
+
+def _attention_impl(cfg: DecoderConfig, dtype) -> str:
+    """cuDNN flash attention needs a GPU and 16-bit inputs; XLA elsewhere."""
+    if cfg.attention_impl != "auto":
+        return cfg.attention_impl
+    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    return "xla"
+
+
+class Attention(nn.Module):
+    cfg: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x_BTD, cos_BTK, sin_BTK, segment_ids_BT):
+        cfg = self.cfg
+        H, KV, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q = Linear((H, K), ("embed", "q_heads", "head_dim"), cfg, cfg.qkv_bias, name="q_proj")(x_BTD)
+        k = Linear((KV, K), ("embed", "kv_heads", "head_dim"), cfg, cfg.qkv_bias, name="k_proj")(x_BTD)
+        v = Linear((KV, K), ("embed", "kv_heads", "head_dim"), cfg, cfg.qkv_bias, name="v_proj")(x_BTD)
+        if cfg.qk_norm:
+            norm = dict(eps=cfg.rms_norm_eps, axis_name="head_dim", dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+            q = RMSNorm(**norm, name="q_norm")(q)
+            k = RMSNorm(**norm, name="k_norm")(k)
+        q = apply_rope(q, cos_BTK, sin_BTK)
+        k = apply_rope(k, cos_BTK, sin_BTK)
+        impl = _attention_impl(cfg, q.dtype)
+        if segment_ids_BT is None:
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        else:
+            T = x_BTD.shape[1]
+            causal_TT = jnp.tril(jnp.ones((T, T), jnp.bool_))
+            same_BTT = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+            mask_B1TT = (same_BTT & causal_TT)[:, None]
+            o = jax.nn.dot_product_attention(q, k, v, mask=mask_B1TT, implementation=impl)
+        return Linear((cfg.hidden_size,), ("q_heads", "head_dim", "embed"), cfg, in_dims=2, name="o_proj")(o)
+
+
+class MLP(nn.Module):
+    cfg: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        cfg = self.cfg
+        F = cfg.intermediate_size
+        gate = Linear((F,), ("embed", "mlp"), cfg, name="gate_proj")(x_BTD)
+        up = Linear((F,), ("embed", "mlp"), cfg, name="up_proj")(x_BTD)
+        h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(cfg.dtype)
+        return Linear((cfg.hidden_size,), ("mlp", "embed"), cfg, name="down_proj")(h)
+
+
+class DecoderLayer(nn.Module):
+    cfg: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x_BTD, cos_BTK, sin_BTK, segment_ids_BT):
+        cfg = self.cfg
+        norm = dict(eps=cfg.rms_norm_eps, axis_name="embed", dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        h = RMSNorm(**norm, name="input_layernorm")(x_BTD)
+        x_BTD = x_BTD + Attention(cfg, name="self_attn")(h, cos_BTK, sin_BTK, segment_ids_BT)
+        h = RMSNorm(**norm, name="post_attention_layernorm")(x_BTD)
+        x_BTD = x_BTD + MLP(cfg, name="mlp")(h)
+        return x_BTD, None
+
+
+def _remat_policy(name: str):
+    return {
+        "full": jax.checkpoint_policies.nothing_saveable,
+        "dots": jax.checkpoint_policies.dots_saveable,
+        "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    }[name]
+
+
+class Decoder(nn.Module):
+    """Causal LM: int32 tokens [B, T] -> logits [B, T, vocab] (or final hidden states)."""
+
+    config: DecoderConfig
+
+    @nn.compact
+    def __call__(self, input_ids, positions=None, segment_ids=None, *, return_hidden: bool = False):
+        cfg = self.config
+        B, T = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        embed = _param(
+            self,
+            "embedding",
+            nn.initializers.normal(cfg.initializer_range),
+            (cfg.vocab_size, cfg.hidden_size),
+            ("vocab", "embed"),
+            cfg.param_dtype,
+        )
+        x_BTD = jnp.take(embed, input_ids, axis=0).astype(cfg.dtype)
+        cos_BTK, sin_BTK = rope_cos_sin(cfg, positions)
+
+        layer_cls = DecoderLayer
+        if cfg.remat_policy != "none":
+            layer_cls = nn.remat(DecoderLayer, policy=_remat_policy(cfg.remat_policy), prevent_cse=False)
+        stack = nn.scan(
+            layer_cls,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x_BTD, _ = stack(cfg, name="layers")(x_BTD, cos_BTK, sin_BTK, segment_ids)
+        x_BTD = RMSNorm(cfg.rms_norm_eps, "embed", cfg.dtype, cfg.param_dtype, name="norm")(x_BTD)
+        if return_hidden:
+            return x_BTD
+        if cfg.tie_word_embeddings:
+            head_DV = embed.T
+        else:
+            head_DV = _param(
+                self,
+                "lm_head",
+                nn.initializers.normal(cfg.initializer_range),
+                (cfg.hidden_size, cfg.vocab_size),
+                ("embed", "vocab"),
+                cfg.param_dtype,
+            )
+        return jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(cfg.dtype))
