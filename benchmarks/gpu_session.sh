@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device-machine call: build the CUDA extension, run the GPU tests (plus the op and model
+# suites), then the benchmarks; full logs land in $OUT (at most 8 files come back).
+#   run: bash benchmarks/gpu_session.sh [bench ...]    (default benches: rms_norm forward)
+# The GPU image has jax + CUDA 13, nanobind, scikit-build-core, cmake and nvcc, and no network:
+# we install with --no-deps --no-build-isolation into its python3 and build only sm_90a (Hopper).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+benches=("${@:-rms_norm forward}"); benches=(${benches[*]})
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; git log -1 --format='commit %H %cd' 2>/dev/null;
+  python3 -c 'import jax, jaxlib; print("jax", jax.__version__, jax.devices())'; } 2>&1 | tee "$OUT/env.txt"
+
+t0=$SECONDS
+python3 -m pip install -v --no-deps --no-build-isolation -e . \
+  -Ccmake.define.SUROGATE_JAX_REQUIRE_CUDA=ON -Ccmake.define.SUROGATE_JAX_CUDA_ARCHS=90a \
+  > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
+echo "build: $((SECONDS - t0)) s" | tee -a "$OUT/env.txt"
+python3 -c 'import surogate_jax._ffi as m; print("extension:", m.__file__, sorted(m.registrations()))' | tee -a "$OUT/env.txt"
+
+python3 -m pytest -q -rs tests/gpu tests/ops tests/models -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25
+tests_rc=${PIPESTATUS[0]}
+
+for b in "${benches[@]}"; do
+  case "$b" in
+    rms_norm) python3 benchmarks/bench_rms_norm.py --out "$OUT/bench_rms_norm.json" 2>&1 | tee "$OUT/bench_rms_norm.log" | tail -20 ;;
+    forward) for s in 0.6b 8b; do python3 benchmarks/bench_forward.py --size $s --out "$OUT/forward_$s.json" 2>&1 | tail -30; done ;;
+    *) echo "unknown bench $b" ;;
+  esac
+done
+echo "tests exit code: $tests_rc"
+exit $tests_rc

@@ -1,0 +1,86 @@
+// Helpers shared by the XLA FFI handlers in ffi/*.cc: dtype names and dispatch, shape checks,
+// CUDA error -> ffi::Error, and the registration table type that module.cc exports to Python.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace surogate::ffi_bind {
+
+namespace ffi = xla::ffi;
+
+// (target name, handler) pairs an ffi/<op>.cc exports; module.cc registers them all.
+using Targets = std::vector<std::pair<const char*, XLA_FFI_Handler*>>;
+
+inline std::string DtypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::PRED: return "bool";
+    default: return "dtype#" + std::to_string(static_cast<int>(t));
+  }
+}
+
+inline ffi::Error InvalidArg(std::string_view op, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
+}
+
+inline ffi::Error CudaError(std::string_view op, cudaError_t err) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(op) + ": CUDA error " + cudaGetErrorName(err) + " (" +
+                              cudaGetErrorString(err) + ")");
+}
+
+// Calls f(T{}) with T the CUDA type of a float32 / bfloat16 / float16 dtype; errors otherwise.
+template <typename F>
+ffi::Error DispatchFloat(std::string_view op, ffi::DataType t, F&& f) {
+  switch (t) {
+    case ffi::DataType::F32: return f(float{});
+    case ffi::DataType::BF16: return f(__nv_bfloat16{});
+    case ffi::DataType::F16: return f(__half{});
+    default:
+      return InvalidArg(op, "unsupported dtype " + DtypeName(t) +
+                                "; expected float32, bfloat16 or float16");
+  }
+}
+
+inline ffi::Error ExpectDtype(std::string_view op, const char* name, const ffi::AnyBuffer& b,
+                              ffi::DataType want) {
+  if (b.element_type() == want) return ffi::Error::Success();
+  return InvalidArg(op, std::string(name) + " has dtype " + DtypeName(b.element_type()) +
+                            ", expected " + DtypeName(want));
+}
+
+inline std::string ShapeStr(const ffi::AnyBuffer& b) {
+  std::string s = "[";
+  for (size_t i = 0; i < b.dimensions().size(); ++i) {
+    s += (i ? ", " : "") + std::to_string(b.dimensions()[i]);
+  }
+  return s + "]";
+}
+
+// [..., D] -> (rows = product of the leading dims, D). Rank 0 is an error.
+inline ffi::Error RowsAndDim(std::string_view op, const char* name, const ffi::AnyBuffer& b,
+                             int64_t* rows, int64_t* dim) {
+  const auto dims = b.dimensions();
+  if (dims.size() == 0) return InvalidArg(op, std::string(name) + " must have rank >= 1");
+  *dim = dims.back();
+  *rows = 1;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) *rows *= dims[i];
+  return ffi::Error::Success();
+}
+
+}  // namespace surogate::ffi_bind

@@ -1,0 +1,36 @@
+// The nanobind module `surogate_jax._ffi`: one registration table for every FFI handler in ffi/.
+// Python (surogate_jax/ops/_loader.py) calls registrations() and hands each capsule to
+// jax.ffi.register_ffi_target(name, capsule, platform="CUDA").
+// Adding an op: declare its `Targets <Op>Targets();` below and list it in kOps.
+#include <nanobind/nanobind.h>
+
+#include "ffi/ffi_common.h"
+
+namespace nb = nanobind;
+
+namespace surogate::ffi_bind {
+Targets RmsNormTargets();
+}  // namespace surogate::ffi_bind
+
+namespace {
+
+using surogate::ffi_bind::Targets;
+constexpr Targets (*kOps[])() = {&surogate::ffi_bind::RmsNormTargets};
+
+}  // namespace
+
+NB_MODULE(_ffi, m) {
+  m.doc() = "surogate_jax CUDA kernels as XLA FFI handlers (see registrations()).";
+  m.def(
+      "registrations",
+      []() {
+        nb::dict out;
+        for (auto targets : kOps) {
+          for (const auto& [name, handler] : targets()) {
+            out[name] = nb::capsule(reinterpret_cast<void*>(handler));
+          }
+        }
+        return out;
+      },
+      "Dict of FFI target name -> PyCapsule of its XLA_FFI_Handler, for platform CUDA.");
+}

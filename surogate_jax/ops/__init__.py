@@ -1,0 +1,7 @@
+"""Fused ops: each has a pure-JAX reference `<op>_ref` and a public `<op>` that runs our CUDA
+kernel through XLA FFI on GPU (when the extension is built) and the reference elsewhere."""
+
+from surogate_jax.ops._loader import ffi_available, resolve_impl
+from surogate_jax.ops.rms_norm import rms_norm, rms_norm_ref
+
+__all__ = ["ffi_available", "resolve_impl", "rms_norm", "rms_norm_ref"]

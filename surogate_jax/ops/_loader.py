@@ -1,0 +1,92 @@
+"""Find the compiled CUDA extension `surogate_jax._ffi` once and register its XLA FFI targets.
+
+Every op asks `resolve_impl(impl)` which implementation to trace:
+  "auto" -> `jax.lax.platform_dependent`: the FFI kernel on CUDA, the pure-JAX reference elsewhere;
+  "ffi"  -> always the FFI kernel (fails at lowering on a non-CUDA backend);
+  "ref"  -> always the pure-JAX reference.
+`impl=None` means "auto", which degrades to "ref" when the extension is missing (one log line on
+the "surogate_jax" logger says why). `SUROGATE_JAX_OPS=ref` in the environment forces "ref"
+everywhere, whatever the caller asked for (used by CPU-only tests and for debugging).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import jax
+
+_log = logging.getLogger("surogate_jax")
+
+ENV_VAR = "SUROGATE_JAX_OPS"
+IMPLS = ("auto", "ffi", "ref")
+
+
+@functools.cache
+def _load() -> str | None:
+    """Imports and registers the extension; returns None on success, else why it is unusable."""
+    try:
+        from surogate_jax import _ffi  # noqa: PLC0415  (optional compiled module)
+    except ModuleNotFoundError as e:
+        if e.name != "surogate_jax._ffi":
+            return f"importing surogate_jax._ffi failed: {e}"
+        return (
+            "surogate_jax._ffi is not built (no CUDA compiler at build time, or built with "
+            "SUROGATE_JAX_CUDA=OFF); reinstall with nvcc on PATH to get the CUDA kernels"
+        )
+    except ImportError as e:
+        return f"importing surogate_jax._ffi failed: {e}"
+    try:
+        for name, capsule in _ffi.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    except Exception as e:  # a jax without CUDA support may refuse CUDA targets
+        return f"registering the CUDA FFI targets failed ({type(e).__name__}: {e})"
+    return None
+
+
+@functools.cache
+def _report() -> bool:
+    """Logs the outcome once per process; returns whether the FFI kernels are usable."""
+    reason = _load()
+    if reason is None:
+        _log.debug("surogate_jax: CUDA FFI kernels registered")
+        return True
+    try:
+        on_gpu = jax.default_backend() == "gpu"
+    except RuntimeError:
+        on_gpu = False
+    # Only worth a warning when a GPU is there to use them; on CPU the references are expected.
+    level = logging.WARNING if on_gpu else logging.INFO
+    _log.log(level, "surogate_jax ops use pure-JAX references: %s", reason)
+    return False
+
+
+def ffi_available() -> bool:
+    """True when the compiled extension imported and its FFI targets were registered."""
+    return _report()
+
+
+def unavailable_reason() -> str | None:
+    """Why the FFI kernels cannot be used (None when they can)."""
+    return _load()
+
+
+def resolve_impl(impl: str | None) -> str:
+    """Maps a caller's impl (None, "auto", "ffi", "ref") to the one to trace ("auto"/"ffi"/"ref")."""
+    if impl is None:
+        impl = "auto"
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    if forced == "ref":
+        return "ref"
+    if forced not in ("", "auto"):
+        raise ValueError(f"{ENV_VAR}={forced!r} is not understood; use 'ref' (or leave it unset)")
+    if impl == "ref":
+        return "ref"
+    if ffi_available():
+        return impl
+    if impl == "ffi":
+        raise RuntimeError(f"impl='ffi' requested but the CUDA kernels are unavailable: {_load()}")
+    return "ref"

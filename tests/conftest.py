@@ -1,0 +1,61 @@
+"""Shared test settings: the one dtype-based tolerance rule, and the `gpu` marker's auto-skip.
+
+Tolerances come only from `tolerance(dtype)`; a test that needs more must say why in a comment.
+Tests get the helpers as fixtures (`tolerance`, `assert_close`) so they work whatever pytest's
+import mode is.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+def tolerance(dtype) -> dict[str, float]:
+    """rtol/atol for comparing an op against its reference in `dtype`.
+
+    16-bit results are rounded once from fp32 math, so they may differ by about two units in the
+    last place: 2.5 * eps (bf16 ~2.0e-2, fp16 ~2.4e-3). fp32 results differ by accumulation order
+    over long reductions: eps ** (2/3) (~2.4e-5).
+    """
+    finfo = jnp.finfo(dtype)
+    eps = float(finfo.eps)
+    tol = 2.5 * eps if finfo.bits <= 16 else eps ** (2.0 / 3.0)
+    return {"rtol": tol, "atol": tol}
+
+
+def assert_close(actual, expected, dtype, err_msg: str = "") -> None:
+    """Elementwise check with `tolerance(dtype)`; atol is relative to the reference's RMS.
+
+    Scaling atol by the RMS keeps the check meaningful for sums over many rows (dw), whose values
+    and rounding errors both grow with the number of rows.
+    """
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    tol = tolerance(dtype)
+    scale = max(float(np.sqrt(np.mean(np.square(expected)))) if expected.size else 0.0, 1e-30)
+    np.testing.assert_allclose(
+        actual, expected, rtol=tol["rtol"], atol=tol["atol"] * scale, err_msg=err_msg
+    )
+
+
+@pytest.fixture(name="tolerance")
+def _tolerance_fixture():
+    return tolerance
+
+
+@pytest.fixture(name="assert_close")
+def _assert_close_fixture():
+    return assert_close
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items or jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in gpu_items:
+        item.add_marker(skip)
