@@ -7,8 +7,8 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-benches=("${@:-rms_norm forward}"); benches=(${benches[*]})
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; git log -1 --format='commit %H %cd' 2>/dev/null;
+benches=("${@:-rms_norm forward}"); benches=(${benches[*]}); [[ "${benches[0]}" == none ]] && benches=()
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; echo "commit ${SUROGATE_COMMIT:-unknown} (set SUROGATE_COMMIT=\$(git rev-parse HEAD) when calling)"; date -u;
   python3 -c 'import jax, jaxlib; print("jax", jax.__version__, jax.devices())'; } 2>&1 | tee "$OUT/env.txt"
 
 t0=$SECONDS
