@@ -83,19 +83,26 @@ def speed(size: str, repeats: int, res: dict) -> None:
 
 
 def accuracy(size: str, res: dict) -> None:
-    """bf16 + cuDNN vs fp32 + XLA attention on the same (fp32-initialized) weights."""
+    """bf16 + cuDNN attention vs an fp32 forward at full matmul precision on the same weights.
+
+    A deep random network amplifies any rounding, so "within bf16 error" is judged against the
+    baseline of the plain XLA bf16 forward: cuDNN should add nothing beyond it."""
     cfg32 = config(size, jnp.float32, "xla")
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg32.vocab_size, (1, 1024)), jnp.int32)
     params32 = init_params(cfg32, 0)
-    logits32 = jax.jit(Decoder(cfg32).apply)({"params": params32}, ids)
+    with jax.default_matmul_precision("highest"):
+        logits32 = jax.jit(Decoder(cfg32).apply)({"params": params32}, ids)
     params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params32)
     del params32
-    logits16 = jax.jit(Decoder(config(size, jnp.bfloat16, "cudnn")).apply)({"params": params16}, ids).astype(jnp.float32)
-    xla16 = jax.jit(Decoder(config(size, jnp.bfloat16, "xla")).apply)({"params": params16}, ids).astype(jnp.float32)
-    res["rel_l2_bf16_cudnn_vs_fp32"] = float(jnp.linalg.norm(logits16 - logits32) / jnp.linalg.norm(logits32))
-    res["max_abs_rel_bf16_cudnn_vs_fp32"] = float(jnp.max(jnp.abs(logits16 - logits32)) / jnp.max(jnp.abs(logits32)))
-    res["rel_l2_bf16_cudnn_vs_bf16_xla"] = float(jnp.linalg.norm(logits16 - xla16) / jnp.linalg.norm(xla16))
-    res["finite"] = bool(jnp.all(jnp.isfinite(logits16)))
+    out = {}
+    for impl in ("cudnn", "xla"):
+        logits = jax.jit(Decoder(config(size, jnp.bfloat16, impl)).apply)({"params": params16}, ids)
+        logits = logits.astype(jnp.float32)
+        out[impl] = logits
+        res[f"rel_l2_bf16_{impl}_vs_fp32"] = float(jnp.linalg.norm(logits - logits32) / jnp.linalg.norm(logits32))
+        res[f"top1_agree_bf16_{impl}_vs_fp32"] = float(jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(logits32, -1)))
+    res["rel_l2_bf16_cudnn_vs_bf16_xla"] = float(jnp.linalg.norm(out["cudnn"] - out["xla"]) / jnp.linalg.norm(out["xla"]))
+    res["finite"] = bool(jnp.all(jnp.isfinite(out["cudnn"])))
 
 
 def run(size: str, repeats: int) -> dict:
