@@ -1,0 +1,34 @@
+"""Shared command-line plumbing: user mistakes become one `error:` line and exit code 2.
+
+Entry points call `run(main)`; `main(argv)` raises `SurogateError` (or `FileNotFoundError`,
+`FileExistsError`, `PermissionError`, `IsADirectoryError`) for anything the user must fix. Those
+print `error: <message>` on stderr and exit 2, never a traceback. Ctrl-C exits 130 quietly.
+Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from .errors import SurogateError
+
+USER_ERRORS = (SurogateError, FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+def run(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        code = main(list(sys.argv[1:] if argv is None else argv))
+    except USER_ERRORS as e:
+        fail(str(e) if isinstance(e, SurogateError) else f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e))
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)

@@ -1,0 +1,408 @@
+"""The only YAML reader: Surogate-compatible flat keys -> frozen, typed, sectioned dataclasses.
+
+Users keep their Surogate configs: every key has the seed system's name and default (see
+../shared/reference/surogate_inventory.md section 3). The file is flat; we group keys into
+sections (`run`, `model`, `data`, `lora`, `optim`, `precision`) so each component receives only its
+own. Strict: an unknown key is a `ConfigError` naming the closest valid key; a known Surogate key
+for a feature we have not built yet says "not supported yet"; wrong types and impossible values say
+which key and why. No JAX import here: this module is a leaf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import SurogateError
+
+
+class ConfigError(SurogateError, ValueError):
+    """A config the user must fix (the message names the key)."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """One entry of `datasets:` / `validation_datasets:` (Surogate's dataset keys)."""
+
+    path: str
+    type: str = "auto"  # auto | conversation | instruction | text
+    subset: str | None = None
+    split: str = "train"
+    samples: int | None = None
+    # conversation
+    messages_field: str = "messages"
+    system_field: str | None = None
+    completion_field: str | None = None
+    tools_field: str | None = None
+    message_property_mappings: dict | None = None  # {"role": "from", "content": "value"}
+    # instruction
+    instruction_field: str = "instruction"
+    input_field: str = "input"
+    output_field: str = "output"
+    system_prompt_type: str | None = None  # field | fixed
+    system_prompt_field: str | None = None
+    system_prompt: str | None = None
+    prompt_format: str | None = None
+    prompt_format_no_input: str | None = None
+    # text
+    text_field: str = "text"
+
+    def __post_init__(self):
+        _check(self.type in ("auto", "conversation", "instruction", "text"),
+               f"datasets[].type={self.type!r}: use auto, conversation, instruction or text"
+               + (" (preference data is not supported yet)" if self.type == "preference" else ""))
+        _check(self.samples is None or self.samples > 0, f"datasets[].samples={self.samples}: must be > 0")
+        _check(self.system_prompt_type in (None, "field", "fixed"),
+               f"datasets[].system_prompt_type={self.system_prompt_type!r}: use field or fixed")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    output_dir: str = "output"
+    run_name: str | None = None
+    checkpoint_dir: str | None = None  # default: output_dir
+    resume_from_checkpoint: bool = True
+    save_steps: int = 50
+    save_total_limit: int = 5
+    num_epochs: int = 3
+    max_steps: int = -1
+    eval_steps: int = 100
+    logging_steps: int = 1
+    per_device_train_batch_size: int = 2
+    gradient_accumulation_steps: int = 4
+    train_seed: int = 1234
+    eval_seed: int = 1234
+    report_to: list[str] | None = None
+    wandb_project: str | None = None
+    wandb_name: str | None = None
+    recompute: bool = True
+
+    def __post_init__(self):
+        for k in ("save_steps", "logging_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "num_epochs"):
+            _check(getattr(self, k) >= 1, f"{k}={getattr(self, k)}: must be >= 1")
+        _check(self.max_steps == -1 or self.max_steps >= 1, f"max_steps={self.max_steps}: use -1 (epochs) or >= 1")
+        _check(self.eval_steps >= 0, f"eval_steps={self.eval_steps}: must be >= 0 (0 disables eval)")
+        _check(self.save_total_limit >= 1, f"save_total_limit={self.save_total_limit}: must be >= 1")
+        for r in self.report_to or []:
+            _check(r in ("wandb", "tensorboard"), f"report_to: {r!r} is not supported (use wandb or tensorboard)")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = ""
+    from_scratch: bool = False
+    sequence_len: int = 1024
+    init_projections_to_zero: bool = False
+
+    def __post_init__(self):
+        _check(bool(self.model), "model: required (an HF model directory or hub id)")
+        _check(self.sequence_len >= 2, f"sequence_len={self.sequence_len}: must be >= 2")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    datasets: tuple[DatasetConfig, ...] = ()
+    validation_datasets: tuple[DatasetConfig, ...] = ()
+    validation_split_ratio: float = 0.1
+    sample_packing: bool = True
+    loss_scale: str = "default"  # default | last_round | all
+    dataloader_num_workers: int = 0  # 0: min(#CPU, 8)
+
+    def __post_init__(self):
+        _check(len(self.datasets) > 0, "datasets: at least one dataset is required")
+        _check(0.0 <= self.validation_split_ratio < 1.0,
+               f"validation_split_ratio={self.validation_split_ratio}: must be in [0, 1)")
+        _check(self.loss_scale in ("default", "last_round", "all"),
+               f"loss_scale={self.loss_scale!r}: use default, last_round or all"
+               + (" (thinking_only / final_only are not supported yet)" if self.loss_scale in ("thinking_only", "final_only") else ""))
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    lora: bool = True
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: tuple[str, ...] = ("all",)
+    merge_adapter: bool = False
+
+    def __post_init__(self):
+        _check(self.lora_rank >= 1, f"lora_rank={self.lora_rank}: must be >= 1")
+        _check(0.0 <= self.lora_dropout < 1.0, f"lora_dropout={self.lora_dropout}: must be in [0, 1)")
+        valid = set(LORA_TARGETS) | {"all"}
+        bad = [t for t in self.lora_target_modules if t not in valid]
+        _check(not bad, f"lora_target_modules: unknown {bad}; use 'all' or some of {list(LORA_TARGETS)}")
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return LORA_TARGETS if "all" in self.lora_target_modules else tuple(self.lora_target_modules)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    optimizer: str = "adamw"
+    learning_rate: float = 2e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    adamw_beta1: float = 0.9
+    adamw_beta2: float = 0.999
+    adamw_epsilon: float = 1e-8
+    lr_scheduler_type: str = "linear"  # constant | linear | cosine | wsd
+    warmup_ratio: float = 0.0
+    warmup_steps: int = 0
+    cooldown_steps: int = 0
+    final_lr_fraction: float = 0.0
+    wsd_decay_steps_fraction: float = 0.1
+
+    def __post_init__(self):
+        _check(self.optimizer == "adamw",
+               f"optimizer={self.optimizer!r}: "
+               + ("not supported yet (8-bit AdamW and NorMuon are coming); use adamw"
+                  if self.optimizer in ("adamw_8bit", "normuon") else "use adamw"))
+        _check(self.learning_rate > 0, f"learning_rate={self.learning_rate}: must be > 0")
+        _check(self.lr_scheduler_type in ("constant", "linear", "cosine", "wsd"),
+               f"lr_scheduler_type={self.lr_scheduler_type!r}: use constant, linear, cosine or wsd")
+        _check(0.0 <= self.warmup_ratio < 1.0, f"warmup_ratio={self.warmup_ratio}: must be in [0, 1)")
+        _check(self.warmup_steps >= 0 and self.cooldown_steps >= 0, "warmup_steps / cooldown_steps must be >= 0")
+        _check(0.0 <= self.final_lr_fraction <= 1.0, f"final_lr_fraction={self.final_lr_fraction}: must be in [0, 1]")
+        _check(0.0 < self.wsd_decay_steps_fraction <= 1.0,
+               f"wsd_decay_steps_fraction={self.wsd_decay_steps_fraction}: must be in (0, 1]")
+        _check(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm}: must be >= 0 (0 disables)")
+
+
+DTYPES = ("bf16", "fp32", "fp16")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    recipe: str = "bf16"
+    model_dtype: str = "bf16"  # parameter + activation dtype of the base model
+    lora_dtype: str = "fp32"  # adapter master weights
+    master_dtype: str | None = None  # full fine-tuning master weights (default fp32)
+
+    def __post_init__(self):
+        recipe = {"fp8_hybrid": "fp8-hybrid"}.get(self.recipe, self.recipe)
+        _check(recipe in ("bf16", "fp8-hybrid", "nvfp4"), f"recipe={self.recipe!r}: use bf16, fp8-hybrid or nvfp4")
+        _check(recipe == "bf16", f"recipe={self.recipe!r}: not supported yet (only bf16 for now)")
+        for k in ("model_dtype", "lora_dtype"):
+            _check(getattr(self, k) in DTYPES, f"{k}={getattr(self, k)!r}: use one of {DTYPES}")
+        _check(self.master_dtype in (None, *DTYPES), f"master_dtype={self.master_dtype!r}: use one of {DTYPES}")
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    run: RunConfig
+    model: ModelConfig
+    data: DataConfig
+    lora: LoraConfig
+    optim: OptimConfig
+    precision: PrecisionConfig
+    source: str | None = None  # the YAML path it came from
+
+    def to_flat(self) -> dict:
+        """Back to Surogate's flat key layout (what we save next to checkpoints)."""
+        flat: dict[str, Any] = {}
+        for section in (self.run, self.model, self.data, self.lora, self.optim, self.precision):
+            for f in dataclasses.fields(section):
+                v = getattr(section, f.name)
+                if f.name in ("datasets", "validation_datasets"):
+                    v = [_nondefault(d) for d in v]
+                elif isinstance(v, tuple):
+                    v = list(v)
+                flat[f.name] = v
+        return flat
+
+
+def _nondefault(d: DatasetConfig) -> dict:
+    return {f.name: getattr(d, f.name) for f in dataclasses.fields(d)
+            if getattr(d, f.name) != f.default or f.name == "path"}
+
+
+SECTIONS = {
+    "run": RunConfig, "model": ModelConfig, "data": DataConfig,
+    "lora": LoraConfig, "optim": OptimConfig, "precision": PrecisionConfig,
+}
+KEY_SECTION = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+ALIASES = {"torch_dtype": "model_dtype"}
+
+# Surogate keys we recognize but whose feature is another issue's work.
+NOT_YET = frozenset(
+    """fp8_amax_history skip_quant_first_layers skip_quant_last_layers fp4_backend fp4_four_over_six
+    no_fp4_stochastic_rounding matmul_dtype gradient_dtype use_fused_rope qlora_bnb
+    qlora_bnb_block_size qlora_bnb_double_quant qlora_fp8 qlora_block_size qlora_fp4
+    qlora_four_over_six qlora_selective_expert_dequant qlora_offload_experts adapter_path
+    adapter_init_mode train_router normuon_momentum normuon_beta2 normuon_cautious_wd
+    zero_level shard_weights shard_gradients offload_optimizer offload_master offload_grads
+    offload_residual offload_saved_tensors offload_quants persistent_quants cpu_training
+    use_zero_copy use_write_combined distributed gpus ep_size parallelism sequence_chunks
+    long_context lmhead_chunks auto_lmhead_chunks lmhead_drop_ignored_rows attn_bwd_chunks
+    distillation auto_lr_reduction early_stop epoch_adjustment max_model_len rope_scaling
+    train_vision""".split()
+)
+# Surogate keys that are accepted and have no effect here (documented as inert or GPU-graph knobs).
+INERT = frozenset(
+    """apply_recommended_values use_cuda_graphs padding_free log_gpu_util debug_time_breakdown
+    debug_memory_breakdown log_file""".split()
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if origin in (list, tuple):
+        (item,) = typing.get_args(tp)[:1]
+        return isinstance(value, (list, tuple)) and all(_type_ok(v, item) for v in value)
+    if tp is dict or origin is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _coerce(cls, key: str, value: Any, where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    tp = hints[key]
+    if typing.get_origin(tp) is tuple and isinstance(value, str):
+        value = [value]  # lora_target_modules: all
+    if key in ("datasets", "validation_datasets"):
+        return _datasets(value, key)
+    if not _type_ok(value, tp):
+        raise ConfigError(f"{where}{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    if isinstance(value, int) and not isinstance(value, bool) and float in typing.get_args(tp) + (tp,):
+        value = float(value)
+    if typing.get_origin(tp) is tuple:
+        value = tuple(value)
+    return value
+
+
+def _type_name(tp) -> str:
+    return str(tp).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def _datasets(value: Any, key: str) -> tuple[DatasetConfig, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}: expected a list of dataset entries, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(DatasetConfig)}
+    out = []
+    for i, entry in enumerate(value):
+        where = f"{key}[{i}]."
+        if isinstance(entry, str):
+            entry = {"path": entry}
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{key}[{i}]: expected a mapping with at least 'path', got {entry!r}")
+        for k in entry:
+            if k not in known:
+                raise ConfigError(f"{where}{k}: unknown dataset key{_suggest(k, known)}")
+        if "path" not in entry:
+            raise ConfigError(f"{key}[{i}]: 'path' is required")
+        kwargs = {k: _coerce(DatasetConfig, k, v, where) for k, v in entry.items()}
+        out.append(DatasetConfig(**kwargs))
+    return tuple(out)
+
+
+def _suggest(key: str, candidates) -> str:
+    close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`key=value` from the command line; the value is read as YAML (numbers, bools, lists)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def config_from_dict(raw: dict, *, defaults: dict | None = None, source: str | None = None) -> SFTConfig:
+    """Flat Surogate-style dict -> SFTConfig. `defaults` lets an entry point change defaults
+    (e.g. pretraining: from_scratch true, lora false, loss_scale all)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the config must be a mapping of keys to values, got {type(raw).__name__}")
+    merged = {**(defaults or {}), **raw}
+    per_section: dict[str, dict] = {s: {} for s in SECTIONS}
+    valid = set(KEY_SECTION) | set(ALIASES) | NOT_YET | INERT
+    for key, value in merged.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"config key {key!r} is not a string")
+        key = ALIASES.get(key, key)
+        if key in NOT_YET:
+            if key in raw and value not in (None, False, 0, "", [], {}):
+                raise ConfigError(f"{key}: not supported yet (remove it, or set it to its default)")
+            continue
+        if key in INERT:
+            continue
+        if key not in KEY_SECTION:
+            raise ConfigError(f"{key}: unknown config key{_suggest(key, valid)}")
+        cls = SECTIONS[KEY_SECTION[key]]
+        per_section[KEY_SECTION[key]][key] = _coerce(cls, key, value, "")
+    try:
+        sections = {name: SECTIONS[name](**kw) for name, kw in per_section.items()}
+    except TypeError as e:  # a dataclass refused its arguments
+        raise ConfigError(str(e)) from None
+    if sections["data"].validation_datasets and "validation_split_ratio" not in merged:
+        sections["data"] = dataclasses.replace(sections["data"], validation_split_ratio=0.0)
+    return SFTConfig(**sections, source=source)
+
+
+def load_config(path: str | Path, overrides: list[str] = (), *, defaults: dict | None = None) -> SFTConfig:
+    """Reads a YAML file, applies `key=value` overrides, validates everything."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: config file not found")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{p}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of keys to values")
+    for item in overrides:
+        key, value = parse_override(item)
+        raw[key] = value
+    return config_from_dict(raw, defaults=defaults, source=str(p))
+
+
+__all__ = [
+    "LORA_TARGETS", "ConfigError", "DataConfig", "DatasetConfig", "LoraConfig", "ModelConfig",
+    "OptimConfig", "PrecisionConfig", "RunConfig", "SFTConfig", "config_from_dict", "load_config",
+    "parse_override",
+]
