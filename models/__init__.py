@@ -10,7 +10,7 @@ from __future__ import annotations
 from surogate_jax.errors import UnsupportedConfigError
 
 from . import llama, qwen2, qwen3
-from .llamalike import REMAT_POLICIES, Decoder, DecoderConfig, RopeScaling
+from .llamalike import REMAT_POLICIES, Decoder, DecoderConfig, LoraSpec, RopeScaling
 
 FAMILIES = {m.MODEL_TYPE: m for m in (llama, qwen2, qwen3)}
 ARCHITECTURES = {m.ARCHITECTURE: m for m in (llama, qwen2, qwen3)}
@@ -44,6 +44,7 @@ __all__ = [
     "Decoder",
     "DecoderConfig",
     "FAMILIES",
+    "LoraSpec",
     "REMAT_POLICIES",
     "RopeScaling",
     "config_from_hf",

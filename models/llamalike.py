@@ -45,6 +45,26 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """Low-rank adapters on the named projections: y = x W + (alpha / rank) * (dropout(x) A) B.
+
+    A [in..., rank] starts kaiming-uniform(a=sqrt(5)) over fan-in, i.e. U(+-1/sqrt(fan_in)), and B
+    [rank, out...] at zero (LoRA paper / PEFT's default), so training starts from the base model.
+    Adapters live in the `lora` variable collection (in `dtype`, fp32 masters by default); dropout
+    runs only when the caller passes a "dropout" rng."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    dropout: float = 0.0
+    dtype: Dtype = jnp.float32
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """Everything that shapes the math of the decoder; nothing about training."""
 
@@ -69,6 +89,7 @@ class DecoderConfig:
     param_dtype: Dtype = jnp.float32
     attention_impl: str = "auto"  # "auto" | "cudnn" | "xla"
     remat_policy: str = "none"  # one of REMAT_POLICIES
+    lora: LoraSpec | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -171,7 +192,30 @@ class Linear(nn.Module):
             bias_axes = self.axes[self.in_dims :]
             bias = _param(self, "bias", nn.initializers.zeros, self.out_shape, bias_axes, cfg.param_dtype)
             y = y + bias.astype(cfg.dtype)
+        if cfg.lora is not None and self.name in cfg.lora.targets:
+            y = y + self._lora(x, in_shape, contract)
         return y
+
+    def _lora(self, x, in_shape, contract):
+        cfg, spec = self.cfg, self.cfg.lora
+        bound = 1.0 / math.sqrt(math.prod(in_shape))
+        a_init = nn.initializers.uniform(2 * bound)  # U[0, 2b) shifted below to U[-b, b)
+        a = self.variable(
+            "lora", "lora_a",
+            lambda: nn.with_logical_partitioning(lambda k, s, d: a_init(k, s, d) - bound, (*self.axes[: self.in_dims], "lora_rank"))(
+                self.make_rng("lora"), (*in_shape, spec.rank), spec.dtype),
+        ).value
+        b = self.variable(
+            "lora", "lora_b",
+            lambda: nn.with_logical_partitioning(nn.initializers.zeros, ("lora_rank", *self.axes[self.in_dims :]))(
+                self.make_rng("lora"), (spec.rank, *self.out_shape), spec.dtype),
+        ).value
+        a, b = nn.meta.unbox(a), nn.meta.unbox(b)
+        if spec.dropout > 0 and self.has_rng("dropout"):
+            x = nn.Dropout(spec.dropout, deterministic=False)(x, rng=self.make_rng("dropout"))
+        h = jax.lax.dot_general(x.astype(cfg.dtype), a.astype(cfg.dtype), (contract, ((), ())))
+        out = jax.lax.dot_general(h, b.astype(cfg.dtype), (((h.ndim - 1,), (0,)), ((), ())))
+        return (out * spec.scale).astype(cfg.dtype)
 
 
 def _attention_impl(cfg: DecoderConfig, dtype) -> str:
@@ -273,8 +317,8 @@ class Decoder(nn.Module):
             layer_cls = nn.remat(DecoderLayer, policy=_remat_policy(cfg.remat_policy), prevent_cse=False)
         stack = nn.scan(
             layer_cls,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
+            variable_axes={"params": 0, "lora": 0},
+            split_rngs={"params": True, "lora": True, "dropout": True},
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},

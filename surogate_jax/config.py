@@ -92,6 +92,9 @@ class RunConfig:
     wandb_project: str | None = None
     wandb_name: str | None = None
     recompute: bool = True
+    # surogate_jax additions: greedy exact-match accuracy on held-out chat rows after training.
+    exact_match_file: str | None = None
+    exact_match_samples: int = 100
 
     def __post_init__(self):
         for k in ("save_steps", "logging_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "num_epochs"):

@@ -1,0 +1,322 @@
+"""Built-in models that need nothing from the internet: `resolve("builtin:tiny-qwen3") -> Path`.
+
+`builtin:tiny-qwen3` is a ~1.7M-parameter random-init Qwen3-architecture causal LM with a byte-level
+BPE tokenizer trained locally with `tokenizers`, saved as an ordinary HF model directory (config.json,
+model.safetensors, tokenizer files with a ChatML chat template), so everything downstream
+(`surogate_jax.load_pretrained`, `transformers.AutoModelForCausalLM` / `AutoTokenizer`) treats it like
+any Qwen3 checkpoint. `examples/quickstart.yaml` fine-tunes it on the quickstart chat dataset.
+
+Build on first use: into `$SUROGATE_JAX_CACHE/builtin/<name>` (default cache root
+`$XDG_CACHE_HOME/surogate_jax`, else `~/.cache/surogate_jax`). The directory is assembled in a
+temporary sibling, finished with a marker file (`surogate_builtin.json`, written last), and renamed
+into place; only a directory whose marker matches the current recipe is used, so a killed or
+concurrent build never leaves a half directory that a later run picks up (concurrent builders each
+build, the first rename wins, the others use the winner's). A recipe change (`RECIPE_VERSION`)
+rebuilds. Deterministic: same code -> same tokenizer and weights.
+
+The quickstart dataset generator lives here too (`quickstart_rows`), so that the tokenizer trains on
+text generated in-process (this works from a wheel install, which has no `examples/` folder) and
+`examples/make_quickstart_data.py`, which writes the committed jsonl files, uses the very same code.
+
+Dataset design (why the payload letters are spaced): tasks with exact short answers that a ~1-2M
+parameter model learns in a few hundred CPU steps. String tasks (reverse, uppercase, count, last
+letter) act on random lowercase strings written one letter per word ("reverse: q x k" -> "k x q"):
+with Qwen's pre-tokenizer each " x" is one token, so the model sees characters, not BPE chunks whose
+spelling it would have to memorize; numbers are split into digits by the same pre-tokenizer (as in
+Qwen). Eval rows are (task, input) pairs that never occur in train.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import string
+import tempfile
+import time
+from pathlib import Path
+
+from .errors import ModelLoadError
+
+PREFIX = "builtin:"
+MARKER = "surogate_builtin.json"
+RECIPE_VERSION = 1  # bump when the tokenizer, the model recipe or the dataset generator changes
+
+# ------------------------------------------------------------------------------------------------
+# The quickstart dataset (also written to examples/data/ by examples/make_quickstart_data.py)
+
+QUICKSTART_SEED = 1234
+QUICKSTART_TRAIN_ROWS = 4000
+QUICKSTART_EVAL_ROWS = 200
+
+# task -> phrasings; `{x}` is the task input as shown to the model.
+PHRASINGS: dict[str, tuple[str, ...]] = {
+    "reverse": ("reverse: {x}", "write backwards: {x}"),
+    "uppercase": ("uppercase: {x}", "in capitals: {x}"),
+    "count": ("count the letters: {x}", "how many letters: {x}"),
+    "last": ("last letter: {x}", "which letter is last: {x}"),
+    "add": ("add {x}", "what is {x}?"),
+    "sort": ("sort: {x}", "sort the digits: {x}"),
+}
+TASKS = tuple(PHRASINGS)
+
+
+def _spaced(s: str) -> str:
+    return " ".join(s)
+
+
+def _sample(task: str, rng: random.Random) -> tuple[tuple, str, str]:
+    """(key, input text, answer) of one random instance; `key` identifies the (task, input) pair."""
+    if task in ("reverse", "uppercase", "count", "last"):
+        n = rng.randint(2, 8) if task == "count" else rng.randint(3, 6)
+        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(n))
+        answer = {
+            "reverse": _spaced(word[::-1]),
+            "uppercase": _spaced(word.upper()),
+            "count": str(n),
+            "last": word[-1],
+        }[task]
+        return (task, word), _spaced(word), answer
+    if task == "add":
+        a, b = rng.randrange(50), rng.randrange(50)
+        x = f"{a} and {b}" if rng.random() < 0.5 else f"{a} + {b}"
+        return (task, a, b), x, str(a + b)
+    if task == "sort":
+        digits = [rng.randrange(10) for _ in range(3)]
+        return (task, *digits), " ".join(map(str, digits)), " ".join(map(str, sorted(digits)))
+    raise ValueError(f"unknown task {task!r}")
+
+
+def _row(task: str, x: str, answer: str, rng: random.Random) -> dict:
+    phrasing = rng.choice(PHRASINGS[task])
+    if task == "add":  # "add 3 and 4" / "what is 3 + 4?": keep the operator matching the phrasing
+        x = x.replace(" + ", " and ") if phrasing.startswith("add") else x.replace(" and ", " + ")
+    return {"messages": [{"role": "user", "content": phrasing.format(x=x)}, {"role": "assistant", "content": answer}]}
+
+
+def quickstart_rows(
+    n_train: int = QUICKSTART_TRAIN_ROWS, n_eval: int = QUICKSTART_EVAL_ROWS, seed: int = QUICKSTART_SEED
+) -> tuple[list[dict], list[dict]]:
+    """(train_rows, eval_rows) of chat rows `{"messages": [user, assistant]}`, tasks round-robin.
+
+    Deterministic in (n_train, n_eval, seed). Every (task, input) pair is unique within and across
+    the two splits, so eval measures generalization, not recall. Eval rows are drawn first, so
+    changing n_train leaves the eval split unchanged.
+    """
+    rng = random.Random(seed)
+    seen: set[tuple] = set()
+    splits: list[list[dict]] = []
+    for n in (n_eval, n_train):
+        rows: list[dict] = []
+        while len(rows) < n:
+            task = TASKS[len(rows) % len(TASKS)]
+            for _ in range(1000):
+                key, x, answer = _sample(task, rng)
+                if key not in seen:
+                    break
+            else:
+                raise ValueError(f"task {task!r} has too few distinct inputs for {n_train + n_eval} rows")
+            seen.add(key)
+            rows.append(_row(task, x, answer, rng))
+        rng.shuffle(rows)
+        splits.append(rows)
+    eval_rows, train_rows = splits
+    return train_rows, eval_rows
+
+
+# ------------------------------------------------------------------------------------------------
+# The tokenizer
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# Qwen2/Qwen3's pre-tokenizer split: letter runs keep one leading non-letter, digits stand alone.
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+# ChatML as in Qwen's templates (no default system prompt, no thinking blocks).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _tokenizer_corpus(rows: list[dict]):
+    """Training text: the pieces ChatML puts between special tokens (which are added, never learned)."""
+    for row in rows:
+        for m in row["messages"]:
+            yield f"{m['role']}\n"
+            yield m["content"]
+
+
+def train_tokenizer(rows: list[dict], vocab_size: int = 512):
+    """A byte-level BPE (Qwen's pre-tokenizer, NFC) trained on `rows`, as a transformers fast tokenizer.
+
+    The trainer stops early when no pair occurs `min_frequency` times, so the vocabulary can come
+    out smaller than `vocab_size`. Any text still encodes (byte fallback through the byte alphabet).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tokenizer_corpus(rows), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        bos_token=None,
+        unk_token=None,
+        model_max_length=512,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# The model
+
+
+def _tiny_qwen3_config(vocab_size: int):
+    from .models import DecoderConfig
+
+    return DecoderConfig(
+        model_type="qwen3",
+        vocab_size=-(-vocab_size // 64) * 64,  # padded up to a multiple of 64
+        hidden_size=192,
+        intermediate_size=512,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=48,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        initializer_range=0.02,
+    )
+
+
+def _build_tiny_qwen3(out: Path) -> None:
+    """Tokenizer + random-init weights (seed 0) + configs into the fresh directory `out`."""
+    import jax
+    import jax.numpy as jnp
+
+    from .hf import save_pretrained
+    from .models import Decoder
+
+    train_rows, eval_rows = quickstart_rows()
+    tokenizer = train_tokenizer(train_rows + eval_rows)
+    cfg = _tiny_qwen3_config(len(tokenizer))
+    model = Decoder(cfg)
+    params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    save_pretrained(out, model, params, dtype=jnp.float32)
+    tokenizer.save_pretrained(out)
+
+    ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in (("bos", ENDOFTEXT), ("eos", IM_END), ("pad", ENDOFTEXT))}
+    hf_cfg = json.loads((out / "config.json").read_text())
+    hf_cfg.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    generation = dict(
+        bos_token_id=ids["bos"], eos_token_id=[ids["eos"], ids["pad"]], pad_token_id=ids["pad"], do_sample=False
+    )
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+
+
+# name -> (builder, one line for listings)
+BUILTINS = {
+    "tiny-qwen3": (_build_tiny_qwen3, "1.7M-parameter random-init Qwen3 with a locally trained BPE tokenizer"),
+}
+
+
+def available() -> list[str]:
+    return [PREFIX + name for name in BUILTINS]
+
+
+def is_builtin(name: str | os.PathLike) -> bool:
+    return isinstance(name, str) and name.startswith(PREFIX)
+
+
+def cache_root() -> Path:
+    """`$SUROGATE_JAX_CACHE`, else `$XDG_CACHE_HOME/surogate_jax`, else `~/.cache/surogate_jax`."""
+    if os.environ.get("SUROGATE_JAX_CACHE"):
+        return Path(os.environ["SUROGATE_JAX_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "surogate_jax"
+
+
+def _marker(name: str) -> dict:
+    return {"name": PREFIX + name, "recipe_version": RECIPE_VERSION}
+
+
+def _is_complete(d: Path, name: str) -> bool:
+    try:
+        return json.loads((d / MARKER).read_text()) == _marker(name)
+    except (OSError, ValueError):
+        return False
+
+
+def _remove_stale_builds(parent: Path, name: str, older_than_s: float = 3600.0) -> None:
+    """Leftovers of killed builds (never used, since they were never renamed into place)."""
+    now = time.time()
+    for p in parent.glob(f".{name}.*"):
+        try:
+            if now - p.stat().st_mtime > older_than_s:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def resolve(name: str) -> Path:
+    """The local HF directory of built-in model `name` ("builtin:tiny-qwen3"), built on first use."""
+    key = name[len(PREFIX) :] if is_builtin(name) else name
+    if key not in BUILTINS:
+        raise ModelLoadError(f"{name}: no such built-in model (available: {', '.join(available())})")
+    final = cache_root() / "builtin" / key
+    if _is_complete(final, key):
+        return final
+    build, _ = BUILTINS[key]
+    parent = final.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{key}.build-", dir=parent))
+    except OSError as e:
+        raise ModelLoadError(
+            f"{name}: cannot create the model cache under {parent} ({e.strerror or e}); "
+            "set SUROGATE_JAX_CACHE to a writable folder"
+        ) from None
+    try:
+        _remove_stale_builds(parent, key)
+        out = staging / key
+        build(out)
+        (out / MARKER).write_text(json.dumps(_marker(key), indent=2))  # last: marks the build complete
+        try:
+            os.rename(out, final)
+        except OSError:  # `final` exists: another build won the race, or an outdated/broken one is there
+            if _is_complete(final, key):
+                return final
+            old = staging / "replaced"
+            os.rename(final, old)  # a directory rename is atomic; the old one is deleted with staging
+            os.rename(out, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final

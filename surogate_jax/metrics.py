@@ -1,0 +1,111 @@
+"""Run logging: metrics.jsonl, the progress bar, training_plot.png, TensorBoard / W&B.
+
+Every logged step appends one JSON object to <output_dir>/metrics.jsonl (step, loss, lr,
+grad_norm, tokens_per_s, mfu, ...; eval steps add eval_loss), so a resumed run continues the same
+file. The plot is redrawn from that file, so it covers the whole run across restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .config import ConfigError, RunConfig
+
+
+class RunLogger:
+    def __init__(self, out_dir: Path, run: RunConfig, *, total_steps: int, start_step: int, config_flat: dict):
+        self.out = out_dir
+        self.path = out_dir / "metrics.jsonl"
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                        file=sys.stderr, disable=None)
+        self.backends = []
+        for name in run.report_to or []:
+            self.backends.append(_backend(name, out_dir, run, config_flat))
+
+    def log(self, record: dict) -> None:
+        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for b in self.backends:
+            b(record)
+
+    def progress(self, step: int, m: dict) -> None:
+        post = {"loss": f"{m['loss']:.4f}", "lr": f"{m['lr']:.2e}", "gnorm": f"{m['grad_norm']:.3f}"}
+        if m.get("tokens_per_s"):
+            post["tok/s"] = f"{m['tokens_per_s']:,.0f}"
+        if m.get("mfu") is not None:
+            post["mfu"] = f"{100 * m['mfu']:.1f}%"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(step - self.bar.n)
+
+    def write(self, msg: str) -> None:
+        self.bar.write(msg, file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+        plot(self.path, self.out / "training_plot.png")
+
+
+def _backend(name: str, out_dir: Path, run: RunConfig, config_flat: dict):
+    if name == "wandb":
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("report_to: wandb needs `pip install wandb`") from None
+        wb = wandb.init(project=run.wandb_project, name=run.wandb_name or run.run_name, config=config_flat)
+        return lambda r: wb.log({k: v for k, v in r.items() if v is not None and k != "step"}, step=r["step"])
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ConfigError("report_to: tensorboard needs `pip install tensorboard` (with torch) or tensorboardX") from None
+    writer = SummaryWriter(str(out_dir / "tensorboard"))
+
+    def log(r):
+        for k, v in r.items():
+            if k != "step" and isinstance(v, (int, float)) and v is not None:
+                writer.add_scalar(k, v, r["step"])
+        writer.flush()
+    return log
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(metrics_path: Path, out_png: Path) -> Path | None:
+    rows = read_metrics(metrics_path)
+    train = [r for r in rows if r.get("loss") is not None]
+    if not train:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
+    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=1)
+    ev = [r for r in rows if r.get("eval_loss") is not None]
+    if ev:
+        ax1.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval loss")
+    ax1.set_ylabel("loss")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    lr = [r for r in train if r.get("lr") is not None]
+    ax2.plot([r["step"] for r in lr], [r["lr"] for r in lr], color="tab:green")
+    ax2.set_ylabel("lr")
+    ax2.set_xlabel("step")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,34 @@
+"""Optimizers (optax GradientTransformations) and learning-rate schedules, built from OptimConfig.
+
+`make_optimizer(cfg, total_steps)` -> (tx, schedule). Decoupled weight decay skips norm scales and
+biases. Global-norm clipping (max_grad_norm > 0) comes first, as in Surogate.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from ..config import OptimConfig
+from .schedules import make_schedule
+
+
+def decay_mask(params):
+    """True for matrices (kernels, embeddings, adapters); False for norm scales and biases."""
+    def keep(path, _):
+        leaf = getattr(path[-1], "key", None)
+        return leaf not in ("scale", "bias")
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int):
+    schedule = make_schedule(cfg, total_steps)
+    parts = []
+    if cfg.max_grad_norm > 0:
+        parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
+    parts.append(optax.adamw(schedule, b1=cfg.adamw_beta1, b2=cfg.adamw_beta2, eps=cfg.adamw_epsilon,
+                             weight_decay=cfg.weight_decay, mask=decay_mask))
+    return optax.chain(*parts), schedule
+
+
+__all__ = ["decay_mask", "make_optimizer", "make_schedule"]

@@ -1,0 +1,232 @@
+"""One training run end to end, shared by `python -m surogate_jax.sft` and `.pretrain`.
+
+config -> output dir checks -> tokenizer + data -> mesh -> model + weights (HF load, or random
+init for pre-training) -> TrainState (or the checkpoint it resumes from) -> jitted step loop with
+logging, eval and async checkpoints -> exports (PEFT adapter, merged model, or full model).
+Nothing that exists before the run is overwritten: a non-empty output_dir with checkpoints is
+resumed (resume_from_checkpoint: true) or refused; exports are written atomically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import train as T
+from .checkpoint import Checkpointer, abstract_like
+from .config import ConfigError, SFTConfig
+from .errors import ModelLoadError
+from .hf import load_pretrained, read_hf_config, resolve_model_dir, save_pretrained
+from .lora import DTYPES, count, init_adapters, lora_spec, merge, save_peft
+from .metrics import RunLogger
+from .models import Decoder, config_from_hf, config_to_hf
+from .optim import make_optimizer
+
+log = logging.getLogger("surogate_jax")
+EXPORTS = ("adapter", "merged", "model")
+
+
+def resolve_model(name: str) -> Path:
+    if name.startswith("builtin:"):
+        from .builtin_models import resolve
+
+        return resolve(name)
+    return resolve_model_dir(name)
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # missing/corrupt tokenizer files
+        raise ModelLoadError(f"{model_dir}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
+
+
+def prepare_output(cfg: SFTConfig) -> tuple[Path, Checkpointer]:
+    out = Path(cfg.run.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"output_dir={str(out)!r} cannot be written ({e.strerror or e})") from None
+    ckpt = Checkpointer(cfg.run.checkpoint_dir or out, keep=cfg.run.save_total_limit)
+    has_ckpt = ckpt.latest_step() is not None
+    if has_ckpt and not cfg.run.resume_from_checkpoint:
+        raise ConfigError(f"output_dir {str(out)!r} already holds checkpoints; set resume_from_checkpoint: true "
+                          "to continue that run, or use a new output_dir")
+    existing = [d for d in EXPORTS if (out / d).exists()]
+    if existing and not has_ckpt:
+        raise ConfigError(f"output_dir {str(out)!r} already holds {existing}; use a new output_dir")
+    return out, ckpt
+
+
+def build_model(cfg: SFTConfig, model_dir: Path, mode: str):
+    """(model, frozen params, trainable) per the config: LoRA, full fine-tuning or from scratch."""
+    model_dtype = DTYPES[cfg.precision.model_dtype]
+    master = DTYPES[cfg.precision.master_dtype or "fp32"]
+    remat = "full" if cfg.run.recompute else "none"
+    spec = lora_spec(cfg.lora, cfg.precision.lora_dtype)
+    if cfg.model.from_scratch:
+        dcfg = config_from_hf(read_hf_config(model_dir), dtype=model_dtype, param_dtype=master, remat_policy=remat)
+        model = Decoder(dcfg)
+        ids = jnp.zeros((1, 1), jnp.int32)
+        params = T.unbox(jax.jit(model.init)(jax.random.key(cfg.run.train_seed), ids)["params"])
+        if cfg.model.init_projections_to_zero:
+            params = jax.tree_util.tree_map_with_path(
+                lambda p, x: jnp.zeros_like(x) if any(getattr(k, "key", None) in ("o_proj", "down_proj") for k in p) else x,
+                params)
+        if spec is not None:  # LoRA on a random base is allowed (odd, but well defined)
+            params = jax.tree.map(lambda x: x.astype(model_dtype), params)
+    elif spec is not None:
+        model, params = load_pretrained(model_dir, dtype=model_dtype, remat_policy=remat)
+    else:
+        model, params = load_pretrained(model_dir, dtype=master, compute_dtype=model_dtype, remat_policy=remat)
+    if spec is None:
+        return model, {}, params
+    model = Decoder(model.config.replace(lora=spec))
+    trainable = init_adapters(model, jax.random.key(cfg.run.train_seed + 1), jnp.zeros((1, 1), jnp.int32))
+    return model, params, trainable
+
+
+def run_meta(cfg: SFTConfig, model: Decoder, mode: str) -> dict:
+    """What a checkpoint must match to be resumed."""
+    spec = model.config.lora
+    return {"mode": mode, "model": json.dumps(config_to_hf(model.config), sort_keys=True),
+            "lora": None if spec is None else f"r={spec.rank},alpha={spec.alpha},targets={sorted(spec.targets)}",
+            "sequence_len": cfg.model.sequence_len}
+
+
+def run(cfg: SFTConfig, mode: str = "sft") -> dict:
+    from .data import BatchLoader, build_datasets
+
+    out, ckpt = prepare_output(cfg)
+    (out / "config.json").write_text(json.dumps(cfg.to_flat(), indent=1, default=str))
+    model_dir = resolve_model(cfg.model.model)
+    tokenizer = load_tokenizer(model_dir)
+    seq = cfg.model.sequence_len
+    train_docs, val_docs = build_datasets(cfg.data, tokenizer, sequence_len=seq, cache_dir=out / "tokenized",
+                                          seed=cfg.run.train_seed, mode=mode)
+    st = train_docs.stats
+    log.info("data: %d documents, %d tokens (%d supervised); %d rows skipped, %d documents truncated to %d tokens",
+             st.get("docs", len(train_docs)), st.get("tokens", 0), st.get("supervised_tokens", 0),
+             st.get("rows_skipped", 0), st.get("truncated_docs", 0), seq)
+
+    mesh = T.make_mesh()
+    model, params, trainable = build_model(cfg, model_dir, mode)
+    per_process_rows = cfg.run.per_device_train_batch_size * jax.local_device_count()
+    accum = cfg.run.gradient_accumulation_steps
+    loader = BatchLoader(train_docs, batch_size=per_process_rows, sequence_len=seq, packing=cfg.data.sample_packing,
+                         seed=cfg.run.train_seed, process_index=jax.process_index(), process_count=jax.process_count())
+    steps_per_epoch = max(loader.batches_per_epoch() // accum, 1)
+    total = cfg.run.max_steps if cfg.run.max_steps > 0 else cfg.run.num_epochs * steps_per_epoch
+    tx, schedule = make_optimizer(cfg.optim, total)
+    state = T.init_state(model, tx, params, trainable, cfg.run.train_seed, mesh)
+    del params, trainable
+    meta = run_meta(cfg, model, mode)
+    start = 0
+    if ckpt.latest_step() is not None:
+        state, data_state = ckpt.restore(abstract_like(state), meta)
+        loader.restore(data_state)
+        start = int(state.step)
+        log.info("resumed from %s at step %d", ckpt.dir, start)
+    log.info("model: %s, %s trainable parameters (%s); %d steps (%d per epoch), %d x %d x %d tokens per step on %d device(s)",
+             model.config.model_type, f"{count(state.trainable):,}", "LoRA" if model.config.lora else "full",
+             total, steps_per_epoch, accum, cfg.run.per_device_train_batch_size * len(jax.devices()), seq, len(jax.devices()))
+
+    step_fn = T.jit_train_step(model, tx, schedule, mesh, state)
+    eval_fn = T.jit_eval_step(model, mesh, state) if val_docs is not None else None
+    tokens_per_step = accum * cfg.run.per_device_train_batch_size * len(jax.devices()) * seq
+    flops = T.flops_per_token(model.config, seq, frozen_base=model.config.lora is not None)
+    peak = T.device_peak_flops()
+    logger = RunLogger(out, cfg.run, total_steps=total, start_step=start, config_flat=cfg.to_flat())
+    last_eval = None
+    timer = T.Throughput()
+    try:
+        for step in range(start, total):
+            local = [next(loader) for _ in range(accum)]
+            batch = T.global_batch(mesh, {k: np.stack([b[k] for b in local]) for k in T.BATCH_KEYS}, True)
+            state, metrics = step_fn(state, batch)
+            done = step + 1
+            if done % cfg.run.logging_steps == 0 or done == total or done == start + 1:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                sec = timer.update(done)  # None until a step after the compiled first one
+                m.update(step=done, epoch=loader.epoch,
+                         tokens_per_s=tokens_per_step / sec if sec else None,
+                         mfu=flops * tokens_per_step / sec / peak if (peak and sec) else None)
+                if not T.is_finite(m["loss"]):
+                    raise FloatingPointError(f"loss is {m['loss']} at step {done}; stopping (last checkpoint kept)")
+                logger.log(m)
+                logger.progress(done, m)
+            if eval_fn is not None and cfg.run.eval_steps and (done % cfg.run.eval_steps == 0 or done == total):
+                last_eval = evaluate(eval_fn, state, val_docs, loader_cls=BatchLoader, rows=per_process_rows, seq=seq, mesh=mesh)
+                logger.log({"step": done, "eval_loss": last_eval})
+                logger.write(f"step {done}: eval loss {last_eval:.4f}")
+            if done % cfg.run.save_steps == 0 or done == total:
+                ckpt.save(done, state, loader.state(), meta)
+        ckpt.wait()
+    finally:
+        logger.close()
+        ckpt.close()
+    summary = {"steps": total, "output_dir": str(out), "eval_loss": last_eval}
+    if jax.process_index() == 0:
+        summary.update(export(cfg, model, model_dir, state, out))
+        if cfg.run.exact_match_file:
+            summary["exact_match"] = exact_match_report(cfg, model, state, tokenizer)
+    peak_mem = T.peak_memory_bytes()
+    if peak_mem:
+        summary["peak_memory_gb"] = peak_mem / 1e9
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def evaluate(eval_fn, state, docs, *, loader_cls, rows: int, seq: int, mesh) -> float:
+    loader = loader_cls(docs, batch_size=rows, sequence_len=seq, packing=False, seed=0, shuffle=False,
+                        process_index=jax.process_index(), process_count=jax.process_count())
+    total, n = 0.0, 0.0
+    for b in loader.one_pass():
+        loss, cnt = eval_fn(state, T.global_batch(mesh, b, False))
+        total, n = total + float(loss), n + float(cnt)
+    return total / max(n, 1.0)
+
+
+def export(cfg: SFTConfig, model: Decoder, model_dir: Path, state, out: Path) -> dict:
+    spec = model.config.lora
+    base = dataclasses.replace(model.config, lora=None)
+    if spec is not None:
+        adapter = save_peft(out / "adapter", model, state.trainable, base_model=cfg.model.model, overwrite=True)
+        res = {"adapter": str(adapter)}
+        if cfg.lora.merge_adapter:
+            merged = merge(state.params, state.trainable, spec)
+            res["merged"] = str(save_pretrained(out / "merged", Decoder(base), merged, overwrite=True,
+                                                copy_side_files_from=model_dir))
+        return res
+    dtype = DTYPES[cfg.precision.model_dtype]
+    params = jax.tree.map(lambda x: x.astype(dtype), state.trainable)
+    return {"model": str(save_pretrained(out / "model", Decoder(base.replace(param_dtype=dtype)), params,
+                                         overwrite=True, copy_side_files_from=model_dir))}
+
+
+def exact_match_report(cfg: SFTConfig, model: Decoder, state, tokenizer) -> float:
+    from .generate import exact_match
+
+    path = Path(cfg.run.exact_match_file)
+    if not path.is_file():
+        raise ConfigError(f"exact_match_file={str(path)!r}: file not found")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    v = T.variables(model, state.params, state.trainable)
+    acc, examples = exact_match(model, v, tokenizer, rows, max_samples=cfg.run.exact_match_samples)
+    log.info("exact match on %d held-out prompts from %s: %.1f%%", min(len(rows), cfg.run.exact_match_samples),
+             path.name, 100 * acc)
+    for prompt, want, got in examples[:3]:
+        log.info("  %r -> %r (expected %r)", prompt, got, want)
+    return acc
+

@@ -1,0 +1,202 @@
+"""TrainState, the pure train/eval steps, and the training loop shared by `sft` and `pretrain`.
+
+State: `params` holds the frozen base in model dtype (LoRA) or nothing (full fine-tuning, where
+the forward casts the fp32 masters in `trainable`); `trainable` is what the optimizer updates
+(adapters, or master weights); plus optax state, step and RNG. The step is one pure function,
+jitted once over an explicit mesh with NamedShardings and the state donated. Gradient
+accumulation runs inside it as a `lax.scan` over the micro-batches; the summed token CE of every
+micro-batch is divided by the supervised-token count of the whole step, so accumulating equals one
+big batch. Data parallelism comes from the batch sharding over the mesh's "data" axis (one
+device by default); XLA inserts the gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .loss import cross_entropy_sum
+from .models import Decoder, DecoderConfig
+
+BATCH_KEYS = ("input_ids", "targets", "loss_mask", "positions", "segment_ids")
+H100_BF16_PEAK = 989e12
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    trainable: Any
+    opt_state: Any
+    rng: jax.Array  # raw key data (uint32), so Orbax can save it
+
+
+def is_lora(model: Decoder) -> bool:
+    return model.config.lora is not None
+
+
+def variables(model: Decoder, params: Any, trainable: Any) -> dict:
+    """The forward's variables: base + adapters (LoRA), or masters cast to the model dtype."""
+    if is_lora(model):
+        return {"params": params, "lora": trainable}
+    dtype = model.config.param_dtype
+    return {"params": jax.tree.map(lambda x: x.astype(dtype), trainable)}
+
+
+def lm_head(cfg: DecoderConfig, params: dict) -> jax.Array:
+    return params["embedding"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
+def batch_loss(model: Decoder, params, trainable, batch: dict, rng) -> tuple[jax.Array, jax.Array]:
+    """(sum of token CE over supervised targets, their count) for one micro-batch."""
+    v = variables(model, params, trainable)
+    spec = model.config.lora
+    rngs = {"dropout": rng} if spec is not None and spec.dropout > 0 and rng is not None else None
+    hidden = model.apply(v, batch["input_ids"], batch["positions"], batch["segment_ids"], return_hidden=True, rngs=rngs)
+    return cross_entropy_sum(hidden, lm_head(model.config, v["params"]), batch["targets"], batch["loss_mask"])
+
+
+def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: Callable) -> Callable:
+    """step(state, batch with leading [grad_accum] axis) -> (state, metrics); pure, not jitted."""
+
+    def step(state: TrainState, batch: dict):
+        rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
+        n_accum = batch["input_ids"].shape[0]
+        grad_fn = jax.value_and_grad(lambda t, mb, r: batch_loss(model, state.params, t, mb, r), has_aux=True)
+
+        def micro(carry, xs):
+            grads, loss = carry
+            mb, i = xs
+            (l, _), g = grad_fn(state.trainable, mb, jax.random.fold_in(step_rng, i))
+            return (jax.tree.map(jnp.add, grads, g), loss + l), None
+
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), state.trainable)
+        (grads, loss_sum), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (batch, jnp.arange(n_accum)))
+        n_tokens = jnp.sum(batch["loss_mask"])
+        denom = jnp.maximum(n_tokens, 1.0)
+        grads = jax.tree.map(lambda g, t: (g / denom).astype(t.dtype), grads, state.trainable)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
+        trainable = optax.apply_updates(state.trainable, updates)
+        metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "lr": schedule(state.step),
+                   "supervised_tokens": n_tokens}
+        new = state.replace(step=state.step + 1, trainable=trainable, opt_state=opt_state, rng=jax.random.key_data(rng))
+        return new, metrics
+
+    return step
+
+
+def make_eval_step(model: Decoder) -> Callable:
+    def step(state: TrainState, batch: dict):
+        return batch_loss(model, state.params, state.trainable, batch, None)
+    return step
+
+
+# ---------------------------------------------------------------------------------------------
+# Mesh, shardings, placement
+
+
+def make_mesh(devices=None) -> Mesh:
+    devices = np.asarray(jax.devices() if devices is None else devices)
+    return Mesh(devices.reshape(-1), ("data",))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh, accum_axis: bool) -> NamedSharding:
+    return NamedSharding(mesh, P(None, "data") if accum_axis else P("data"))
+
+
+def global_batch(mesh: Mesh, local: dict, accum_axis: bool) -> dict:
+    """Process-local numpy rows -> global jax arrays sharded over the data axis."""
+    sharding = batch_sharding(mesh, accum_axis)
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k])) for k in BATCH_KEYS}
+
+
+def init_state(model: Decoder, tx, params: Any, trainable: Any, seed: int, mesh: Mesh) -> TrainState:
+    rep = replicated(mesh)
+    params = jax.device_put(params, rep)
+    trainable = jax.device_put(trainable, rep)
+    opt_state = jax.jit(tx.init, out_shardings=rep)(trainable)
+    return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), rep), params=params, trainable=trainable,
+                      opt_state=opt_state, rng=jax.device_put(jax.random.key_data(jax.random.key(seed)), rep))
+
+
+def jit_train_step(model, tx, schedule, mesh: Mesh, state: TrainState):
+    step = make_train_step(model, tx, schedule)
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    batch_sh = {k: batch_sharding(mesh, True) for k in BATCH_KEYS}
+    return jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated(mesh)),
+                   donate_argnums=(0,))
+
+
+def jit_eval_step(model, mesh: Mesh, state: TrainState):
+    step = make_eval_step(model)
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    batch_sh = {k: batch_sharding(mesh, False) for k in BATCH_KEYS}
+    return jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=replicated(mesh))
+
+
+# ---------------------------------------------------------------------------------------------
+# Throughput accounting (ARCHITECTURE.md "Measuring")
+
+
+def linear_params(cfg: DecoderConfig) -> int:
+    D, H, KV, K, F, L = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                         cfg.intermediate_size, cfg.num_layers)
+    return L * (2 * D * H * K + 2 * D * KV * K + 3 * D * F) + D * cfg.vocab_size
+
+
+def flops_per_token(cfg: DecoderConfig, seq_len: int, frozen_base: bool) -> float:
+    k = 4 if frozen_base else 6
+    return k * linear_params(cfg) + 6 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+
+
+def device_peak_flops() -> float | None:
+    """Dense bf16 peak of the local devices when they are H100/H200 class GPUs, else None."""
+    devs = jax.local_devices()
+    if devs and devs[0].platform == "gpu" and any(s in devs[0].device_kind for s in ("H100", "H200", "H800", "GH200")):
+        return H100_BF16_PEAK * len(jax.devices())
+    return None
+
+
+def peak_memory_bytes() -> int | None:
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+class Throughput:
+    """Median seconds per optimizer step over the recent logging intervals; the interval that
+    holds the compile (the first one seen) is never counted."""
+
+    def __init__(self):
+        self.t: float | None = None
+        self.step = 0
+        self.rates: list[float] = []
+
+    def update(self, step: int) -> float | None:
+        now = time.perf_counter()
+        if self.t is not None and step > self.step:
+            self.rates.append((now - self.t) / (step - self.step))
+        self.t, self.step = now, step
+        return float(np.median(self.rates[-20:])) if self.rates else None
+
+
+def is_finite(x: float) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def unbox(tree):
+    return nn.meta.unbox(tree)
