@@ -85,7 +85,7 @@ def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: 
         n_tokens = jnp.sum(batch["loss_mask"])
         denom = jnp.maximum(n_tokens, 1.0)
         grads = jax.tree.map(lambda g, t: (g / denom).astype(t.dtype), grads, state.trainable)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
         updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
         trainable = optax.apply_updates(state.trainable, updates)
         metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "lr": schedule(state.step),
@@ -126,6 +126,8 @@ def global_batch(mesh: Mesh, local: dict, accum_axis: bool) -> dict:
 
 
 def init_state(model: Decoder, tx, params: Any, trainable: Any, seed: int, mesh: Mesh) -> TrainState:
+    """Places everything replicated on the mesh. The train step donates the state, so arrays
+    passed in here may be consumed (device_put onto the same device does not copy)."""
     rep = replicated(mesh)
     params = jax.device_put(params, rep)
     trainable = jax.device_put(trainable, rep)
