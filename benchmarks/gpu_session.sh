@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine call: build the CUDA extension, run the GPU tests (plus the op and model
 # suites), then the benchmarks; full logs land in $OUT (at most 8 files come back).
-#   run: bash benchmarks/gpu_session.sh [bench ...]    (default benches: rms_norm forward)
+#   run: [SKIP_TESTS=1] bash benchmarks/gpu_session.sh [bench ...]
+#   benches: rms_norm, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
 # The GPU image has jax + CUDA 13, nanobind, scikit-build-core, cmake and nvcc, and no network:
 # we install with --no-deps --no-build-isolation into its python3 and build only sm_90a (Hopper).
 set -uo pipefail
@@ -18,13 +19,20 @@ python3 -m pip install -v --no-deps --no-build-isolation -e . \
 echo "build: $((SECONDS - t0)) s" | tee -a "$OUT/env.txt"
 python3 -c 'import surogate_jax._ffi as m; print("extension:", m.__file__, sorted(m.registrations()))' | tee -a "$OUT/env.txt"
 
-python3 -m pytest -q -rs tests/gpu tests/ops tests/models -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25
-tests_rc=${PIPESTATUS[0]}
+tests_rc=0
+if [[ -z "${SKIP_TESTS:-}" ]]; then
+  python3 -m pytest -q -rs tests/gpu tests/ops tests/models -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25
+  tests_rc=${PIPESTATUS[0]}
+fi
 
 for b in "${benches[@]}"; do
   case "$b" in
     rms_norm) python3 benchmarks/bench_rms_norm.py --out "$OUT/bench_rms_norm.json" 2>&1 | tee "$OUT/bench_rms_norm.log" | tail -20 ;;
     forward) for s in 0.6b 8b; do python3 benchmarks/bench_forward.py --size $s --out "$OUT/forward_$s.json" 2>&1 | tail -30; done ;;
+    sft:*) sizes=${b#sft:}   # e.g. "sft:0.6b,1.7b": one fresh process per size
+           for s in ${sizes//,/ }; do
+             python3 benchmarks/sft_throughput.py --size "$s" --out "$OUT/sft_throughput.jsonl" 2>&1 | tail -2
+           done ;;
     *) echo "unknown bench $b" ;;
   esac
 done
