@@ -301,6 +301,11 @@ def _coerce(cls, key: str, value: Any, where: str) -> Any:
         value = [value]  # lora_target_modules: all
     if key in ("datasets", "validation_datasets"):
         return _datasets(value, key)
+    if isinstance(value, str) and _type_ok(1.0, tp) and not _type_ok("", tp):
+        try:  # PyYAML (YAML 1.1) reads 2e-4 (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
     if not _type_ok(value, tp):
         raise ConfigError(f"{where}{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
     if isinstance(value, int) and not isinstance(value, bool) and float in typing.get_args(tp) + (tp,):

@@ -1,0 +1,83 @@
+"""The YAML config: Surogate keys and defaults, strictness, overrides, every example parses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from surogate_jax.config import ConfigError, config_from_dict, load_config
+
+ROOT = Path(__file__).parents[1]
+BASE = {"model": "some/model", "datasets": [{"path": "data.jsonl"}]}
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("examples/**/*.yaml")), ids=lambda p: p.name)
+def test_every_example_parses(path):
+    cfg = load_config(path)
+    assert cfg.model.model and cfg.data.datasets
+
+
+def test_surogate_defaults():
+    c = config_from_dict(BASE)
+    assert (c.run.per_device_train_batch_size, c.run.gradient_accumulation_steps, c.model.sequence_len) == (2, 4, 1024)
+    assert (c.lora.lora, c.lora.lora_rank, c.lora.lora_alpha, c.lora.targets[0]) == (True, 16, 32.0, "q_proj")
+    assert (c.optim.learning_rate, c.optim.lr_scheduler_type, c.optim.max_grad_norm) == (2e-4, "linear", 1.0)
+    assert (c.run.save_steps, c.run.save_total_limit, c.run.resume_from_checkpoint) == (50, 5, True)
+    assert c.data.sample_packing and c.data.validation_split_ratio == 0.1 and c.precision.lora_dtype == "fp32"
+
+
+def test_validation_datasets_turn_the_split_off():
+    c = config_from_dict({**BASE, "validation_datasets": ["val.jsonl"]})
+    assert c.data.validation_split_ratio == 0.0 and c.data.validation_datasets[0].path == "val.jsonl"
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"learnin_rate": 1e-3}, "did you mean 'learning_rate'"),
+    ({"lora_rnak": 8}, "did you mean 'lora_rank'"),
+    ({"zero_level": 3}, "zero_level: not supported yet"),
+    ({"recipe": "nvfp4"}, "not supported yet"),
+    ({"optimizer": "adamw_8bit"}, "not supported yet"),
+    ({"sequence_len": 1}, "sequence_len=1: must be >= 2"),
+    ({"sequence_len": "long"}, "sequence_len: expected int"),
+    ({"lora": "yes"}, "lora: expected bool"),
+    ({"lora_target_modules": ["q_proj", "qq_proj"]}, "lora_target_modules: unknown ['qq_proj']"),
+    ({"datasets": []}, "at least one dataset"),
+    ({"datasets": [{"path": "a", "tpye": "text"}]}, "did you mean 'type'"),
+    ({"datasets": [{"type": "text"}]}, "'path' is required"),
+    ({"lr_scheduler_type": "cosine_with_restarts"}, "use constant, linear, cosine or wsd"),
+    ({"loss_scale": "thinking_only"}, "not supported yet"),
+])
+def test_bad_configs_name_the_key(raw, message):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({**BASE, **raw})
+    assert message in str(e.value)
+
+
+def test_not_yet_keys_at_default_are_accepted():
+    assert config_from_dict({**BASE, "zero_level": 0, "use_cuda_graphs": True}).run
+
+
+def test_overrides_and_file_errors(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model: m\ndatasets:\n  - path: d.jsonl\nlearning_rate: 1e-4\n")
+    c = load_config(p, ["learning_rate=3e-4", "lora=false", "lora_target_modules=[q_proj, v_proj]"])
+    assert c.optim.learning_rate == 3e-4 and not c.lora.lora and c.lora.targets == ("q_proj", "v_proj")
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(p, ["learning_rate"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="malformed YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    top = tmp_path / "list.yaml"
+    top.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(top)
+
+
+def test_to_flat_roundtrips():
+    c = config_from_dict({**BASE, "lora_rank": 8, "datasets": [{"path": "x.jsonl", "type": "text"}]})
+    again = config_from_dict({k: v for k, v in c.to_flat().items()})
+    assert again == c
