@@ -31,16 +31,20 @@ class Checkpointer:
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
 
-    def restore(self, abstract_state: Any, meta: dict, step: int | None = None) -> tuple[Any, dict]:
+    def check_meta(self, meta: dict, step: int | None = None) -> None:
+        """Refuses (ConfigError) to resume a checkpoint written for another model or setup."""
         step = self.latest_step() if step is None else step
-        saved_meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        diff = sorted(k for k in set(meta) | set(saved_meta) if meta.get(k) != saved_meta.get(k))
+        saved = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        diff = sorted(k for k in set(meta) | set(saved) if meta.get(k) != saved.get(k))
         if diff:
             k = diff[0]
             raise ConfigError(
                 f"resume: the checkpoint in {self.dir} belongs to a different run ({k}: checkpoint has "
-                f"{saved_meta.get(k)!r}, this config gives {meta.get(k)!r}); use another output_dir or "
-                f"set resume_from_checkpoint: false with a fresh output_dir")
+                f"{saved.get(k)!r}, this config gives {meta.get(k)!r}); use another output_dir, or "
+                f"resume_from_checkpoint: false with a fresh output_dir")
+
+    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
+        step = self.latest_step() if step is None else step
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return restored["state"], restored["data"]

@@ -21,8 +21,23 @@ def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
 
 
+def quiet_logging() -> None:
+    """Our logger speaks at INFO; libraries (absl, Orbax, JAX, datasets) only at WARNING."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    ours = logging.getLogger("surogate_jax")
+    ours.setLevel(logging.INFO)
+    try:
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    except ImportError:
+        pass
+    for name in ("absl", "jax._src.xla_bridge", "orbax", "datasets"):
+        logging.getLogger(name).setLevel(logging.ERROR if name == "jax._src.xla_bridge" else logging.WARNING)
+
+
 def run(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    quiet_logging()
     try:
         code = main(list(sys.argv[1:] if argv is None else argv))
     except USER_ERRORS as e:

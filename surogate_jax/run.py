@@ -97,10 +97,11 @@ def build_model(cfg: SFTConfig, model_dir: Path, mode: str):
     return model, params, trainable
 
 
-def run_meta(cfg: SFTConfig, model: Decoder, mode: str) -> dict:
-    """What a checkpoint must match to be resumed."""
-    spec = model.config.lora
-    return {"mode": mode, "model": json.dumps(config_to_hf(model.config), sort_keys=True),
+def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
+    """What a checkpoint must match to be resumed (known before any weight or data is loaded)."""
+    arch = config_to_hf(config_from_hf(read_hf_config(model_dir)))
+    spec = lora_spec(cfg.lora, cfg.precision.lora_dtype)
+    return {"mode": mode, "model": json.dumps(arch, sort_keys=True),
             "lora": None if spec is None else f"r={spec.rank},alpha={spec.alpha},targets={sorted(spec.targets)}",
             "sequence_len": cfg.model.sequence_len}
 
@@ -109,8 +110,11 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
     from .data import BatchLoader, build_datasets
 
     out, ckpt = prepare_output(cfg)
-    (out / "config.json").write_text(json.dumps(cfg.to_flat(), indent=1, default=str))
     model_dir = resolve_model(cfg.model.model)
+    meta = run_meta(cfg, model_dir, mode)
+    if ckpt.latest_step() is not None:
+        ckpt.check_meta(meta)  # before anything in output_dir is touched
+    (out / "config.json").write_text(json.dumps(cfg.to_flat(), indent=1, default=str))
     tokenizer = load_tokenizer(model_dir)
     seq = cfg.model.sequence_len
     train_docs, val_docs = build_datasets(cfg.data, tokenizer, sequence_len=seq, cache_dir=out / "tokenized",
@@ -131,10 +135,9 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
     tx, schedule = make_optimizer(cfg.optim, total)
     state = T.init_state(model, tx, params, trainable, cfg.run.train_seed, mesh)
     del params, trainable
-    meta = run_meta(cfg, model, mode)
     start = 0
     if ckpt.latest_step() is not None:
-        state, data_state = ckpt.restore(abstract_like(state), meta)
+        state, data_state = ckpt.restore(abstract_like(state))
         loader.restore(data_state)
         start = int(state.step)
         log.info("resumed from %s at step %d", ckpt.dir, start)

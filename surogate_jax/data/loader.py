@@ -1,0 +1,163 @@
+"""`BatchLoader`: TokenizedDocs -> endless, deterministic, resumable [B, T] training batches.
+
+Each epoch shuffles the documents (numpy Generator seeded from (seed, epoch)) and lays them out
+in rows of T tokens. With packing, documents fill rows greedily in that order and never straddle
+rows: a document that does not fit closes the row (padded) and starts the next; `positions`
+restart at 0 and `segment_ids` count 1, 2, ... per document in a row (0 = padding). Without
+packing, one document per row. Documents longer than T (tokenized with a larger sequence_len) are
+cut to T here too.
+
+A batch: input_ids [B, T] int32 (padding = docs.pad_id); targets [B, T] int32: the next token of
+the same document (pad_id where there is none); loss_mask [B, T] float32: 1 where that target is
+supervised, so the last token of each document, padding and cross-document positions are 0;
+positions, segment_ids [B, T] int32.
+
+Multi-process: global row i goes to process i % process_count; a step consumes
+batch_size x process_count global rows, so every process serves the same number of batches. The
+last batch of an epoch is completed with empty rows (loss 0), so every document is seen exactly
+once per epoch and the next epoch starts with a fresh shuffle. The position is (epoch, next global
+row): state()/restore() round-trip it exactly, and batch_size/process_count may change across a
+restore (the layout of rows depends only on seed, epoch and the documents).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from .docs import DataError, TokenizedDocs
+
+STATE_VERSION = 1
+
+
+class BatchLoader:
+    def __init__(self, docs: TokenizedDocs, *, batch_size: int, sequence_len: int, packing: bool, seed: int,
+                 shuffle: bool = True, process_index: int = 0, process_count: int = 1):
+        if len(docs) == 0:
+            raise DataError("the split has no documents to load")
+        if batch_size < 1 or sequence_len < 2:
+            raise ValueError(f"batch_size={batch_size} must be >= 1 and sequence_len={sequence_len} >= 2")
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
+        self.docs = docs
+        self.batch_size = batch_size
+        self.sequence_len = sequence_len
+        self.packing = packing
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.process_index = process_index
+        self.process_count = process_count
+        self._lengths = np.minimum(docs.lengths, sequence_len)
+        self._epoch = 0
+        self._row = 0  # next global row of the current epoch
+        self._layout_cache: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    # --- position ------------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch comes from (advances right after an epoch's last batch)."""
+        return self._epoch
+
+    def batches_per_epoch(self, epoch: int | None = None) -> int:
+        """Batches in `epoch` (default: the current one). With packing the count can differ by a
+        little between epochs, since how documents pack depends on their shuffled order."""
+        _, ptr = self._layout(self._epoch if epoch is None else epoch)
+        return -(-(len(ptr) - 1) // self._rows_per_step)
+
+    def state(self) -> dict:
+        """JSON-serializable position; also records what must match on restore."""
+        return {"version": STATE_VERSION, "epoch": self._epoch, "row": self._row,
+                "index": self._row // self._rows_per_step, "seed": self.seed, "shuffle": self.shuffle,
+                "packing": self.packing, "sequence_len": self.sequence_len, "n_docs": len(self.docs),
+                "n_tokens": int(len(self.docs.tokens)), "batch_size": self.batch_size,
+                "process_count": self.process_count}
+
+    def restore(self, state: dict) -> None:
+        """Continue exactly where `state` was taken (on any process of the same run)."""
+        if state.get("version") != STATE_VERSION:
+            raise DataError(f"data loader state version {state.get('version')!r} is not {STATE_VERSION}")
+        mine = self.state()
+        for key in ("seed", "shuffle", "packing", "sequence_len", "n_docs", "n_tokens"):
+            if state.get(key) != mine[key]:
+                raise DataError(f"cannot resume the data position: {key} was {state.get(key)!r} and is now "
+                                f"{mine[key]!r} (the dataset or data settings changed since the checkpoint)")
+        self._epoch, self._row = int(state["epoch"]), int(state["row"])
+        if self._row >= len(self._layout(self._epoch)[1]) - 1:
+            self._epoch, self._row = self._epoch + 1, 0
+
+    # --- iteration -----------------------------------------------------------------------------
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        order, ptr = self._layout(self._epoch)
+        batch = self._assemble(order, ptr, self._row)
+        self._row += self._rows_per_step
+        if self._row >= len(ptr) - 1:
+            self._epoch, self._row = self._epoch + 1, 0
+        return batch
+
+    def one_pass(self) -> Iterator[dict[str, np.ndarray]]:
+        """Every document once, in order, unshuffled (for eval); the last batch is padded with
+        empty rows (loss_mask 0). Does not move the training position."""
+        order = np.arange(len(self.docs))
+        ptr = self._rows(order)
+        for start in range(0, len(ptr) - 1, self._rows_per_step):
+            yield self._assemble(order, ptr, start)
+
+    # --- layout --------------------------------------------------------------------------------
+
+    @property
+    def _rows_per_step(self) -> int:
+        return self.batch_size * self.process_count
+
+    def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(document order, row pointers): row r holds documents order[ptr[r]:ptr[r + 1]]."""
+        if self._layout_cache is None or self._layout_cache[0] != epoch:
+            n = len(self.docs)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._layout_cache = (epoch, order, self._rows(order))
+        return self._layout_cache[1], self._layout_cache[2]
+
+    def _rows(self, order: np.ndarray) -> np.ndarray:
+        if not self.packing:
+            return np.arange(len(order) + 1)
+        T = self.sequence_len
+        ptr = [0]
+        fill = 0
+        for i, n in enumerate(self._lengths[order].tolist()):
+            if fill + n > T:
+                ptr.append(i)
+                fill = 0
+            fill += n
+        ptr.append(len(order))
+        return np.asarray(ptr, np.int64)
+
+    def _assemble(self, order: np.ndarray, ptr: np.ndarray, first_row: int) -> dict[str, np.ndarray]:
+        B, T = self.batch_size, self.sequence_len
+        pad = self.docs.pad_id
+        input_ids = np.full((B, T), pad, np.int32)
+        targets = np.full((B, T), pad, np.int32)
+        loss_mask = np.zeros((B, T), np.float32)
+        positions = np.zeros((B, T), np.int32)
+        segment_ids = np.zeros((B, T), np.int32)
+        tokens, mask, offsets = self.docs.tokens, self.docs.loss_mask, self.docs.offsets
+        n_rows = len(ptr) - 1
+        for b in range(B):
+            row = first_row + self.process_index + b * self.process_count
+            if row >= n_rows:
+                continue  # an empty row completing the epoch's last batch
+            t = 0
+            for seg, d in enumerate(order[ptr[row]:ptr[row + 1]], start=1):
+                n, o = int(self._lengths[d]), int(offsets[d])
+                input_ids[b, t:t + n] = tokens[o:o + n]
+                targets[b, t:t + n - 1] = tokens[o + 1:o + n]
+                loss_mask[b, t:t + n - 1] = mask[o + 1:o + n]
+                positions[b, t:t + n] = np.arange(n)
+                segment_ids[b, t:t + n] = seg
+                t += n
+        return {"input_ids": input_ids, "targets": targets, "loss_mask": loss_mask,
+                "positions": positions, "segment_ids": segment_ids}

@@ -1,0 +1,130 @@
+"""End to end through `python -m surogate_jax.sft` on the builtin tiny model: outputs, exact
+resume, a SIGKILL during checkpointing, and one-line errors for user mistakes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+DATA = ROOT / "examples" / "data"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    return {**os.environ, "SUROGATE_JAX_CACHE": str(cache), "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+def write_config(tmp: Path, **over) -> Path:
+    cfg = {
+        "model": "builtin:tiny-qwen3", "output_dir": str(tmp / "out"), "model_dtype": "fp32",
+        "datasets": [{"path": str(DATA / "quickstart_train.jsonl"), "type": "conversation", "samples": 400}],
+        "validation_split_ratio": 0.05, "sequence_len": 128, "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2, "max_steps": 6, "save_steps": 3, "eval_steps": 3,
+        "learning_rate": 3e-3, "warmup_steps": 1, "lora_rank": 8, "lora_alpha": 16, "logging_steps": 1,
+    }
+    cfg.update(over)
+    p = tmp / "cfg.yaml"
+    p.write_text(json.dumps(cfg))  # JSON is YAML
+    return p
+
+
+def sft(cfg: Path, env, *extra, check=True, **kw):
+    r = subprocess.run([sys.executable, "-m", "surogate_jax.sft", str(cfg), *extra], env=env, capture_output=True,
+                       text=True, timeout=900, **kw)
+    if check:
+        assert r.returncode == 0, r.stderr[-4000:]
+    return r
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r.get("loss") is not None}
+
+
+def test_lora_run_outputs_and_exact_resume(tmp_path, env):
+    cfg = write_config(tmp_path, merge_adapter=True)
+    sft(cfg, env)
+    out = tmp_path / "out"
+    for f in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json", "merged/config.json",
+              "metrics.jsonl", "training_plot.png", "summary.json", "checkpoints/6", "checkpoints/3"):
+        assert (out / f).exists(), f
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(rows[0])
+    assert any(r.get("eval_loss") is not None for r in rows)
+    first = losses(out)
+    assert sorted(first) == list(range(1, 7))
+    assert json.loads((out / "adapter/adapter_config.json").read_text())["base_model_name_or_path"] == "builtin:tiny-qwen3"
+
+    # Resume from step 3: drop the later checkpoint and the exports, run again to step 6.
+    shutil.rmtree(out / "checkpoints" / "6")
+    for d in ("adapter", "merged"):
+        shutil.rmtree(out / d)
+    (out / "metrics.jsonl").write_text("")
+    sft(cfg, env)
+    again = losses(out)
+    assert sorted(again) == [4, 5, 6]
+    for s in (4, 5, 6):
+        assert again[s] == first[s], (s, again[s], first[s])  # bit-exact continuation
+
+
+def test_sigkill_during_checkpointing_resumes(tmp_path, env):
+    cfg = write_config(tmp_path, max_steps=30, save_steps=1, eval_steps=0, save_total_limit=2)
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-m", "surogate_jax.sft", str(cfg)], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while time.time() < deadline and not any((out / "checkpoints").glob("[3-9]")):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)  # saves every step: this lands in or next to a save
+    p.wait()
+    assert p.returncode == -signal.SIGKILL
+    r = sft(cfg, env)
+    assert "resumed from" in r.stderr
+    final = losses(out)
+    assert max(final) == 30 and (out / "adapter/adapter_model.safetensors").is_file()
+
+
+def test_full_finetune_writes_a_model(tmp_path, env):
+    cfg = write_config(tmp_path, lora=False, max_steps=2, save_steps=2, eval_steps=0, learning_rate=1e-3)
+    sft(cfg, env)
+    assert (tmp_path / "out/model/config.json").is_file() and (tmp_path / "out/model/tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"learnin_rate": 1e-3}, "did you mean 'learning_rate'"),
+    ({"datasets": [{"path": "/does/not/exist.jsonl"}]}, "exist"),
+    ({"sequence_len": 1}, "sequence_len=1"),
+    ({"output_dir": "/proc/forbidden/out"}, "cannot be written"),
+])
+def test_user_mistakes_are_one_error_line(tmp_path, env, over, message):
+    r = sft(write_config(tmp_path, **over), env, check=False)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [x for x in r.stderr.strip().splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_malformed_yaml(tmp_path, env):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: [oops\n")
+    r = sft(p, env, check=False)
+    assert r.returncode == 2 and r.stderr.strip().startswith("error:") and "malformed YAML" in r.stderr
+
+
+def test_resume_with_a_different_model_is_refused(tmp_path, env):
+    cfg = write_config(tmp_path, max_steps=1, save_steps=1, eval_steps=0)
+    sft(cfg, env)
+    before = sorted(p.name for p in (tmp_path / "out").rglob("*"))
+    r = sft(write_config(tmp_path, max_steps=2, save_steps=1, eval_steps=0, lora_rank=4), env, check=False)
+    assert r.returncode == 2 and "belongs to a different run" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == before  # nothing lost or added
