@@ -225,8 +225,10 @@ def exact_match_report(cfg: SFTConfig, model: Decoder, state, tokenizer) -> floa
     if not path.is_file():
         raise ConfigError(f"exact_match_file={str(path)!r}: file not found")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    v = T.variables(model, state.params, state.trainable)
-    acc, examples = exact_match(model, v, tokenizer, rows, max_samples=cfg.run.exact_match_samples)
+    spec = model.config.lora
+    plain = Decoder(dataclasses.replace(model.config, lora=None))
+    params = merge(state.params, state.trainable, spec) if spec is not None else T.variables(model, {}, state.trainable)["params"]
+    acc, examples = exact_match(plain, params, tokenizer, rows, max_samples=cfg.run.exact_match_samples)
     log.info("exact match on %d held-out prompts from %s: %.1f%%", min(len(rows), cfg.run.exact_match_samples),
              path.name, 100 * acc)
     for prompt, want, got in examples[:3]:
