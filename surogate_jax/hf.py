@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .atomic import atomic_directory
 from .errors import ModelLoadError
 from .models import Decoder, DecoderConfig, config_from_hf, config_to_hf
 from .models import hf_names as names
@@ -183,9 +183,6 @@ def save_pretrained(
     temporary sibling and renamed into place, so a failure never leaves a half-written model; an
     existing non-empty `out_dir` is refused unless `overwrite=True`."""
     out = Path(out_dir).expanduser()
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out}: exists and is not empty (pass overwrite=True to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     params = nn.meta.unbox(params)
     entries = _hf_entries(cfg, params, dtype)
@@ -202,8 +199,7 @@ def save_pretrained(
         size += nbytes
     shards.append(current)
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out, overwrite=overwrite) as tmp:
         weight_map, total = {}, 0
         for k, shard in enumerate(shards):
             fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -214,16 +210,9 @@ def save_pretrained(
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
         if copy_side_files_from is not None:
-            src = Path(copy_side_files_from)
-            for f in src.iterdir():
+            for f in Path(copy_side_files_from).iterdir():
                 if f.is_file() and SIDE_FILES.match(f.name):
                     shutil.copy2(f, tmp / f.name)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

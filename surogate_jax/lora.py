@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .atomic import atomic_directory
 from .config import LoraConfig
 from .errors import ModelLoadError
 from .models import Decoder, LoraSpec
@@ -72,8 +71,6 @@ def save_peft(out_dir: str | os.PathLike, model: Decoder, lora: Any, *, base_mod
     """Writes adapter_model.safetensors + adapter_config.json (PEFT LoRA format)."""
     spec = model.config.lora
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out}: exists and is not empty")
     host = jax.device_get(lora)
     entries, arrays = [], []
     for mod, i, a, b in _entries(host):
@@ -90,17 +87,9 @@ def save_peft(out_dir: str | os.PathLike, model: Decoder, lora: Any, *, base_mod
         "use_rslora": False, "use_dora": False, "modules_to_save": None,
         "base_model_name_or_path": base_model, "revision": None, "layers_to_transform": None,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out, overwrite=overwrite) as tmp:
         write_file(tmp / "adapter_model.safetensors", entries, arrays)
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
