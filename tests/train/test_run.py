@@ -128,3 +128,20 @@ def test_resume_with_a_different_model_is_refused(tmp_path, env):
     r = sft(write_config(tmp_path, max_steps=2, save_steps=1, eval_steps=0, lora_rank=4), env, check=False)
     assert r.returncode == 2 and "belongs to a different run" in r.stderr and "Traceback" not in r.stderr
     assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == before  # nothing lost or added
+
+
+def test_pretrain_from_scratch_on_raw_text(tmp_path, env):
+    text = tmp_path / "corpus.txt"
+    rng = __import__("random").Random(0)
+    text.write_text("\n".join(" ".join(rng.choice(["abc", "de", "fgh", "ij"]) for _ in range(20)) for _ in range(300)))
+    cfg = write_config(tmp_path, datasets=[{"path": str(text), "type": "text"}], max_steps=8, save_steps=8,
+                       eval_steps=0, validation_split_ratio=0.0, learning_rate=3e-3)
+    r = subprocess.run([sys.executable, "-m", "surogate_jax.pretrain", str(cfg)], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "out"
+    assert (out / "model/config.json").is_file() and not (out / "adapter").exists()
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["from_scratch"] is True and saved["lora"] is False and saved["loss_scale"] == "all"
+    ls = losses(out)
+    assert ls[8] < ls[1]  # learns the tiny language
