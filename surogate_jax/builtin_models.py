@@ -1,6 +1,6 @@
 """Built-in models that need nothing from the internet: `resolve("builtin:tiny-qwen3") -> Path`.
 
-`builtin:tiny-qwen3` is a ~1.7M-parameter random-init Qwen3-architecture causal LM with a byte-level
+`builtin:tiny-qwen3` is a ~1M-parameter random-init Qwen3-architecture causal LM with a byte-level
 BPE tokenizer trained locally with `tokenizers`, saved as an ordinary HF model directory (config.json,
 model.safetensors, tokenizer files with a ChatML chat template), so everything downstream
 (`surogate_jax.load_pretrained`, `transformers.AutoModelForCausalLM` / `AutoTokenizer`) treats it like
@@ -18,12 +18,14 @@ The quickstart dataset generator lives here too (`quickstart_rows`), so that the
 text generated in-process (this works from a wheel install, which has no `examples/` folder) and
 `examples/make_quickstart_data.py`, which writes the committed jsonl files, uses the very same code.
 
-Dataset design (why the payload letters are spaced): tasks with exact short answers that a ~1-2M
-parameter model learns in a few hundred CPU steps. String tasks (reverse, uppercase, count, last
-letter) act on random lowercase strings written one letter per word ("reverse: q x k" -> "k x q"):
-with Qwen's pre-tokenizer each " x" is one token, so the model sees characters, not BPE chunks whose
-spelling it would have to memorize; numbers are split into digits by the same pre-tokenizer (as in
-Qwen). Eval rows are (task, input) pairs that never occur in train.
+Dataset design: tasks with exact short answers that a ~1M-parameter model learns in about a thousand
+CPU steps (measured: ~80-90% held-out exact match). Letter tasks (reverse, count, first letter, last
+letter) act on random lowercase strings written one letter per word ("reverse: q x k" -> "k x q"),
+and the tokenizer keeps every single letter a token of its own, so the model sees characters, not
+BPE chunks whose spelling it would have to memorize; number tasks (sort three digits, the number
+after n < 1000) see digits one by one as in Qwen. Eval rows are (task, input) pairs that never occur
+in train. (Adding two numbers below 50, uppercasing and copying were tried too and left out: after
+1000 steps they stayed at 5-30%, while these tasks reach 75-100%.)
 """
 
 from __future__ import annotations
@@ -53,11 +55,11 @@ QUICKSTART_EVAL_ROWS = 200
 # task -> phrasings; `{x}` is the task input as shown to the model.
 PHRASINGS: dict[str, tuple[str, ...]] = {
     "reverse": ("reverse: {x}", "write backwards: {x}"),
-    "uppercase": ("uppercase: {x}", "in capitals: {x}"),
     "count": ("count the letters: {x}", "how many letters: {x}"),
+    "first": ("first letter: {x}", "which letter is first: {x}"),
     "last": ("last letter: {x}", "which letter is last: {x}"),
-    "add": ("add {x}", "what is {x}?"),
     "sort": ("sort: {x}", "sort the digits: {x}"),
+    "next": ("what comes after {x}?", "add one to {x}"),
 }
 TASKS = tuple(PHRASINGS)
 
@@ -68,31 +70,23 @@ def _spaced(s: str) -> str:
 
 def _sample(task: str, rng: random.Random) -> tuple[tuple, str, str]:
     """(key, input text, answer) of one random instance; `key` identifies the (task, input) pair."""
-    if task in ("reverse", "uppercase", "count", "last"):
+    if task in ("reverse", "count", "first", "last"):
         n = rng.randint(2, 8) if task == "count" else rng.randint(3, 6)
         word = "".join(rng.choice(string.ascii_lowercase) for _ in range(n))
-        answer = {
-            "reverse": _spaced(word[::-1]),
-            "uppercase": _spaced(word.upper()),
-            "count": str(n),
-            "last": word[-1],
-        }[task]
+        answer = {"reverse": _spaced(word[::-1]), "count": str(n), "first": word[0], "last": word[-1]}[task]
         return (task, word), _spaced(word), answer
-    if task == "add":
-        a, b = rng.randrange(50), rng.randrange(50)
-        x = f"{a} and {b}" if rng.random() < 0.5 else f"{a} + {b}"
-        return (task, a, b), x, str(a + b)
     if task == "sort":
         digits = [rng.randrange(10) for _ in range(3)]
         return (task, *digits), " ".join(map(str, digits)), " ".join(map(str, sorted(digits)))
+    if task == "next":
+        n = rng.randrange(1000)
+        return (task, n), str(n), str(n + 1)
     raise ValueError(f"unknown task {task!r}")
 
 
 def _row(task: str, x: str, answer: str, rng: random.Random) -> dict:
-    phrasing = rng.choice(PHRASINGS[task])
-    if task == "add":  # "add 3 and 4" / "what is 3 + 4?": keep the operator matching the phrasing
-        x = x.replace(" + ", " and ") if phrasing.startswith("add") else x.replace(" and ", " + ")
-    return {"messages": [{"role": "user", "content": phrasing.format(x=x)}, {"role": "assistant", "content": answer}]}
+    user = rng.choice(PHRASINGS[task]).format(x=x)
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
 
 
 def quickstart_rows(
@@ -130,10 +124,13 @@ def quickstart_rows(
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
-# Qwen2/Qwen3's pre-tokenizer split: letter runs keep one leading non-letter, digits stand alone.
-QWEN_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+"
+# Qwen2/Qwen3's pre-tokenizer split (letter runs keep one leading non-letter, digits stand alone) with
+# one change: a single letter also stands alone (" x" -> " ", "x"), so a letter is the same token
+# wherever it appears; with Qwen's rule the answer's first letter ("x" after "\n") and the prompt's
+# letters (" x") differ, and in our measurements that delayed learning the string tasks ~2x.
+PRE_TOKENIZER_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}{2,}|\p{L}|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # ChatML as in Qwen's templates (no default system prompt, no thinking blocks).
 CHAT_TEMPLATE = (
@@ -165,7 +162,7 @@ def train_tokenizer(rows: list[dict], vocab_size: int = 512):
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLIT), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -196,17 +193,19 @@ def train_tokenizer(rows: list[dict], vocab_size: int = 512):
 
 
 def _tiny_qwen3_config(vocab_size: int):
+    """~1.03M parameters: small enough for ~4k tokens/s of training on 2 CPU cores; 4 layers, because
+    2 layers learned the copying tasks (reverse) about 2x slower per step, i.e. no faster in time."""
     from .models import DecoderConfig
 
     return DecoderConfig(
         model_type="qwen3",
         vocab_size=-(-vocab_size // 64) * 64,  # padded up to a multiple of 64
-        hidden_size=192,
+        hidden_size=128,
         intermediate_size=512,
         num_layers=4,
         num_heads=4,
         num_kv_heads=2,
-        head_dim=48,
+        head_dim=32,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         max_position_embeddings=512,
@@ -231,20 +230,24 @@ def _build_tiny_qwen3(out: Path) -> None:
     params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     save_pretrained(out, model, params, dtype=jnp.float32)
     tokenizer.save_pretrained(out)
+    # Readable by transformers 4.x too: it does not know v5's "TokenizersBackend" class name, and
+    # older 4.x versions read the chat template only from tokenizer_config.json (v5 writes a .jinja).
+    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    tok_cfg.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE)
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
 
-    ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in (("bos", ENDOFTEXT), ("eos", IM_END), ("pad", ENDOFTEXT))}
+    # Token ids as Qwen3 checkpoints carry them: bos = pad = <|endoftext|>, eos = <|im_end|>.
+    eot, eos = tokenizer.convert_tokens_to_ids(ENDOFTEXT), tokenizer.convert_tokens_to_ids(IM_END)
     hf_cfg = json.loads((out / "config.json").read_text())
-    hf_cfg.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+    hf_cfg.update(bos_token_id=eot, eos_token_id=eos, pad_token_id=eot)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    generation = dict(
-        bos_token_id=ids["bos"], eos_token_id=[ids["eos"], ids["pad"]], pad_token_id=ids["pad"], do_sample=False
-    )
+    generation = dict(bos_token_id=eot, eos_token_id=[eos, eot], pad_token_id=eot, do_sample=False)
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
 
 
 # name -> (builder, one line for listings)
 BUILTINS = {
-    "tiny-qwen3": (_build_tiny_qwen3, "1.7M-parameter random-init Qwen3 with a locally trained BPE tokenizer"),
+    "tiny-qwen3": (_build_tiny_qwen3, "1M-parameter random-init Qwen3 with a locally trained BPE tokenizer"),
 }
 
 
@@ -307,7 +310,11 @@ def resolve(name: str) -> Path:
     try:
         _remove_stale_builds(parent, key)
         out = staging / key
-        build(out)
+        try:
+            build(out)
+        except OSError as e:  # disk full, permissions: say where, not a traceback
+            raise ModelLoadError(f"{name}: building it under {parent} failed ({e})") from None
+        os.chmod(out, 0o755)  # mkdtemp made it 0700; a shared cache should be readable like any folder
         (out / MARKER).write_text(json.dumps(_marker(key), indent=2))  # last: marks the build complete
         try:
             os.rename(out, final)

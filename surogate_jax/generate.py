@@ -12,12 +12,14 @@ compile. A row stops at `<|im_end|>` / the tokenizer's eos / `<|endoftext|>`.
 `exact_match` scores rows `{"messages": [..., {"role": "assistant", "content": answer}]}`: the
 prompt is every message before the last, the reference the last message's content; stripped
 strings must be equal.
+
+`params` is the parameter tree, or a full variables dict such as {"params": ..., "lora": ...}.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -49,6 +51,11 @@ def encode_prompts(tokenizer, prompts: Sequence[Sequence[dict]]) -> list[list[in
     return out
 
 
+def _variables(params: Any) -> Any:
+    """`params` may be the params tree or a full variables dict (e.g. {"params": ..., "lora": ...})."""
+    return params if isinstance(params, Mapping) and "params" in params else {"params": params}
+
+
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens"))
 def _decode(model, params, tokens_BL, lengths_B, stop_S, *, max_new_tokens: int):
     """Greedy continuation of right-padded rows: tokens [B, L] with row b's prompt in
@@ -63,7 +70,7 @@ def _decode(model, params, tokens_BL, lengths_B, stop_S, *, max_new_tokens: int)
 
     def body(carry):
         t, tokens_BL, out_BN, done_B, kept_B = carry
-        logits_BLV = model.apply({"params": params}, tokens_BL)
+        logits_BLV = model.apply(_variables(params), tokens_BL)
         pos_B = lengths_B + t - 1  # the last filled position of each row
         next_B = jnp.argmax(logits_BLV[rows, pos_B], axis=-1).astype(tokens_BL.dtype)
         is_stop_B = jnp.any(next_B[:, None] == stop_S[None, :], axis=-1)
@@ -96,8 +103,9 @@ def greedy_generate_ids(
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     results: list[list[int]] = [[] for _ in prompt_ids]
     stop_S = jnp.asarray(np.asarray(stop_ids, np.int32))
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
+    B = min(batch_size, len(prompt_ids))
+    for start in range(0, len(order), B):
+        idx = order[start : start + B]
         longest = max(len(prompt_ids[i]) for i in idx)
         L = -(-(longest + max_new_tokens) // LENGTH_BUCKET) * LENGTH_BUCKET
         if max_pos is not None and longest + max_new_tokens > max_pos:
@@ -105,10 +113,10 @@ def greedy_generate_ids(
                 f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
                 f"max_position_embeddings={max_pos}"
             )
-        # Always a full batch (dummy rows repeat the first prompt), so the last batch reuses the shape.
-        tokens = np.full((batch_size, L), pad_id, np.int32)
-        lengths = np.full((batch_size,), len(prompt_ids[idx[0]]), np.int32)
-        for r, i in enumerate([*idx, *[idx[0]] * (batch_size - len(idx))]):
+        # Always B rows (a short last batch repeats its first prompt), so every batch has one shape.
+        tokens = np.full((B, L), pad_id, np.int32)
+        lengths = np.zeros((B,), np.int32)
+        for r, i in enumerate([*idx, *[idx[0]] * (B - len(idx))]):
             tokens[r, : len(prompt_ids[i])] = prompt_ids[i]
             lengths[r] = len(prompt_ids[i])
         out, kept = _decode(
