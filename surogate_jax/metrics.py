@@ -51,6 +51,16 @@ class RunLogger:
         plot(self.path, self.out / "training_plot.png")
 
 
+def check_backends(run: RunConfig) -> None:
+    """Fails fast (ConfigError) when a report_to backend is not installed."""
+    import importlib.util
+
+    for name in run.report_to or []:
+        mods = ("wandb",) if name == "wandb" else ("tensorboard", "tensorboardX")
+        if not any(importlib.util.find_spec(m) for m in mods):
+            raise ConfigError(f"report_to: {name} needs `pip install {mods[0]}`")
+
+
 def _backend(name: str, out_dir: Path, run: RunConfig, config_flat: dict):
     if name == "wandb":
         try:

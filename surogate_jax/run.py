@@ -24,7 +24,7 @@ from .config import ConfigError, SFTConfig
 from .errors import ModelLoadError
 from .hf import load_pretrained, read_hf_config, resolve_model_dir, save_pretrained
 from .lora import DTYPES, count, init_adapters, lora_spec, merge, save_peft
-from .metrics import RunLogger
+from .metrics import RunLogger, check_backends
 from .models import Decoder, config_from_hf, config_to_hf
 from .optim import make_optimizer
 
@@ -109,6 +109,7 @@ def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
 def run(cfg: SFTConfig, mode: str = "sft") -> dict:
     from .data import BatchLoader, build_datasets
 
+    check_backends(cfg.run)
     out, ckpt = prepare_output(cfg)
     model_dir = resolve_model(cfg.model.model)
     meta = run_meta(cfg, model_dir, mode)

@@ -3,6 +3,7 @@ resume, a SIGKILL during checkpointing, and one-line errors for user mistakes.""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -105,6 +106,8 @@ def test_full_finetune_writes_a_model(tmp_path, env):
     ({"datasets": [{"path": "/does/not/exist.jsonl"}]}, "exist"),
     ({"sequence_len": 1}, "sequence_len=1"),
     ({"output_dir": "/proc/forbidden/out"}, "cannot be written"),
+    pytest.param({"report_to": ["wandb"]}, "report_to: wandb needs", marks=pytest.mark.skipif(
+        importlib.util.find_spec("wandb") is not None, reason="wandb is installed, so its missing-backend error cannot occur")),
 ])
 def test_user_mistakes_are_one_error_line(tmp_path, env, over, message):
     r = sft(write_config(tmp_path, **over), env, check=False)
