@@ -24,7 +24,7 @@ import numpy as np
 
 from .atomic import atomic_directory
 from .errors import ModelLoadError
-from .models import Decoder, DecoderConfig, config_from_hf, config_to_hf
+from .models import Decoder, config_from_hf, config_to_hf
 from .models import hf_names as names
 from .safetensors_io import NAMES, CheckpointReader, write_file
 
@@ -146,7 +146,7 @@ def load_pretrained(
     return model, jax.tree_util.tree_unflatten(treedef, loaded)
 
 
-def _hf_entries(cfg: DecoderConfig, params, save_dtype):
+def _hf_entries(params, save_dtype):
     """(name, dtype, shape, producer) per HF tensor, grouped by our leaf so one leaf is on host at a time."""
     out = []
     for kp, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -185,7 +185,7 @@ def save_pretrained(
     out = Path(out_dir).expanduser()
     cfg = model.config
     params = nn.meta.unbox(params)
-    entries = _hf_entries(cfg, params, dtype)
+    entries = _hf_entries(params, dtype)
     save_np = entries[0][1]
     hf_cfg = {**config_to_hf(cfg), "torch_dtype": _torch_dtype_name(save_np)}
 

@@ -14,7 +14,7 @@ DEFAULTS = {"from_scratch": True, "lora": False, "loss_scale": "all"}
 
 
 def main(argv):
-    return sft_main(argv, mode="pretrain", defaults=DEFAULTS, prog="python -m surogate_jax.pretrain")
+    return sft_main(argv, mode="pretrain", defaults=DEFAULTS, prog="python -m surogate_jax.pretrain", doc=__doc__)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,7 +81,7 @@ def build_model(cfg: SFTConfig, model_dir: Path, mode: str):
         dcfg = config_from_hf(read_hf_config(model_dir), dtype=model_dtype, param_dtype=master, remat_policy=remat)
         model = Decoder(dcfg)
         ids = jnp.zeros((1, 1), jnp.int32)
-        params = T.unbox(jax.jit(model.init)(jax.random.key(cfg.run.train_seed), ids)["params"])
+        params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(cfg.run.train_seed), ids)["params"])
         if cfg.model.init_projections_to_zero:
             params = jax.tree_util.tree_map_with_path(
                 lambda p, x: jnp.zeros_like(x) if any(getattr(k, "key", None) in ("o_proj", "down_proj") for k in p) else x,
@@ -166,12 +168,12 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
                 m.update(step=done, epoch=loader.epoch,
                          tokens_per_s=tokens_per_step / sec if sec else None,
                          mfu=flops * tokens_per_step / sec / peak if (peak and sec) else None)
-                if not T.is_finite(m["loss"]):
+                if not math.isfinite(m["loss"]):
                     raise FloatingPointError(f"loss is {m['loss']} at step {done}; stopping (last checkpoint kept)")
                 logger.log(m)
                 logger.progress(done, m)
             if eval_fn is not None and cfg.run.eval_steps and (done % cfg.run.eval_steps == 0 or done == total):
-                last_eval = evaluate(eval_fn, state, val_docs, loader_cls=BatchLoader, rows=per_process_rows, seq=seq, mesh=mesh)
+                last_eval = evaluate(eval_fn, state, val_docs, rows=per_process_rows, seq=seq, mesh=mesh)
                 logger.log({"step": done, "eval_loss": last_eval})
                 logger.write(f"step {done}: eval loss {last_eval:.4f}")
             if done % cfg.run.save_steps == 0 or done == total:
@@ -192,8 +194,10 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
     return summary
 
 
-def evaluate(eval_fn, state, docs, *, loader_cls, rows: int, seq: int, mesh) -> float:
-    loader = loader_cls(docs, batch_size=rows, sequence_len=seq, packing=False, seed=0, shuffle=False,
+def evaluate(eval_fn, state, docs, *, rows: int, seq: int, mesh) -> float:
+    from .data import BatchLoader
+
+    loader = BatchLoader(docs, batch_size=rows, sequence_len=seq, packing=False, seed=0, shuffle=False,
                         process_index=jax.process_index(), process_count=jax.process_count())
     total, n = 0.0, 0.0
     for b in loader.one_pass():

@@ -18,8 +18,9 @@ def parser(prog: str, doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv, *, mode: str = "sft", defaults: dict | None = None, prog: str = "python -m surogate_jax.sft"):
-    args = parser(prog, __doc__ if mode == "sft" else "").parse_args(argv)
+def main(argv, *, mode: str = "sft", defaults: dict | None = None, prog: str = "python -m surogate_jax.sft",
+         doc: str = __doc__):
+    args = parser(prog, doc).parse_args(argv)
     from .config import load_config
     from .run import run
 

@@ -12,12 +12,10 @@ device by default); XLA inserts the gradient all-reduce.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -41,13 +39,9 @@ class TrainState:
     rng: jax.Array  # raw key data (uint32), so Orbax can save it
 
 
-def is_lora(model: Decoder) -> bool:
-    return model.config.lora is not None
-
-
 def variables(model: Decoder, params: Any, trainable: Any) -> dict:
     """The forward's variables: base + adapters (LoRA), or masters cast to the model dtype."""
-    if is_lora(model):
+    if model.config.lora is not None:
         return {"params": params, "lora": trainable}
     dtype = model.config.param_dtype
     return {"params": jax.tree.map(lambda x: x.astype(dtype), trainable)}
@@ -194,11 +188,3 @@ class Throughput:
             self.rates.append((now - self.t) / (step - self.step))
         self.t, self.step = now, step
         return float(np.median(self.rates[-20:])) if self.rates else None
-
-
-def is_finite(x: float) -> bool:
-    return x is not None and math.isfinite(x)
-
-
-def unbox(tree):
-    return nn.meta.unbox(tree)
