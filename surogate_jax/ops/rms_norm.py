@@ -25,6 +25,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from surogate_jax.ops._loader import resolve_impl
+from surogate_jax.ops._sharding import on_shards
 
 FWD_TARGET = "surogate_rms_norm_fwd"
 BWD_TARGET = "surogate_rms_norm_bwd"
@@ -82,22 +83,31 @@ def _bwd_ffi(dy, x, w, rstd):
     return dx, dw
 
 
+def _pick(impl, ffi, ref):
+    if impl == "ref":
+        return ref
+    if impl == "ffi":
+        return ffi
+    return functools.partial(jax.lax.platform_dependent, cuda=ffi, default=ref)
+
+
+# The reference also runs per shard (on_shards) so CPU tests on a multi-device mesh exercise the
+# same split/psum wiring as the kernels.
 def _fwd(x, w, eps, impl):
     ref = functools.partial(_fwd_ref, eps=eps)
-    ffi = functools.partial(_fwd_ffi, eps=eps)
-    if impl == "ref" or x.size == 0:
+    if x.size == 0:
         return ref(x, w)
-    if impl == "ffi":
-        return ffi(x, w)
-    return jax.lax.platform_dependent(x, w, cuda=ffi, default=ref)
+    fn = _pick(impl, functools.partial(_fwd_ffi, eps=eps), ref)
+    return on_shards(fn, x, w, batched=(True, False), out_batched=(True, True))
 
 
 def _bwd(dy, x, w, rstd, impl):
-    if impl == "ref" or x.size == 0:
+    if x.size == 0:
         return _bwd_ref(dy, x, w, rstd)
-    if impl == "ffi":
-        return _bwd_ffi(dy, x, w, rstd)
-    return jax.lax.platform_dependent(dy, x, w, rstd, cuda=_bwd_ffi, default=_bwd_ref)
+    fn = _pick(impl, _bwd_ffi, _bwd_ref)
+    # dx is per row; dw sums over all rows, so the shards' partial dw are added.
+    return on_shards(fn, dy, x, w, rstd, batched=(True, True, False, True), out_batched=(True, False),
+                     out_summed=(False, True))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
