@@ -10,12 +10,16 @@ namespace nb = nanobind;
 
 namespace surogate::ffi_bind {
 Targets RmsNormTargets();
+Targets SwigluTargets();
+Targets LmHeadCeTargets();
 }  // namespace surogate::ffi_bind
 
 namespace {
 
 using surogate::ffi_bind::Targets;
-constexpr Targets (*kOps[])() = {&surogate::ffi_bind::RmsNormTargets};
+constexpr Targets (*kOps[])() = {&surogate::ffi_bind::RmsNormTargets,
+                                 &surogate::ffi_bind::SwigluTargets,
+                                 &surogate::ffi_bind::LmHeadCeTargets};
 
 }  // namespace
 

@@ -1,0 +1,100 @@
+"""Shared timing and reporting for the per-op benchmarks (bench_<op>.py).
+
+Timing: one jitted program applies a step `steps` times in a dependent chain with an
+optimization barrier between steps (so XLA can neither fuse nor overlap steps); the time per step
+is the median over `repeats` calls after warm-up, divided by `steps`.
+
+Each op is timed per pass, as in training: "fwd" (the forward alone) and "bwd" (the backward alone,
+given what the forward saved). Comparing whole fwd+bwd chains instead would let XLA fuse the
+reference's forward into its backward (reading x once for both), which a real step cannot do
+when the two passes run layers apart; "fwd+bwd" rows are the sum of the two.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+
+PEAK_GBS = 3000.0  # H100 measured device copy bandwidth (read + write)
+
+
+def time_chain(step, carry, steps: int, repeats: int) -> float:
+    """Seconds per step of `carry = step(*carry)` run `steps` times in one jitted program."""
+
+    def run(*c):
+        for _ in range(steps):
+            c = jax.lax.optimization_barrier(tuple(step(*c)))
+        return c
+
+    fn = jax.jit(run)
+    for _ in range(3):
+        jax.block_until_ready(fn(*carry))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*carry))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / steps
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def require_gpu(ffi_available) -> None:
+    if jax.default_backend() != "gpu" or not ffi_available():
+        print("error: needs a CUDA GPU and the built extension surogate_jax._ffi", file=sys.stderr)
+        raise SystemExit(2)
+
+
+class Table:
+    """Prints the compact markdown table and collects JSON records."""
+
+    def __init__(self, op: str, steps: int, repeats: int):
+        self.meta = {
+            "op": op,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
+            "commit": commit(),
+            "steps": steps,
+            "repeats": repeats,
+        }
+        self.records: list[dict] = []
+        m = self.meta
+        print(f"# {op} on {m['device']}, jax {m['jax']}, commit {m['commit']}, {m['date']}")
+        print("| shape | dtype | pass | ours us | xla us | xla/ours | ours GB/s | % of 3000 |")
+        print("|---|---|---|---|---|---|---|---|")
+
+    def add(self, shape: str, dtype: str, pass_: str, ours_s: float, xla_s: float, nbytes: int):
+        gbs = nbytes / ours_s / 1e9
+        rec = {**self.meta, "shape": shape, "dtype": dtype, "pass": pass_, "ours_us": ours_s * 1e6,
+               "xla_us": xla_s * 1e6, "speedup_vs_xla": xla_s / ours_s, "bytes": nbytes,
+               "ours_gbs": gbs, "xla_gbs": nbytes / xla_s / 1e9, "pct_peak": 100 * gbs / PEAK_GBS}
+        self.records.append(rec)
+        print(f"| {shape} | {dtype} | {pass_} | {rec['ours_us']:.1f} | {rec['xla_us']:.1f} | "
+              f"{rec['speedup_vs_xla']:.2f}x | {gbs:.0f} | {rec['pct_peak']:.0f}% |", flush=True)
+
+    def add_passes(self, shape: str, dtype: str, times: dict, nbytes: dict):
+        """times[pass] = (ours_s, xla_s) for "fwd" and "bwd"; adds those and their sum."""
+        for p in ("fwd", "bwd"):
+            self.add(shape, dtype, p, *times[p], nbytes[p])
+        self.add(shape, dtype, "fwd+bwd", times["fwd"][0] + times["bwd"][0],
+                 times["fwd"][1] + times["bwd"][1], nbytes["fwd"] + nbytes["bwd"])
+
+    def write(self, path: str | None) -> None:
+        if path:
+            with open(path, "a") as f:
+                for rec in self.records:
+                    f.write(json.dumps(rec) + "\n")
