@@ -12,6 +12,8 @@ namespace surogate::ffi_bind {
 Targets RmsNormTargets();
 Targets SwigluTargets();
 Targets LmHeadCeTargets();
+Targets Fp8QuantizeTargets();
+Targets Fp8GemmTargets();
 }  // namespace surogate::ffi_bind
 
 namespace {
@@ -19,7 +21,9 @@ namespace {
 using surogate::ffi_bind::Targets;
 constexpr Targets (*kOps[])() = {&surogate::ffi_bind::RmsNormTargets,
                                  &surogate::ffi_bind::SwigluTargets,
-                                 &surogate::ffi_bind::LmHeadCeTargets};
+                                 &surogate::ffi_bind::LmHeadCeTargets,
+                                 &surogate::ffi_bind::Fp8QuantizeTargets,
+                                 &surogate::ffi_bind::Fp8GemmTargets};
 
 }  // namespace
 
