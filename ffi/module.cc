@@ -11,6 +11,7 @@ namespace nb = nanobind;
 namespace surogate::ffi_bind {
 Targets RmsNormTargets();
 Targets SwigluTargets();
+Targets AddRmsNormTargets();
 Targets LmHeadCeTargets();
 Targets Fp8QuantizeTargets();
 Targets Fp8GemmTargets();
@@ -21,6 +22,7 @@ namespace {
 using surogate::ffi_bind::Targets;
 constexpr Targets (*kOps[])() = {&surogate::ffi_bind::RmsNormTargets,
                                  &surogate::ffi_bind::SwigluTargets,
+                                 &surogate::ffi_bind::AddRmsNormTargets,
                                  &surogate::ffi_bind::LmHeadCeTargets,
                                  &surogate::ffi_bind::Fp8QuantizeTargets,
                                  &surogate::ffi_bind::Fp8GemmTargets};

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from surogate_jax.ops import rms_norm
+from surogate_jax.ops import add_rms_norm, rms_norm, swiglu
 
 Dtype = Any
 
@@ -171,6 +171,18 @@ class RMSNorm(nn.Module):
         return rms_norm(x.astype(self.dtype), scale.astype(self.dtype), self.eps)
 
 
+class AddRMSNorm(RMSNorm):
+    """`s = x + residual; h = RMSNorm(s)` as one fused op; returns (h, s). Same `scale` param
+    (HF `weight`) and numerics as RMSNorm applied to the rounded sum."""
+
+    @nn.compact
+    def __call__(self, x, residual):
+        scale = _param(
+            self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,), self.param_dtype
+        )
+        return add_rms_norm(x.astype(self.dtype), residual.astype(self.dtype), scale.astype(self.dtype), self.eps)
+
+
 class Linear(nn.Module):
     """x[..., in] @ kernel[in, *out] (+ bias[*out]); `axes` names every kernel dim."""
 
@@ -264,7 +276,7 @@ class MLP(nn.Module):
         F = cfg.intermediate_size
         gate = Linear((F,), ("embed", "mlp"), cfg, name="gate_proj")(x_BTD)
         up = Linear((F,), ("embed", "mlp"), cfg, name="up_proj")(x_BTD)
-        h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(cfg.dtype)
+        h = swiglu(gate.astype(cfg.dtype), up.astype(cfg.dtype))  # silu(gate) * up, fp32 math, one rounding
         return Linear((cfg.hidden_size,), ("mlp", "embed"), cfg, name="down_proj")(h)
 
 
@@ -276,8 +288,12 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         norm = dict(eps=cfg.rms_norm_eps, axis_name="embed", dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         h = RMSNorm(**norm, name="input_layernorm")(x_BTD)
-        x_BTD = x_BTD + Attention(cfg, name="self_attn")(h, cos_BTK, sin_BTK, segment_ids_BT)
-        h = RMSNorm(**norm, name="post_attention_layernorm")(x_BTD)
+        attn_BTD = Attention(cfg, name="self_attn")(h, cos_BTK, sin_BTK, segment_ids_BT)
+        # One kernel reads attn_out and x and writes the new x and its norm. The closing
+        # `x + mlp(h)` stays a plain add: fusing it with the next layer's input_layernorm would
+        # need the un-added MLP output carried across the nn.scan boundary, i.e. two [B, T, D]
+        # carries per layer that remat keeps, for saving one element-wise pass.
+        h, x_BTD = AddRMSNorm(**norm, name="post_attention_layernorm")(attn_BTD, x_BTD)
         x_BTD = x_BTD + MLP(cfg, name="mlp")(h)
         return x_BTD, None
 

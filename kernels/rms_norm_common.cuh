@@ -1,0 +1,635 @@
+// Device code and launch planning shared by rms_norm.cu and add_rms_norm.cu: RMSNorm over rows,
+// optionally fused with a residual add in front (forward) and the residual gradient (backward).
+//
+//   forward : s = round_T(x + res)  (kRes; else s = x),  res_out = s
+//             rstd = rsqrt(mean(s^2) + eps),  y = s * rstd * w        (fp32 math, y rounded once)
+//   backward: shat = s * rstd,  g = dy * w
+//             dx = rstd * (g - shat * mean(g * shat)) (+ dres when kRes),  dw = sum_rows(dy * shat)
+//
+// Floor: memory bound. Bytes per row: forward 2 x dim x sizeof(T) (read x, write y; +2 with the
+// residual: read res, write res_out), backward 3 x (read dy and s, write dx; +1 reading dres).
+// H100 ~3.0 TB/s copy bandwidth: 16384 x 4096 bf16 fwd 268 MB -> ~89 us, bwd 403 MB -> ~134 us;
+// add_rms_norm fwd 537 MB -> ~179 us, bwd 537 MB -> ~179 us.
+//
+// Design (why):
+//  * Register path (every hidden size a transformer uses): a row is split over a group of
+//    threads, each holding up to kRegVecs 16-byte vectors of it in registers, so the row is read
+//    from DRAM exactly once (the old kernel read it twice: the second read usually hit L2 but
+//    still cost issue slots and L2 bandwidth) and all of a thread's loads are issued before the
+//    first use. The group is a power-of-two slice of a warp when the row has <= 32 x kRegVecs
+//    vectors (D <= 1024 bf16 / 512 fp32; head-dim norms get 4 lanes per row, 64 rows per block)
+//    -- shuffles only, no barriers -- and otherwise a block of <= kMaxRegBlock threads
+//    (D <= 16384 bf16 / 8192 fp32) reduced through shared memory.
+//  * Persistent grid (SMs x resident blocks, grid-stride over rows): each thread always owns the
+//    same columns, so it loads its slice of w once into registers, and in the backward it keeps
+//    its dw partial sums in registers across all its rows. At the end the groups of a block add
+//    their partials in shared memory in a fixed order, each block writes one fp32 row of the
+//    workspace [blocks, dim], and a tiny second kernel sums the workspace over blocks. No
+//    atomics: results are deterministic.
+//  * Inputs read once use streaming loads (ld.global.cs) so they do not evict w or the workspace.
+//  * 16-byte vectors when dim is a multiple of 16 / sizeof(T) and the pointers are 16-byte
+//    aligned; one element per "vector" otherwise (dim = 7, 1001, ...).
+//  * Loop path (fallback for rows too long for registers, e.g. 65536 or scalar dims > 2048): the
+//    previous two-pass design: the row is reduced, then re-read (L1/L2) and written. Residual
+//    variants there run the add (forward) or the dres add (backward) as a separate element-wise
+//    pass: correct, slower, only for shapes no model here uses.
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <initializer_list>
+
+#include "kernels/surogate_vec.cuh"
+
+namespace surogate {
+namespace {  // internal linkage: each including .cu gets its own copy
+namespace normk {
+
+using vec::kVec;
+using vec::Raw;
+
+constexpr int kWarp = 32;
+constexpr int kRegVecs = 4;           // vectors per thread in the register path (forward)
+// Backward: dy, s (and dres) plus fp32 dw partials per thread; 8-wide 16-bit vectors hold two
+// vectors per thread so the kernel stays within 128 registers without spilling.
+template <int N> constexpr int kBwdVecs = N == 8 ? 2 : 4;
+constexpr int kSubWarpThreads = 256;  // block size when row groups are warp slices
+constexpr int kMaxRegBlock = 512;     // largest row group (block) of the register path
+constexpr int kFinalRows = 16;        // threadIdx.y extent of the dw finalize kernel
+
+#define SUROGATE_NORM_TRY(expr)             \
+  do {                                      \
+    const cudaError_t err_ = (expr);        \
+    if (err_ != cudaSuccess) return err_;   \
+  } while (0)
+
+// How a thread walks the rows. `first` and `stride` are uniform over a warp (sub-warp mode) or a
+// block (block mode), so every thread reaches the same shuffles and barriers; a group whose row
+// is past the end just contributes zeros.
+struct RowLoop {
+  int64_t first;   // row of group 0 of this warp/block in the first iteration
+  int64_t stride;  // rows advanced per iteration
+  int sub;         // this thread's group offset from `first`
+  int lane;        // index within the group
+  int width;       // threads per group
+};
+
+template <bool kBlockRow>
+__device__ __forceinline__ RowLoop row_loop(int width) {
+  if constexpr (kBlockRow) {
+    return {static_cast<int64_t>(blockIdx.x), static_cast<int64_t>(gridDim.x), 0,
+            static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x)};
+  } else {
+    const int warps = blockDim.x / kWarp, warp = threadIdx.x / kWarp, per_warp = kWarp / width;
+    return {(static_cast<int64_t>(blockIdx.x) * warps + warp) * per_warp,
+            static_cast<int64_t>(gridDim.x) * warps * per_warp,
+            static_cast<int>(threadIdx.x % kWarp) / width, static_cast<int>(threadIdx.x) % width,
+            width};
+  }
+}
+
+__device__ __forceinline__ float xor_sum(float v, int span) {
+  for (int o = span / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum of v over the thread's group. All threads of the warp (block) must call it.
+template <bool kBlockRow>
+__device__ __forceinline__ float group_sum(float v, int width, float* red) {
+  if constexpr (!kBlockRow) {
+    return xor_sum(v, width);  // xor offsets < width stay inside the aligned group
+  } else {
+    const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+    v = xor_sum(v, kWarp);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+      float t = lane < static_cast<int>(blockDim.x / kWarp) ? red[lane] : 0.f;
+      t = xor_sum(t, kWarp);
+      if (lane == 0) red[kWarp] = t;
+    }
+    __syncthreads();
+    return red[kWarp];  // next write to red[kWarp] comes after the next call's first barrier
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Register path.
+
+template <typename T, int N, bool kBlockRow, bool kRes>
+__global__ void __launch_bounds__(kMaxRegBlock)
+    fwd_reg_kernel(const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ w,
+                   T* __restrict__ y, T* __restrict__ res_out, float* __restrict__ rstd,
+                   int64_t rows, int dim, int width, float eps) {
+  __shared__ float red[kWarp + 1];
+  const RowLoop L = row_loop<kBlockRow>(width);
+  const int nvec = dim / N;
+  Raw<T, N> wr[kRegVecs];
+#pragma unroll
+  for (int j = 0; j < kRegVecs; ++j) {
+    const int i = L.lane + j * L.width;
+    if (i < nvec) wr[j] = vec::load_raw<T, N>(w + static_cast<int64_t>(i) * N);
+  }
+  for (int64_t base = L.first; base < rows; base += L.stride) {
+    const int64_t row = base + L.sub;
+    const bool active = row < rows;
+    const int64_t off = (active ? row : 0) * dim;
+    Raw<T, N> xr[kRegVecs];
+    float ss = 0.f;
+    if (active) {
+      Raw<T, N> rr[kRes ? kRegVecs : 1];
+#pragma unroll
+      for (int j = 0; j < kRegVecs; ++j) {
+        const int i = L.lane + j * L.width;
+        if (i < nvec) {
+          xr[j] = vec::load_raw_stream<T, N>(x + off + static_cast<int64_t>(i) * N);
+          if constexpr (kRes) rr[j] = vec::load_raw_stream<T, N>(res + off + static_cast<int64_t>(i) * N);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kRegVecs; ++j) {
+        const int i = L.lane + j * L.width;
+        if (i < nvec) {
+          float v[N];
+          vec::unpack(xr[j], v);
+          if constexpr (kRes) {
+            float b[N];
+            vec::unpack(rr[j], b);
+#pragma unroll
+            for (int k = 0; k < N; ++k) v[k] += b[k];
+            xr[j] = vec::pack<T, N>(v);  // the residual stream is kept in T: round, then norm
+            vec::store_raw<T, N>(res_out + off + static_cast<int64_t>(i) * N, xr[j]);
+            vec::unpack(xr[j], v);
+          }
+#pragma unroll
+          for (int k = 0; k < N; ++k) ss += v[k] * v[k];
+        }
+      }
+    }
+    ss = group_sum<kBlockRow>(ss, L.width, red);
+    if (!active) continue;  // no shuffle or barrier below
+    const float r = rsqrtf(ss / static_cast<float>(dim) + eps);
+    if (L.lane == 0) rstd[row] = r;
+#pragma unroll
+    for (int j = 0; j < kRegVecs; ++j) {
+      const int i = L.lane + j * L.width;
+      if (i < nvec) {
+        float v[N], g[N], o[N];
+        vec::unpack(xr[j], v);
+        vec::unpack(wr[j], g);
+#pragma unroll
+        for (int k = 0; k < N; ++k) o[k] = v[k] * r * g[k];
+        vec::store<T, N>(y + off + static_cast<int64_t>(i) * N, o);
+      }
+    }
+  }
+}
+
+// ws: [gridDim.x, dim] fp32; block b writes its dw partial sums to row b. Sub-warp mode needs
+// (blockDim.x / width) x dim floats of dynamic shared memory to add its groups' partials.
+template <typename T, int N, bool kBlockRow, bool kRes>
+__global__ void __launch_bounds__(kMaxRegBlock)
+    bwd_reg_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                   const float* __restrict__ rstd, const T* __restrict__ dres,
+                   T* __restrict__ dx, float* __restrict__ ws, int64_t rows, int dim, int width) {
+  extern __shared__ float smem[];
+  __shared__ float red[kWarp + 1];
+  const RowLoop L = row_loop<kBlockRow>(width);
+  const int nvec = dim / N;
+  // w is re-read per row from L1 (not held in registers like in the forward): the backward
+  // already holds dy, s (and dres) and the fp32 dw partials, and more would spill.
+  float acc[kBwdVecs<N>][N];
+#pragma unroll
+  for (int j = 0; j < kBwdVecs<N>; ++j) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) acc[j][k] = 0.f;
+  }
+  for (int64_t base = L.first; base < rows; base += L.stride) {
+    const int64_t row = base + L.sub;
+    const bool active = row < rows;
+    const int64_t off = (active ? row : 0) * dim;
+    Raw<T, N> ar[kBwdVecs<N>], br[kBwdVecs<N>], dr[kRes ? kBwdVecs<N> : 1];
+    float r = 0.f, dot = 0.f;  // dot = sum(dy * w * s)
+    if (active) {
+      r = rstd[row];
+#pragma unroll
+      for (int j = 0; j < kBwdVecs<N>; ++j) {
+        const int i = L.lane + j * L.width;
+        if (i < nvec) {
+          const int64_t c = off + static_cast<int64_t>(i) * N;
+          ar[j] = vec::load_raw_stream<T, N>(dy + c);
+          br[j] = vec::load_raw_stream<T, N>(x + c);
+          if constexpr (kRes) dr[j] = vec::load_raw_stream<T, N>(dres + c);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBwdVecs<N>; ++j) {
+        const int i = L.lane + j * L.width;
+        if (i < nvec) {
+          float a[N], b[N], g[N];
+          vec::unpack(ar[j], a);
+          vec::unpack(br[j], b);
+          vec::load<T, N>(w + static_cast<int64_t>(i) * N, g);
+#pragma unroll
+          for (int k = 0; k < N; ++k) dot += a[k] * g[k] * b[k];
+        }
+      }
+    }
+    dot = group_sum<kBlockRow>(dot, L.width, red);
+    if (!active) continue;
+    const float m = r * dot / static_cast<float>(dim);  // mean(g * shat)
+#pragma unroll
+    for (int j = 0; j < kBwdVecs<N>; ++j) {
+      const int i = L.lane + j * L.width;
+      if (i < nvec) {
+        float a[N], b[N], g[N], o[N];
+        vec::unpack(ar[j], a);
+        vec::unpack(br[j], b);
+        vec::load<T, N>(w + static_cast<int64_t>(i) * N, g);
+        if constexpr (kRes) vec::unpack(dr[j], o);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          const float shat = b[k] * r;
+          const float d = r * (a[k] * g[k] - shat * m);
+          o[k] = kRes ? o[k] + d : d;
+          acc[j][k] += a[k] * shat;
+        }
+        vec::store<T, N>(dx + off + static_cast<int64_t>(i) * N, o);
+      }
+    }
+  }
+
+  float* block_ws = ws + static_cast<int64_t>(blockIdx.x) * dim;
+  if constexpr (kBlockRow) {
+#pragma unroll
+    for (int j = 0; j < kBwdVecs<N>; ++j) {
+      const int i = L.lane + j * L.width;
+      if (i < nvec) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) block_ws[i * N + k] = acc[j][k];
+      }
+    }
+  } else {
+    const int groups = static_cast<int>(blockDim.x) / width;
+    float* part = smem + static_cast<int64_t>(threadIdx.x / width) * dim;
+#pragma unroll
+    for (int j = 0; j < kBwdVecs<N>; ++j) {
+      const int i = L.lane + j * L.width;
+      if (i < nvec) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) part[i * N + k] = acc[j][k];
+      }
+    }
+    __syncthreads();
+    for (int col = threadIdx.x; col < dim; col += blockDim.x) {
+      float s = 0.f;
+      for (int q = 0; q < groups; ++q) s += smem[q * dim + col];
+      block_ws[col] = s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loop path (rows too long for the register path): reduce, then re-read the row.
+
+template <typename T, int N, bool kBlockRow>
+__global__ void __launch_bounds__(1024)
+    fwd_loop_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+                    float* __restrict__ rstd, int64_t rows, int dim, int width, float eps) {
+  __shared__ float red[kWarp + 1];
+  const RowLoop L = row_loop<kBlockRow>(width);
+  const int nvec = dim / N;
+  for (int64_t base = L.first; base < rows; base += L.stride) {
+    const int64_t row = base + L.sub;
+    const bool active = row < rows;
+    const int64_t off = (active ? row : 0) * dim;
+    float ss = 0.f;
+    if (active) {
+      for (int i = L.lane; i < nvec; i += L.width) {
+        float v[N];
+        vec::load<T, N>(x + off + static_cast<int64_t>(i) * N, v);
+#pragma unroll
+        for (int k = 0; k < N; ++k) ss += v[k] * v[k];
+      }
+    }
+    ss = group_sum<kBlockRow>(ss, width, red);
+    if (!active) continue;
+    const float r = rsqrtf(ss / static_cast<float>(dim) + eps);
+    if (L.lane == 0) rstd[row] = r;
+    for (int i = L.lane; i < nvec; i += L.width) {
+      const int64_t c = static_cast<int64_t>(i) * N;
+      float v[N], g[N], o[N];
+      vec::load<T, N>(x + off + c, v);
+      vec::load<T, N>(w + c, g);
+#pragma unroll
+      for (int k = 0; k < N; ++k) o[k] = v[k] * r * g[k];
+      vec::store<T, N>(y + off + c, o);
+    }
+  }
+}
+
+// With smem_partials the group partials live in dynamic shared memory ([groups, dim], transposed
+// within a row so consecutive lanes hit consecutive banks); otherwise (block mode, dim too large
+// for shared memory) directly in the block's workspace row.
+template <typename T, int N, bool kBlockRow>
+__global__ void __launch_bounds__(1024)
+    bwd_loop_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                    const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ ws,
+                    int64_t rows, int dim, int width, bool smem_partials) {
+  extern __shared__ float smem[];
+  __shared__ float red[kWarp + 1];
+  const RowLoop L = row_loop<kBlockRow>(width);
+  const int nvec = dim / N;
+  const int groups = kBlockRow ? 1 : static_cast<int>(blockDim.x) / width;
+  const int group = kBlockRow ? 0 : static_cast<int>(threadIdx.x) / width;
+  float* block_ws = ws + static_cast<int64_t>(blockIdx.x) * dim;
+  float* part = smem_partials ? smem + static_cast<int64_t>(group) * dim : block_ws;
+  float* zero_base = smem_partials ? smem : block_ws;
+  const int zero_n = smem_partials ? groups * dim : dim;
+  for (int i = threadIdx.x; i < zero_n; i += blockDim.x) zero_base[i] = 0.f;
+  __syncthreads();
+
+  for (int64_t base = L.first; base < rows; base += L.stride) {
+    const int64_t row = base + L.sub;
+    const bool active = row < rows;
+    const int64_t off = (active ? row : 0) * dim;
+    const float r = active ? rstd[row] : 0.f;
+    float dot = 0.f;
+    if (active) {
+      for (int i = L.lane; i < nvec; i += L.width) {
+        const int64_t c = static_cast<int64_t>(i) * N;
+        float a[N], b[N], g[N];
+        vec::load<T, N>(dy + off + c, a);
+        vec::load<T, N>(x + off + c, b);
+        vec::load<T, N>(w + c, g);
+#pragma unroll
+        for (int k = 0; k < N; ++k) dot += a[k] * g[k] * b[k];
+      }
+    }
+    dot = group_sum<kBlockRow>(dot, width, red);
+    if (!active) continue;
+    const float m = r * dot / static_cast<float>(dim);
+    for (int i = L.lane; i < nvec; i += L.width) {
+      const int64_t c = static_cast<int64_t>(i) * N;
+      float a[N], b[N], g[N], o[N];
+      vec::load<T, N>(dy + off + c, a);
+      vec::load<T, N>(x + off + c, b);
+      vec::load<T, N>(w + c, g);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const float xhat = b[k] * r;
+        o[k] = r * (a[k] * g[k] - xhat * m);
+        part[smem_partials ? k * nvec + i : i * N + k] += a[k] * xhat;
+      }
+      vec::store<T, N>(dx + off + c, o);
+    }
+  }
+
+  __syncthreads();
+  if (smem_partials) {
+    for (int col = threadIdx.x; col < dim; col += blockDim.x) {
+      const int idx = (col % N) * nvec + col / N;
+      float s = 0.f;
+      for (int q = 0; q < groups; ++q) s += smem[q * dim + idx];
+      block_ws[col] = s;
+    }
+  }
+}
+
+// out = round_T(a + b), element-wise (out may alias a). Loop path's residual adds only.
+template <typename T>
+__global__ void add_kernel(const T* a, const T* b, T* out, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = vec::from_float<T>(vec::to_float(a[i]) + vec::to_float(b[i]));
+  }
+}
+
+// dw[col] = sum over the `parts` rows of ws[:, col]. Block (32, kFinalRows), one column per x.
+template <typename T>
+__global__ void dw_finalize_kernel(const float* __restrict__ ws, T* __restrict__ dw, int parts,
+                                   int dim) {
+  __shared__ float acc[kFinalRows][kWarp + 1];
+  const int col = blockIdx.x * kWarp + threadIdx.x;
+  float s = 0.f;
+  if (col < dim) {
+    for (int p = threadIdx.y; p < parts; p += kFinalRows) s += ws[static_cast<int64_t>(p) * dim + col];
+  }
+  acc[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < dim) {
+    float t = 0.f;
+#pragma unroll
+    for (int j = 0; j < kFinalRows; ++j) t += acc[j][threadIdx.x];
+    dw[col] = vec::from_float<T>(t);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side: launch plans.
+
+struct Plan {
+  int vec = 1;             // elements per vector (1 or 16 / sizeof(T))
+  bool reg = true;         // register path (else loop path)
+  bool block_row = false;  // a block per row (else warp-slice groups of `width` lanes)
+  int width = kWarp;       // threads per row group
+  int threads = 0;
+  int rows_per_block = 1;  // rows one block handles per iteration
+  size_t smem = 0;         // dynamic shared memory bytes
+  bool smem_partials = true;  // loop path backward only
+  int blocks = 0;
+};
+
+template <typename T>
+int pick_vec(int64_t dim, std::initializer_list<const void*> ptrs) {
+  if (dim % kVec<T> != 0) return 1;
+  for (const void* p : ptrs) {
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return 1;
+  }
+  return kVec<T>;
+}
+
+// Thread layout; depends only on the number of vectors per row and how many a thread holds.
+inline Plan layout_plan(int64_t dim, int vec, int vecs_per_thread) {
+  Plan p;
+  p.vec = vec;
+  const int64_t nvec = dim / vec;
+  const int64_t per = (nvec + vecs_per_thread - 1) / vecs_per_thread;  // threads a row needs
+  if (per <= kWarp) {
+    int width = 1;
+    while (width < per) width *= 2;
+    p.reg = true;
+    p.block_row = false;
+    p.width = width;
+    p.threads = kSubWarpThreads;
+    p.rows_per_block = kSubWarpThreads / width;
+  } else if (per <= kMaxRegBlock) {
+    p.reg = true;
+    p.block_row = true;
+    p.threads = static_cast<int>((per + kWarp - 1) / kWarp * kWarp);
+    p.width = p.threads;
+    p.rows_per_block = 1;
+  } else {
+    // Loop path: about two vectors per thread per pass, a whole number of warps, <= 1024 threads.
+    const int64_t t = ((nvec + 1) / 2 + kWarp - 1) / kWarp * kWarp;
+    p.reg = false;
+    p.block_row = true;
+    p.width = static_cast<int>(std::min<int64_t>(t, 1024));
+    p.threads = p.width;
+    p.rows_per_block = 1;
+  }
+  return p;
+}
+
+// Persistent grid: as many blocks as fit on the device at once, but no more than there is work.
+template <typename Kernel>
+cudaError_t size_grid(Kernel kernel, int64_t rows, Plan& p) {
+  int dev = 0, sms = 0, per_sm = 0;
+  SUROGATE_NORM_TRY(cudaGetDevice(&dev));
+  SUROGATE_NORM_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (p.smem > 48 * 1024) {
+    SUROGATE_NORM_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(p.smem)));
+  }
+  SUROGATE_NORM_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, p.threads, p.smem));
+  const int64_t need = (rows + p.rows_per_block - 1) / p.rows_per_block;
+  const int64_t fit = static_cast<int64_t>(std::max(sms, 1)) * std::max(per_sm, 1);
+  p.blocks = static_cast<int>(std::max<int64_t>(1, std::min(need, fit)));
+  return cudaSuccess;
+}
+
+template <typename T, bool kRes>
+using FwdRegKernel = void (*)(const T*, const T*, const T*, T*, T*, float*, int64_t, int, int, float);
+template <typename T, bool kRes>
+using BwdRegKernel = void (*)(const T*, const T*, const T*, const float*, const T*, T*, float*,
+                              int64_t, int, int);
+template <typename T>
+using FwdLoopKernel = void (*)(const T*, const T*, T*, float*, int64_t, int, int, float);
+template <typename T>
+using BwdLoopKernel = void (*)(const T*, const T*, const T*, const float*, T*, float*, int64_t,
+                               int, int, bool);
+
+template <typename T, bool kRes>
+FwdRegKernel<T, kRes> fwd_reg(const Plan& p) {
+  constexpr int V = kVec<T>;
+  if (p.vec == 1) return p.block_row ? fwd_reg_kernel<T, 1, true, kRes> : fwd_reg_kernel<T, 1, false, kRes>;
+  return p.block_row ? fwd_reg_kernel<T, V, true, kRes> : fwd_reg_kernel<T, V, false, kRes>;
+}
+
+template <typename T, bool kRes>
+BwdRegKernel<T, kRes> bwd_reg(const Plan& p) {
+  constexpr int V = kVec<T>;
+  if (p.vec == 1) return p.block_row ? bwd_reg_kernel<T, 1, true, kRes> : bwd_reg_kernel<T, 1, false, kRes>;
+  return p.block_row ? bwd_reg_kernel<T, V, true, kRes> : bwd_reg_kernel<T, V, false, kRes>;
+}
+
+template <typename T>
+FwdLoopKernel<T> fwd_loop(const Plan& p) {
+  constexpr int V = kVec<T>;
+  if (p.vec == 1) return p.block_row ? fwd_loop_kernel<T, 1, true> : fwd_loop_kernel<T, 1, false>;
+  return p.block_row ? fwd_loop_kernel<T, V, true> : fwd_loop_kernel<T, V, false>;
+}
+
+template <typename T>
+BwdLoopKernel<T> bwd_loop(const Plan& p) {
+  constexpr int V = kVec<T>;
+  if (p.vec == 1) return p.block_row ? bwd_loop_kernel<T, 1, true> : bwd_loop_kernel<T, 1, false>;
+  return p.block_row ? bwd_loop_kernel<T, V, true> : bwd_loop_kernel<T, V, false>;
+}
+
+template <typename T>
+cudaError_t launch_add(const T* a, const T* b, T* out, int64_t n, cudaStream_t stream) {
+  const int64_t blocks = std::min<int64_t>((n + 255) / 256, 4096);
+  add_kernel<T><<<static_cast<unsigned>(std::max<int64_t>(blocks, 1)), 256, 0, stream>>>(a, b, out, n);
+  return cudaGetLastError();
+}
+
+// Forward: kRes = false -> plain RMSNorm of x (res, res_out unused); else s = x + res is
+// written to res_out and normalized.
+template <typename T, bool kRes>
+cudaError_t norm_fwd(const T* x, const T* res, const T* w, T* y, T* res_out, float* rstd,
+                     int64_t rows, int64_t dim, float eps, cudaStream_t stream) {
+  if (dim <= 0 || dim > INT_MAX || rows < 0) return cudaErrorInvalidValue;
+  if (kRes && (res == nullptr || res_out == nullptr)) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  if constexpr (!kRes) res = res_out = nullptr;
+  Plan p = layout_plan(dim, pick_vec<T>(dim, {x, res, w, y, res_out}), kRegVecs);
+  const int d = static_cast<int>(dim);
+  if (p.reg) {
+    const auto k = fwd_reg<T, kRes>(p);
+    SUROGATE_NORM_TRY(size_grid(k, rows, p));
+    k<<<p.blocks, p.threads, 0, stream>>>(x, res, w, y, res_out, rstd, rows, d, p.width, eps);
+    return cudaGetLastError();
+  }
+  const T* src = x;
+  if constexpr (kRes) {
+    SUROGATE_NORM_TRY(launch_add<T>(x, res, res_out, rows * dim, stream));
+    src = res_out;
+  }
+  const auto k = fwd_loop<T>(p);
+  SUROGATE_NORM_TRY(size_grid(k, rows, p));
+  k<<<p.blocks, p.threads, 0, stream>>>(src, w, y, rstd, rows, d, p.width, eps);
+  return cudaGetLastError();
+}
+
+// Backward: x is the normalized input (s); kRes = false -> plain RMSNorm backward (dres
+// unused), else dx = norm backward + dres. `workspace`: fp32 scratch of workspace_bytes (16-byte
+// aligned), at least one row of dim floats; the grid uses at most workspace_bytes / (4 * dim)
+// blocks.
+template <typename T, bool kRes>
+cudaError_t norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, const T* dres, T* dx,
+                     T* dw, int64_t rows, int64_t dim, void* workspace, size_t workspace_bytes,
+                     cudaStream_t stream) {
+  if (dim <= 0 || dim > INT_MAX || rows < 0) return cudaErrorInvalidValue;
+  if (kRes && dres == nullptr) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaMemsetAsync(dw, 0, static_cast<size_t>(dim) * sizeof(T), stream);
+  const int64_t ws_rows =
+      static_cast<int64_t>(workspace_bytes / (static_cast<size_t>(dim) * sizeof(float)));
+  if (workspace == nullptr || ws_rows < 1 || reinterpret_cast<uintptr_t>(workspace) % 16 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if constexpr (!kRes) dres = nullptr;
+  float* ws = static_cast<float*>(workspace);
+  const int d = static_cast<int>(dim);
+  const size_t row_bytes = static_cast<size_t>(dim) * sizeof(float);
+  const int vec = pick_vec<T>(dim, {dy, x, w, dres, dx});
+  Plan p = layout_plan(dim, vec, vec == 1 ? kBwdVecs<1> : kBwdVecs<kVec<T>>);
+  if (p.reg) {
+    p.smem = p.block_row ? 0 : static_cast<size_t>(p.threads / p.width) * row_bytes;  // <= 16 KiB
+    const auto k = bwd_reg<T, kRes>(p);
+    SUROGATE_NORM_TRY(size_grid(k, rows, p));
+    p.blocks = static_cast<int>(std::min<int64_t>(p.blocks, ws_rows));
+    k<<<p.blocks, p.threads, p.smem, stream>>>(dy, x, w, rstd, dres, dx, ws, rows, d, p.width);
+    SUROGATE_NORM_TRY(cudaGetLastError());
+  } else {
+    if (p.block_row) {
+      int dev = 0, optin = 0;
+      SUROGATE_NORM_TRY(cudaGetDevice(&dev));
+      SUROGATE_NORM_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+      // Leave room for the static `red` array; beyond that keep partials in global memory.
+      p.smem_partials = row_bytes + 1024 <= static_cast<size_t>(optin);
+      p.smem = p.smem_partials ? row_bytes : 0;
+    } else {
+      p.smem_partials = true;
+      p.smem = static_cast<size_t>(p.threads / p.width) * row_bytes;
+    }
+    const auto k = bwd_loop<T>(p);
+    SUROGATE_NORM_TRY(size_grid(k, rows, p));
+    p.blocks = static_cast<int>(std::min<int64_t>(p.blocks, ws_rows));
+    k<<<p.blocks, p.threads, p.smem, stream>>>(dy, x, w, rstd, dx, ws, rows, d, p.width,
+                                               p.smem_partials);
+    SUROGATE_NORM_TRY(cudaGetLastError());
+    if constexpr (kRes) SUROGATE_NORM_TRY(launch_add<T>(dx, dres, dx, rows * dim, stream));
+  }
+  const dim3 block(kWarp, kFinalRows);
+  const unsigned grid = static_cast<unsigned>((dim + kWarp - 1) / kWarp);
+  dw_finalize_kernel<T><<<grid, block, 0, stream>>>(ws, dw, p.blocks, d);
+  return cudaGetLastError();
+}
+
+#undef SUROGATE_NORM_TRY
+
+}  // namespace normk
+}  // namespace
+}  // namespace surogate
