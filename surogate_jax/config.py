@@ -175,12 +175,18 @@ class OptimConfig:
     cooldown_steps: int = 0
     final_lr_fraction: float = 0.0
     wsd_decay_steps_fraction: float = 0.1
+    # NorMuon (optimizer: normuon): momentum, neuron-wise second-moment EMA, sign-agreeing weight decay.
+    normuon_momentum: float = 0.95
+    normuon_beta2: float = 0.95
+    normuon_cautious_wd: bool = True
 
     def __post_init__(self):
-        _check(self.optimizer == "adamw",
+        ok = ("adamw", "normuon")
+        _check(self.optimizer in ok,
                f"optimizer={self.optimizer!r}: "
-               + ("not supported yet (8-bit AdamW and NorMuon are coming); use adamw"
-                  if self.optimizer in ("adamw_8bit", "normuon") else "use adamw"))
+               + ("not supported yet; " if self.optimizer == "adamw_8bit" else "") + f"use one of {', '.join(ok)}")
+        for k in ("normuon_momentum", "normuon_beta2"):
+            _check(0.0 <= getattr(self, k) < 1.0, f"{k}={getattr(self, k)}: must be in [0, 1)")
         _check(self.learning_rate > 0, f"learning_rate={self.learning_rate}: must be > 0")
         _check(self.lr_scheduler_type in ("constant", "linear", "cosine", "wsd"),
                f"lr_scheduler_type={self.lr_scheduler_type!r}: use constant, linear, cosine or wsd")
@@ -253,7 +259,7 @@ NOT_YET = frozenset(
     no_fp4_stochastic_rounding matmul_dtype gradient_dtype use_fused_rope qlora_bnb
     qlora_bnb_block_size qlora_bnb_double_quant qlora_fp8 qlora_block_size qlora_fp4
     qlora_four_over_six qlora_selective_expert_dequant qlora_offload_experts adapter_path
-    adapter_init_mode train_router normuon_momentum normuon_beta2 normuon_cautious_wd
+    adapter_init_mode train_router
     zero_level shard_weights shard_gradients offload_optimizer offload_master offload_grads
     offload_residual offload_saved_tensors offload_quants persistent_quants cpu_training
     use_zero_copy use_write_combined distributed gpus ep_size parallelism sequence_chunks

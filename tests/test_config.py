@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,20 @@ def test_bad_configs_name_the_key(raw, message):
     with pytest.raises(ConfigError) as e:
         config_from_dict({**BASE, **raw})
     assert message in str(e.value)
+
+
+def test_normuon_keys():
+    c = config_from_dict({**BASE, "optimizer": "normuon"})
+    assert (c.optim.optimizer, c.optim.normuon_momentum, c.optim.normuon_beta2, c.optim.normuon_cautious_wd) == (
+        "normuon", 0.95, 0.95, True)
+    c = config_from_dict({**BASE, "optimizer": "normuon", "normuon_momentum": 0.9, "normuon_beta2": "5e-1",
+                          "normuon_cautious_wd": False})
+    assert (c.optim.normuon_momentum, c.optim.normuon_beta2, c.optim.normuon_cautious_wd) == (0.9, 0.5, False)
+    for raw, message in (({"normuon_beta2": 1.0}, "normuon_beta2=1.0: must be in [0, 1)"),
+                         ({"normuon_cautious_wd": "yes"}, "normuon_cautious_wd: expected bool"),
+                         ({"optimizer": "muon"}, "optimizer='muon': use one of")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            config_from_dict({**BASE, **raw})
 
 
 def test_not_yet_keys_at_default_are_accepted():

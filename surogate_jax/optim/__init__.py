@@ -2,6 +2,7 @@
 
 `make_optimizer(cfg, total_steps)` -> (tx, schedule). Decoupled weight decay skips norm scales and
 biases. Global-norm clipping (max_grad_norm > 0) comes first, as in Surogate.
+`optimizer: normuon` is `normuon.normuon` (NorMuon on hidden matrices, AdamW on the rest).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import jax
 import optax
 
 from ..config import OptimConfig
+from .normuon import normuon
 from .schedules import make_schedule
 
 
@@ -26,9 +28,14 @@ def make_optimizer(cfg: OptimConfig, total_steps: int):
     parts = []
     if cfg.max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
-    parts.append(optax.adamw(schedule, b1=cfg.adamw_beta1, b2=cfg.adamw_beta2, eps=cfg.adamw_epsilon,
-                             weight_decay=cfg.weight_decay, mask=decay_mask))
+    if cfg.optimizer == "normuon":
+        parts.append(normuon(schedule, momentum=cfg.normuon_momentum, beta2=cfg.normuon_beta2,
+                             weight_decay=cfg.weight_decay, cautious_wd=cfg.normuon_cautious_wd,
+                             adam_b1=cfg.adamw_beta1, adam_b2=cfg.adamw_beta2, adam_eps=cfg.adamw_epsilon))
+    else:
+        parts.append(optax.adamw(schedule, b1=cfg.adamw_beta1, b2=cfg.adamw_beta2, eps=cfg.adamw_epsilon,
+                                 weight_decay=cfg.weight_decay, mask=decay_mask))
     return optax.chain(*parts), schedule
 
 
-__all__ = ["decay_mask", "make_optimizer", "make_schedule"]
+__all__ = ["decay_mask", "make_optimizer", "make_schedule", "normuon"]
