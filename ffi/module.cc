@@ -13,6 +13,7 @@ Targets RmsNormTargets();
 Targets SwigluTargets();
 Targets AddRmsNormTargets();
 Targets LmHeadCeTargets();
+Targets RopeTargets();
 Targets Fp8QuantizeTargets();
 Targets Fp8GemmTargets();
 }  // namespace surogate::ffi_bind
@@ -24,6 +25,7 @@ constexpr Targets (*kOps[])() = {&surogate::ffi_bind::RmsNormTargets,
                                  &surogate::ffi_bind::SwigluTargets,
                                  &surogate::ffi_bind::AddRmsNormTargets,
                                  &surogate::ffi_bind::LmHeadCeTargets,
+                                 &surogate::ffi_bind::RopeTargets,
                                  &surogate::ffi_bind::Fp8QuantizeTargets,
                                  &surogate::ffi_bind::Fp8GemmTargets};
 

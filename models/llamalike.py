@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from surogate_jax.ops import add_rms_norm, rms_norm, swiglu
+from surogate_jax.ops import add_rms_norm, rms_norm, rope, swiglu
 
 Dtype = Any
 
@@ -138,13 +138,28 @@ def rope_cos_sin(cfg: DecoderConfig, positions_BT: jax.Array) -> tuple[jax.Array
     return jnp.cos(ang_BTK), jnp.sin(ang_BTK)
 
 
-def apply_rope(x_BTHK: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array) -> jax.Array:
-    """HF rotate-half RoPE, computed in float32 and rounded once to x's dtype."""
-    x = x_BTHK.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    out = x * cos_BTK[:, :, None, :] + rotated * sin_BTK[:, :, None, :]
-    return out.astype(x_BTHK.dtype)
+def apply_rope(
+    x_BTHK: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array, norm_w_K: jax.Array | None = None, eps: float = 1e-6
+) -> jax.Array:
+    """HF rotate-half RoPE (after a per-head RMSNorm with weight norm_w_K, if given), computed in
+    float32 and rounded once to x's dtype. Runs `surogate_jax.ops.rope`: our fused CUDA kernel on
+    GPU, its pure-JAX reference elsewhere. cos/sin are rope_cos_sin's [B, T, K] tables."""
+    return rope(x_BTHK, table=(cos_BTK, sin_BTK), norm_w=norm_w_K, eps=eps)
+
+
+class NormRope(nn.Module):
+    """Qwen3's per-head q/k RMSNorm (weight `scale` [head_dim], HF `q_norm.weight`) fused with RoPE."""
+
+    eps: float
+    dtype: Dtype
+    param_dtype: Dtype
+
+    @nn.compact
+    def __call__(self, x_BTHK, cos_BTK, sin_BTK):
+        scale = _param(
+            self, "scale", nn.initializers.ones, (x_BTHK.shape[-1],), ("head_dim",), self.param_dtype
+        )
+        return apply_rope(x_BTHK.astype(self.dtype), cos_BTK, sin_BTK, scale.astype(self.dtype), self.eps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,12 +264,13 @@ class Attention(nn.Module):
         q = Linear((H, K), ("embed", "q_heads", "head_dim"), cfg, cfg.qkv_bias, name="q_proj")(x_BTD)
         k = Linear((KV, K), ("embed", "kv_heads", "head_dim"), cfg, cfg.qkv_bias, name="k_proj")(x_BTD)
         v = Linear((KV, K), ("embed", "kv_heads", "head_dim"), cfg, cfg.qkv_bias, name="v_proj")(x_BTD)
-        if cfg.qk_norm:
-            norm = dict(eps=cfg.rms_norm_eps, axis_name="head_dim", dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-            q = RMSNorm(**norm, name="q_norm")(q)
-            k = RMSNorm(**norm, name="k_norm")(k)
-        q = apply_rope(q, cos_BTK, sin_BTK)
-        k = apply_rope(k, cos_BTK, sin_BTK)
+        if cfg.qk_norm:  # per-head RMSNorm fused with RoPE (one kernel each for q and k)
+            norm = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+            q = NormRope(**norm, name="q_norm")(q, cos_BTK, sin_BTK)
+            k = NormRope(**norm, name="k_norm")(k, cos_BTK, sin_BTK)
+        else:
+            q = apply_rope(q, cos_BTK, sin_BTK)
+            k = apply_rope(k, cos_BTK, sin_BTK)
         impl = _attention_impl(cfg, q.dtype)
         if segment_ids_BT is None:
             o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)

@@ -1,0 +1,548 @@
+// RoPE forward / backward, optionally fused with the per-head RMSNorm in front of it (Qwen3's
+// q_norm / k_norm). Math and launcher contract: rope.h.
+//
+// Floor: memory bound. Bytes that must move per call = rows * K * sizeof(T) * (2 forward: read
+// x, write y; 2 for the rotation-only backward: read dy, write dx; 3 for the norm backward: read
+// dy and x, write dx) + the angle source: 4 bytes per token (positions mode) or 2 * 4 * F per
+// token (table mode; typically L2 hits when q and k share it). FLOPs are ~10 per element plus
+// one sincosf per (token, pair, row group) in positions mode, far below the bandwidth cost.
+// At the H100's ~3.0 TB/s measured copy bandwidth, e.g. Qwen3-0.6B q [4, 2048, 16, 128] bf16:
+// 2 * 33.5 MB -> ~22 us forward, ~34 us norm backward; Qwen3-8B q [2, 2048, 32, 128]: same sizes.
+// Target: >= 75% of that, never slower than XLA's fusion of the reference (ops/rope.py).
+//
+// Design (why):
+//  * A row (one head of one token, K = 64..256 typically) is owned by a group of `width` lanes
+//    (power of two <= 32); a lane owns the same columns (a 16-byte vector in each half, j and
+//    j + F, so the rotation pairs meet in one thread) for every row it touches. Groups of a warp
+//    share a token and walk its heads, so a lane computes cos/sin (sincosf or a table read) once
+//    per token and reuses it for all heads it handles; the norm's sum of squares is a shuffle
+//    reduction inside the group (no barriers, no shared memory).
+//  * The whole row stays in registers between the reduction and the write (one DRAM read).
+//  * 16-byte vector loads/stores when F is a multiple of 16 / sizeof(T) and the pointers are
+//    16-byte aligned; a scalar path otherwise (any even K up to rope_max_head_dim()).
+//  * Persistent grid (<= SMs x resident blocks) striding over tokens.
+//  * Norm backward: rstd is recomputed from x (x is read anyway), so the forward saves nothing.
+//    dw: every lane accumulates fp32 partials of its own columns in registers over all its rows,
+//    the block combines them (shuffles across groups, shared memory across warps) into one
+//    workspace row, and a second small kernel sums the rows over blocks. No atomics, so results
+//    are deterministic.
+#include "kernels/rope.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <initializer_list>
+
+namespace surogate {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlock = kThreads / kWarp;
+constexpr int kFinalRows = 16;  // threadIdx.y extent of the dw finalize kernel
+
+template <typename T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);  // round to nearest even
+}
+template <> __device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half(v);  // round to nearest even
+}
+
+// N consecutive elements as floats: one 16-byte load when N > 1.
+template <typename T, int N>
+__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
+  if constexpr (N == 1) {
+    out[0] = to_float(p[0]);
+  } else {
+    static_assert(N * sizeof(T) == 16, "the vector path moves 16 bytes");
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    T v[N];
+    memcpy(v, &raw, sizeof(raw));
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = to_float(v[k]);
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store(T* p, const float (&in)[N]) {
+  if constexpr (N == 1) {
+    p[0] = from_float<T>(in[0]);
+  } else {
+    T v[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = from_float<T>(in[k]);
+    uint4 raw;
+    memcpy(&raw, v, sizeof(raw));
+    *reinterpret_cast<uint4*>(p) = raw;
+  }
+}
+
+// How lanes map onto rows: a warp holds 32 / width groups; `tpw` tokens per warp iteration,
+// `hslots` groups per token (tpw * hslots <= groups; the rest idle). Group g handles token
+// offset g / hslots and heads g % hslots, + hslots, ...
+struct Layout {
+  int half;     // F = K / 2
+  int nchunks;  // F / V: vectors per half row
+  int width;    // lanes per group
+  int tpw;
+  int hslots;
+};
+
+struct Lane {
+  int lane;       // index inside the group
+  unsigned mask;  // the group's lanes (for shuffles)
+  int tok_off;    // >= tpw: this group idles
+  int h0;         // first head
+};
+
+__device__ __forceinline__ Lane lane_of(const Layout& L) {
+  const int lw = static_cast<int>(threadIdx.x) % kWarp;
+  const int group = lw / L.width;
+  Lane r;
+  r.lane = lw % L.width;
+  r.mask = L.width == kWarp ? 0xffffffffu : ((1u << L.width) - 1u) << (group * L.width);
+  r.tok_off = group / L.hslots;
+  r.h0 = group % L.hslots;
+  return r;
+}
+
+// Chunk (vector index within a half row) i of this lane.
+__device__ __forceinline__ int lane_chunk(int lane, int i, const Layout& L) { return lane + i * L.width; }
+
+__device__ __forceinline__ float group_sum(float v, unsigned mask, int width) {
+  for (int o = width / 2; o > 0; o >>= 1) v += __shfl_xor_sync(mask, v, o);  // stays in group
+  return v;
+}
+
+// cos and sgn * sin of this lane's pairs for token `tok`.
+template <int V, int PER>
+__device__ __forceinline__ void token_angles(const RopeAngles& a, int64_t tok, int lane,
+                                             const Layout& L, float sgn, float (&c)[PER][V],
+                                             float (&s)[PER][V]) {
+  if (a.positions != nullptr) {
+    const float p = static_cast<float>(a.positions[tok]);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int ch = lane_chunk(lane, i, L);
+      if (ch < L.nchunks) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          float sv, cv;
+          sincosf(p * a.inv_freq[ch * V + k], &sv, &cv);
+          c[i][k] = cv;
+          s[i][k] = sgn * sv;
+        }
+      }
+    }
+  } else {
+    const float* cp = a.cos + tok * a.stride;
+    const float* sp = a.sin + tok * a.stride;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int ch = lane_chunk(lane, i, L);
+      if (ch < L.nchunks) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          c[i][k] = cp[ch * V + k];
+          s[i][k] = sgn * sp[ch * V + k];
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int V, int PER>
+__device__ __forceinline__ void load_weights(const T* w, const Layout& L, int lane,
+                                             float (&w1)[PER][V], float (&w2)[PER][V]) {
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int ch = lane_chunk(lane, i, L);
+#pragma unroll
+    for (int k = 0; k < V; ++k) w1[i][k] = w2[i][k] = 0.f;
+    if (ch < L.nchunks) {
+      load<T, V>(w + ch * V, w1[i]);
+      load<T, V>(w + L.half + ch * V, w2[i]);
+    }
+  }
+}
+
+template <typename T, int V, int PER, bool kNorm>
+__global__ void __launch_bounds__(kThreads)
+    rope_fwd_kernel(const T* __restrict__ x, T* __restrict__ y, RopeAngles ang,
+                    const T* __restrict__ w, int64_t tokens, int heads, Layout L, float eps,
+                    float sgn) {
+  const Lane me = lane_of(L);
+  if (me.tok_off >= L.tpw) return;  // no block-level synchronization below
+  const int K = 2 * L.half;
+  float w1[PER][V], w2[PER][V];
+  if constexpr (kNorm) load_weights<T, V, PER>(w, L, me.lane, w1, w2);
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock * L.tpw;
+  for (int64_t tok = warp * L.tpw + me.tok_off; tok < tokens; tok += step) {
+    float c[PER][V], s[PER][V];
+    token_angles<V, PER>(ang, tok, me.lane, L, sgn, c, s);
+    for (int h = me.h0; h < heads; h += L.hslots) {
+      const int64_t off = (tok * heads + h) * K;
+      float a[PER][V], b[PER][V];
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int ch = lane_chunk(me.lane, i, L);
+        if (ch < L.nchunks) {
+          load<T, V>(x + off + ch * V, a[i]);
+          load<T, V>(x + off + L.half + ch * V, b[i]);
+          if constexpr (kNorm) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) ss += a[i][k] * a[i][k] + b[i][k] * b[i][k];
+          }
+        }
+      }
+      float r = 1.f;
+      if constexpr (kNorm) {
+        ss = group_sum(ss, me.mask, L.width);
+        r = rsqrtf(ss / static_cast<float>(K) + eps);
+      }
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int ch = lane_chunk(me.lane, i, L);
+        if (ch < L.nchunks) {
+          float o1[V], o2[V];
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            float n1 = a[i][k], n2 = b[i][k];
+            if constexpr (kNorm) {
+              n1 = n1 * r * w1[i][k];
+              n2 = n2 * r * w2[i][k];
+            }
+            o1[k] = n1 * c[i][k] - n2 * s[i][k];
+            o2[k] = n2 * c[i][k] + n1 * s[i][k];
+          }
+          store<T, V>(y + off + ch * V, o1);
+          store<T, V>(y + off + L.half + ch * V, o2);
+        }
+      }
+    }
+  }
+}
+
+// ws: [gridDim.x, K] float32; block b writes its dw partial sums to row b.
+// Dynamic shared memory: kWarpsPerBlock * K floats.
+template <typename T, int V, int PER>
+__global__ void __launch_bounds__(kThreads)
+    rope_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, RopeAngles ang,
+                         const T* __restrict__ w, T* __restrict__ dx, float* __restrict__ ws,
+                         int64_t tokens, int heads, Layout L, float eps) {
+  extern __shared__ float red[];
+  const Lane me = lane_of(L);
+  const int K = 2 * L.half;
+  float w1[PER][V], w2[PER][V], d1[PER][V], d2[PER][V];
+  load_weights<T, V, PER>(w, L, me.lane, w1, w2);
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) d1[i][k] = d2[i][k] = 0.f;
+  }
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock * L.tpw;
+  const int64_t first = me.tok_off < L.tpw ? warp * L.tpw + me.tok_off : tokens;  // idle: none
+  for (int64_t tok = first; tok < tokens; tok += step) {
+    float c[PER][V], s[PER][V];
+    token_angles<V, PER>(ang, tok, me.lane, L, -1.f, c, s);  // R(-ang): (cos, -sin)
+    for (int h = me.h0; h < heads; h += L.hslots) {
+      const int64_t off = (tok * heads + h) * K;
+      float g1[PER][V], g2[PER][V], p[PER][V], q[PER][V];
+      float ss = 0.f, dot = 0.f;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int ch = lane_chunk(me.lane, i, L);
+        if (ch < L.nchunks) {
+          float a[V], b[V];
+          load<T, V>(dy + off + ch * V, a);
+          load<T, V>(dy + off + L.half + ch * V, b);
+          load<T, V>(x + off + ch * V, p[i]);
+          load<T, V>(x + off + L.half + ch * V, q[i]);
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            g1[i][k] = a[k] * c[i][k] - b[k] * s[i][k];
+            g2[i][k] = b[k] * c[i][k] + a[k] * s[i][k];
+            ss += p[i][k] * p[i][k] + q[i][k] * q[i][k];
+            dot += g1[i][k] * w1[i][k] * p[i][k] + g2[i][k] * w2[i][k] * q[i][k];
+          }
+        }
+      }
+      ss = group_sum(ss, me.mask, L.width);
+      dot = group_sum(dot, me.mask, L.width);
+      const float r = rsqrtf(ss / static_cast<float>(K) + eps);
+      const float m = r * dot / static_cast<float>(K);  // mean(g * w * xhat)
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int ch = lane_chunk(me.lane, i, L);
+        if (ch < L.nchunks) {
+          float o1[V], o2[V];
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            const float xh1 = p[i][k] * r, xh2 = q[i][k] * r;
+            o1[k] = r * (g1[i][k] * w1[i][k] - xh1 * m);
+            o2[k] = r * (g2[i][k] * w2[i][k] - xh2 * m);
+            d1[i][k] += g1[i][k] * xh1;
+            d2[i][k] += g2[i][k] * xh2;
+          }
+          store<T, V>(dx + off + ch * V, o1);
+          store<T, V>(dx + off + L.half + ch * V, o2);
+        }
+      }
+    }
+  }
+
+  // Groups of a warp hold the same columns at the same lane: add them up (every lane gets here).
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      for (int o = L.width; o < kWarp; o <<= 1) {
+        d1[i][k] += __shfl_xor_sync(0xffffffffu, d1[i][k], o);
+        d2[i][k] += __shfl_xor_sync(0xffffffffu, d2[i][k], o);
+      }
+    }
+  }
+  const int warp_in_block = static_cast<int>(threadIdx.x) / kWarp;
+  if (static_cast<int>(threadIdx.x) % kWarp < L.width) {  // group 0 covers every column once
+    float* row = red + warp_in_block * K;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int ch = lane_chunk(me.lane, i, L);
+      if (ch < L.nchunks) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          row[ch * V + k] = d1[i][k];
+          row[L.half + ch * V + k] = d2[i][k];
+        }
+      }
+    }
+  }
+  __syncthreads();
+  for (int col = threadIdx.x; col < K; col += blockDim.x) {
+    float t = 0.f;
+#pragma unroll
+    for (int q = 0; q < kWarpsPerBlock; ++q) t += red[q * K + col];
+    ws[static_cast<int64_t>(blockIdx.x) * K + col] = t;
+  }
+}
+
+// dw[col] = sum over the `parts` rows of ws[:, col]. Block (32, kFinalRows), one column per x.
+template <typename T>
+__global__ void rope_dw_finalize_kernel(const float* __restrict__ ws, T* __restrict__ dw,
+                                        int parts, int dim) {
+  __shared__ float acc[kFinalRows][kWarp + 1];
+  const int col = blockIdx.x * kWarp + threadIdx.x;
+  float s = 0.f;
+  if (col < dim) {
+    for (int p = threadIdx.y; p < parts; p += kFinalRows) s += ws[static_cast<int64_t>(p) * dim + col];
+  }
+  acc[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < dim) {
+    float t = 0.f;
+#pragma unroll
+    for (int j = 0; j < kFinalRows; ++j) t += acc[j][threadIdx.x];
+    dw[col] = from_float<T>(t);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side: launch plans.
+
+#define SUROGATE_TRY(expr)                   \
+  do {                                       \
+    const cudaError_t err_ = (expr);         \
+    if (err_ != cudaSuccess) return err_;    \
+  } while (0)
+
+template <typename T>
+constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+
+constexpr int kMaxPerScalar = 16;  // chunks per lane: scalar path instantiates 1, 4, 16
+constexpr int kMaxPerVector = 4;   // vector path: 1, 4
+
+struct Plan {
+  int vec = 1;
+  int per = 1;  // chunks per lane the kernel is instantiated for
+  Layout L{};
+  int blocks = 0;
+  size_t smem = 0;
+};
+
+template <typename T>
+int pick_vec(int64_t half, std::initializer_list<const void*> ptrs) {
+  if (half % kVec<T> != 0) return 1;
+  for (const void* p : ptrs) {
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return 1;
+  }
+  return kVec<T>;
+}
+
+// false when head_dim is too large for the register-resident rows.
+bool make_plan(int64_t heads, int64_t half, int vec, Plan* out) {
+  Plan p;
+  p.vec = vec;
+  const int nchunks = static_cast<int>(half / vec);
+  int width = 1;
+  while (width < nchunks && width < kWarp) width *= 2;
+  const int need = (nchunks + width - 1) / width;
+  if (vec == 1) {
+    p.per = need <= 1 ? 1 : need <= 4 ? 4 : kMaxPerScalar;
+  } else {
+    p.per = need <= 1 ? 1 : kMaxPerVector;
+  }
+  if (need > p.per) return false;
+  const int groups = kWarp / width;
+  p.L.half = static_cast<int>(half);
+  p.L.nchunks = nchunks;
+  p.L.width = width;
+  if (heads >= groups) {
+    p.L.tpw = 1;
+    p.L.hslots = groups;
+  } else {
+    p.L.tpw = groups / static_cast<int>(heads);
+    p.L.hslots = groups / p.L.tpw;
+  }
+  *out = p;
+  return true;
+}
+
+// Persistent grid: as many blocks as fit on the device at once, but no more than there is work.
+template <typename Kernel>
+cudaError_t size_grid(Kernel kernel, int64_t tokens, Plan& p) {
+  int dev = 0, sms = 0, per_sm = 0;
+  SUROGATE_TRY(cudaGetDevice(&dev));
+  SUROGATE_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (p.smem > 48 * 1024) {
+    SUROGATE_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(p.smem)));
+  }
+  SUROGATE_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, p.smem));
+  const int64_t per_block = static_cast<int64_t>(kWarpsPerBlock) * p.L.tpw;
+  const int64_t need = (tokens + per_block - 1) / per_block;
+  const int64_t fit = static_cast<int64_t>(std::max(sms, 1)) * std::max(per_sm, 1);
+  p.blocks = static_cast<int>(std::max<int64_t>(1, std::min(need, fit)));
+  return cudaSuccess;
+}
+
+template <typename T>
+using FwdKernel = void (*)(const T*, T*, RopeAngles, const T*, int64_t, int, Layout, float, float);
+template <typename T>
+using BwdKernel = void (*)(const T*, const T*, RopeAngles, const T*, T*, float*, int64_t, int,
+                           Layout, float);
+
+template <typename T, bool kNorm>
+FwdKernel<T> fwd_kernel(const Plan& p) {
+  if (p.vec == 1) {
+    switch (p.per) {
+      case 1: return rope_fwd_kernel<T, 1, 1, kNorm>;
+      case 4: return rope_fwd_kernel<T, 1, 4, kNorm>;
+      default: return rope_fwd_kernel<T, 1, kMaxPerScalar, kNorm>;
+    }
+  }
+  if (p.per == 1) return rope_fwd_kernel<T, kVec<T>, 1, kNorm>;
+  return rope_fwd_kernel<T, kVec<T>, kMaxPerVector, kNorm>;
+}
+
+template <typename T>
+BwdKernel<T> bwd_kernel(const Plan& p) {
+  if (p.vec == 1) {
+    switch (p.per) {
+      case 1: return rope_norm_bwd_kernel<T, 1, 1>;
+      case 4: return rope_norm_bwd_kernel<T, 1, 4>;
+      default: return rope_norm_bwd_kernel<T, 1, kMaxPerScalar>;
+    }
+  }
+  if (p.per == 1) return rope_norm_bwd_kernel<T, kVec<T>, 1>;
+  return rope_norm_bwd_kernel<T, kVec<T>, kMaxPerVector>;
+}
+
+cudaError_t check_args(const RopeAngles& ang, int64_t tokens, int64_t heads, int64_t head_dim) {
+  if (tokens < 0 || heads <= 0 || heads > INT_MAX || head_dim <= 0 || head_dim % 2 != 0 ||
+      head_dim > rope_max_head_dim()) {
+    return cudaErrorInvalidValue;
+  }
+  const bool by_pos = ang.positions != nullptr && ang.inv_freq != nullptr;
+  const bool by_table = ang.cos != nullptr && ang.sin != nullptr && ang.stride >= head_dim / 2;
+  if (by_pos == by_table && tokens > 0) return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
+}  // namespace
+
+int64_t rope_max_head_dim() { return 1024; }
+
+template <typename T>
+cudaError_t rope_fwd(const T* x, T* y, const RopeAngles& ang, const T* w, int64_t tokens,
+                     int64_t heads, int64_t head_dim, float eps, bool inverse, cudaStream_t stream) {
+  SUROGATE_TRY(check_args(ang, tokens, heads, head_dim));
+  if (tokens == 0) return cudaSuccess;
+  const int64_t half = head_dim / 2;
+  Plan p;
+  if (!make_plan(heads, half, pick_vec<T>(half, {x, y, w}), &p)) return cudaErrorInvalidValue;
+  const FwdKernel<T> kernel = w != nullptr ? fwd_kernel<T, true>(p) : fwd_kernel<T, false>(p);
+  SUROGATE_TRY(size_grid(kernel, tokens, p));
+  RopeAngles a = ang;
+  if (a.positions != nullptr) a.cos = a.sin = nullptr;
+  kernel<<<p.blocks, kThreads, 0, stream>>>(x, y, a, w, tokens, static_cast<int>(heads), p.L, eps,
+                                            inverse ? -1.f : 1.f);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const T* w, T* dx,
+                          T* dw, int64_t tokens, int64_t heads, int64_t head_dim, float eps,
+                          void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  SUROGATE_TRY(check_args(ang, tokens, heads, head_dim));
+  if (w == nullptr || dw == nullptr) return cudaErrorInvalidValue;
+  if (tokens == 0) return cudaMemsetAsync(dw, 0, static_cast<size_t>(head_dim) * sizeof(T), stream);
+  const int64_t half = head_dim / 2;
+  const int64_t ws_rows =
+      static_cast<int64_t>(workspace_bytes / (static_cast<size_t>(head_dim) * sizeof(float)));
+  if (workspace == nullptr || ws_rows < 1 || reinterpret_cast<uintptr_t>(workspace) % 16 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  Plan p;
+  if (!make_plan(heads, half, pick_vec<T>(half, {dy, x, w, dx}), &p)) return cudaErrorInvalidValue;
+  p.smem = static_cast<size_t>(kWarpsPerBlock) * head_dim * sizeof(float);
+  const BwdKernel<T> kernel = bwd_kernel<T>(p);
+  SUROGATE_TRY(size_grid(kernel, tokens, p));
+  // The grid strides over tokens, so fewer workspace rows just mean fewer, longer-lived blocks.
+  p.blocks = static_cast<int>(std::min<int64_t>(p.blocks, ws_rows));
+  RopeAngles a = ang;
+  if (a.positions != nullptr) a.cos = a.sin = nullptr;
+  float* ws = static_cast<float*>(workspace);
+  kernel<<<p.blocks, kThreads, p.smem, stream>>>(dy, x, a, w, dx, ws, tokens,
+                                                 static_cast<int>(heads), p.L, eps);
+  SUROGATE_TRY(cudaGetLastError());
+  const dim3 block(kWarp, kFinalRows);
+  const unsigned grid = static_cast<unsigned>((head_dim + kWarp - 1) / kWarp);
+  rope_dw_finalize_kernel<T><<<grid, block, 0, stream>>>(ws, dw, p.blocks,
+                                                         static_cast<int>(head_dim));
+  return cudaGetLastError();
+}
+
+#define SUROGATE_ROPE_INSTANTIATE(T)                                                             \
+  template cudaError_t rope_fwd<T>(const T*, T*, const RopeAngles&, const T*, int64_t, int64_t,  \
+                                   int64_t, float, bool, cudaStream_t);                          \
+  template cudaError_t rope_norm_bwd<T>(const T*, const T*, const RopeAngles&, const T*, T*, T*, \
+                                        int64_t, int64_t, int64_t, float, void*, size_t,         \
+                                        cudaStream_t);
+
+SUROGATE_ROPE_INSTANTIATE(float)
+SUROGATE_ROPE_INSTANTIATE(__nv_bfloat16)
+SUROGATE_ROPE_INSTANTIATE(__half)
+
+}  // namespace surogate

@@ -1,0 +1,277 @@
+"""RoPE (HF "rotate half" convention), optionally fused with the per-head RMSNorm in front of it
+(Qwen3's q_norm / k_norm).
+
+Shapes and dtypes:
+  rope(x [..., H, K], positions [...], inv_freq [K/2])          angles from positions
+  rope(x [..., H, K], table=(cos [..., S], sin [..., S]))       angles from fp32 tables, S >= K/2
+  optional norm_w [K] (+ eps): x is RMS-normalized over K (per head) and scaled by norm_w first.
+  x float32 / bfloat16 / float16 -> y of the same shape and dtype; positions int (cast to int32),
+  inv_freq / tables cast to float32. "..." is any number of leading dims (usually [B, T]), and
+  positions are per token, so packed rows whose positions restart per document are fine.
+  With F = K/2 and, for token t and pair j < F, angle a = float32(positions[t]) * inv_freq[j]
+  (cos/sin of it, or cos[t, j] / sin[t, j] from the tables: only the first F entries of a table
+  row are read, so HF-style [..., K] tables with repeated halves work as they are):
+    n = x                                      (no norm)
+    n = x * rsqrt(mean_K(x^2) + eps) * norm_w  (norm)
+    y[j]     = n[j] * cos(a) - n[j+F] * sin(a)
+    y[j + F] = n[j+F] * cos(a) + n[j] * sin(a)
+  computed in float32 and rounded once to x.dtype (the unfused model rounded the norm's output to
+  x.dtype before the rotation; the fused op does not, which is at least as accurate).
+  The public op casts norm_w to x.dtype first (the kernel takes one dtype; the gradient flows back
+  through the cast, so the weight gradient arrives in norm_w's own dtype).
+
+Backward (fp32), with R(a) the rotation above (R(a)^T = R(-a)):
+  rotation only: dx = R(-a) dy   (the forward kernel run with `inverse`)
+  norm:          g = R(-a) dy, rstd = rsqrt(mean_K(x^2) + eps) (recomputed from x), xhat = x * rstd
+                 dx = rstd * (g*w - xhat * mean_K(g*w*xhat)),  dw = sum over all rows of g * xhat
+  positions, inv_freq and the tables get no gradient (treated as constants).
+
+Implementations: `rope_ref` (pure jnp, autodiff-able; the reference tests compare against), the
+FFI kernels `surogate_rope_fwd/bwd` (kernels/rope.cu via ffi/rope.cc), and the public `rope`, a
+`jax.custom_vjp` picking one of them (see ops/_loader.py for `impl`), run per data shard through
+`on_shards` (x, positions and tables split along axis 0; inv_freq and norm_w replicated; the
+weight gradient summed). The output is tagged `checkpoint_name(y, "rope")`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from surogate_jax.ops._loader import resolve_impl
+from surogate_jax.ops._sharding import on_shards
+
+FWD_TARGET = "surogate_rope_fwd"
+BWD_TARGET = "surogate_rope_bwd"
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+MAX_HEAD_DIM = 1024  # kernels/rope.cu keeps a row in registers
+WS_BLOCKS = 1024
+
+
+# --- shared formulas (fp32) ---
+
+
+def _cos_sin(a, b, half):
+    """(cos, sin) [..., F] float32 from (positions, inv_freq) or from (cos, sin) tables."""
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        ang = a.astype(jnp.float32)[..., None] * b.astype(jnp.float32)
+        return jnp.cos(ang), jnp.sin(ang)
+    return a[..., :half].astype(jnp.float32), b[..., :half].astype(jnp.float32)
+
+
+def _rotate(xf, c, s):
+    """R(a) x over the last axis (rotate half); c, s [..., F] broadcast over the heads axis."""
+    half = xf.shape[-1] // 2
+    c, s = c[..., None, :], s[..., None, :]
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def _normalize(xf, w, eps):
+    return xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps) * w.astype(
+        jnp.float32
+    )
+
+
+def rope_ref(
+    x: jax.Array,
+    positions: jax.Array | None = None,
+    inv_freq: jax.Array | None = None,
+    *,
+    table: tuple[jax.Array, jax.Array] | None = None,
+    norm_w: jax.Array | None = None,
+    eps: float = 1e-6,
+) -> jax.Array:
+    """Reference RoPE (+ optional per-head RMSNorm first): fp32 math, output in x.dtype.
+    Arguments as for `rope`."""
+    a, b = (positions, inv_freq) if table is None else table
+    c, s = _cos_sin(a, b, x.shape[-1] // 2)
+    xf = x.astype(jnp.float32)
+    if norm_w is not None:
+        xf = _normalize(xf, norm_w, eps)
+    return _rotate(xf, c, s).astype(x.dtype)
+
+
+# --- reference formulas in the kernels' fwd/bwd form (a, b = positions, inv_freq | cos, sin) ---
+
+
+def _fwd_ref(x, a, b, w, *, eps, norm, inverse):
+    c, s = _cos_sin(a, b, x.shape[-1] // 2)
+    xf = x.astype(jnp.float32)
+    if norm:
+        xf = _normalize(xf, w, eps)
+    return _rotate(xf, c, -s if inverse else s).astype(x.dtype)
+
+
+def _bwd_ref(dy, x, a, b, w, *, eps):
+    """Backward of the fused norm + rotation: (dx, dw)."""
+    c, s = _cos_sin(a, b, x.shape[-1] // 2)
+    g = _rotate(dy.astype(jnp.float32), c, -s)
+    xf = x.astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+    xhat = xf * rstd
+    gw = g * w.astype(jnp.float32)
+    dx = rstd * (gw - xhat * jnp.mean(gw * xhat, axis=-1, keepdims=True))
+    dw = jnp.sum((g * xhat).reshape(-1, x.shape[-1]), axis=0)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+# --- the CUDA kernels through XLA FFI (w already in x.dtype; a zero-size w when not normed) ---
+# vmap_method="broadcast_all": under vmap every operand gets the batch axis in front, so
+# inv_freq / w become [V, ...] and the handler runs each batch element's tokens with its own rows
+# (and sums dw per batch element), which is exactly the batched semantics.
+
+
+def _fwd_ffi(x, a, b, w, *, eps, norm, inverse):
+    call = jax.ffi.ffi_call(FWD_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="broadcast_all")
+    return call(x, a, b, w, eps=np.float32(eps), norm=np.int32(norm), inverse=np.int32(inverse))
+
+
+def _bwd_ffi(dy, x, a, b, w, *, eps):
+    # Third output: fp32 dw partial sums, one row per block of the kernel's persistent grid (at
+    # most WS_BLOCKS blocks); XLA frees it right after the call.
+    tokens = int(np.prod(x.shape[:-2]))
+    ws = jax.ShapeDtypeStruct((max(1, min(tokens, WS_BLOCKS)), x.shape[-1]), jnp.float32)
+    out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype), ws)
+    call = jax.ffi.ffi_call(BWD_TARGET, out, vmap_method="broadcast_all")
+    dx, dw, _ = call(dy.astype(x.dtype), x, a, b, w, eps=np.float32(eps))
+    return dx, dw
+
+
+def _pick(impl, ffi, ref):
+    if impl == "ref":
+        return ref
+    if impl == "ffi":
+        return ffi
+    return functools.partial(jax.lax.platform_dependent, cuda=ffi, default=ref)
+
+
+def _by_positions(a) -> bool:
+    return bool(jnp.issubdtype(a.dtype, jnp.integer))
+
+
+# The reference also runs per shard (on_shards) so CPU tests on a multi-device mesh exercise the
+# same split/psum wiring as the kernels. Batched (split) operands: x, dy, positions, the tables.
+def _fwd(x, a, b, w, *, eps, norm, inverse, impl):
+    kw = {"eps": eps, "norm": norm, "inverse": inverse}
+    ref = functools.partial(_fwd_ref, **kw)
+    if x.size == 0:
+        return ref(x, a, b, w)
+    fn = _pick(impl, functools.partial(_fwd_ffi, **kw), ref)
+    (y,) = on_shards(
+        lambda *args: (fn(*args),), x, a, b, w,
+        batched=(True, True, not _by_positions(a), False), out_batched=(True,),
+    )
+    return y
+
+
+def _bwd(dy, x, a, b, w, *, eps, impl):
+    ref = functools.partial(_bwd_ref, eps=eps)
+    if x.size == 0:
+        return ref(dy, x, a, b, w)
+    fn = _pick(impl, functools.partial(_bwd_ffi, eps=eps), ref)
+    # dx is per row; dw sums over all rows, so the shards' partial dw are added.
+    return on_shards(
+        fn, dy, x, a, b, w,
+        batched=(True, True, True, not _by_positions(a), False), out_batched=(True, False),
+        out_summed=(False, True),
+    )
+
+
+def _no_norm_w(x):
+    return jnp.zeros((0,), x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _rope(x, a, b, impl):
+    return _fwd(x, a, b, _no_norm_w(x), eps=0.0, norm=False, inverse=False, impl=impl)
+
+
+def _rope_vjp_fwd(x, a, b, impl):
+    return _rope(x, a, b, impl), (a, b)
+
+
+def _rope_vjp_bwd(impl, res, dy):
+    a, b = res
+    dx = _fwd(dy, a, b, _no_norm_w(dy), eps=0.0, norm=False, inverse=True, impl=impl)
+    return dx, None, None
+
+
+_rope.defvjp(_rope_vjp_fwd, _rope_vjp_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _norm_rope(x, a, b, w, eps, impl):
+    return _fwd(x, a, b, w, eps=eps, norm=True, inverse=False, impl=impl)
+
+
+def _norm_rope_vjp_fwd(x, a, b, w, eps, impl):
+    return _norm_rope(x, a, b, w, eps, impl), (x, a, b, w)
+
+
+def _norm_rope_vjp_bwd(eps, impl, res, dy):
+    x, a, b, w = res
+    dx, dw = _bwd(dy, x, a, b, w, eps=eps, impl=impl)
+    return dx, None, None, dw
+
+
+_norm_rope.defvjp(_norm_rope_vjp_fwd, _norm_rope_vjp_bwd)
+
+
+def rope(
+    x: jax.Array,
+    positions: jax.Array | None = None,
+    inv_freq: jax.Array | None = None,
+    *,
+    table: tuple[jax.Array, jax.Array] | None = None,
+    norm_w: jax.Array | None = None,
+    eps: float = 1e-6,
+    impl: str | None = None,
+) -> jax.Array:
+    """RoPE of x [..., H, K]: angles from `positions` [...] x `inv_freq` [K/2], or from
+    `table=(cos, sin)` ([..., S] float32, S >= K/2). With `norm_w` [K], RMSNorm over K (eps) first.
+
+    impl: None/"auto" (CUDA kernel on GPU, reference elsewhere), "ffi" or "ref"; the environment
+    variable SUROGATE_JAX_OPS=ref forces the reference. Returns x.dtype, tagged
+    `checkpoint_name(y, "rope")` for remat policies.
+    """
+    if x.ndim < 2 or x.shape[-1] % 2:
+        raise ValueError(f"rope: x must be [..., heads, head_dim] with an even head_dim, got {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"rope: x must be floating point, got {x.dtype}")
+    lead, K = x.shape[:-2], x.shape[-1]
+    if table is None:
+        if positions is None or inv_freq is None:
+            raise ValueError("rope: pass positions and inv_freq, or table=(cos, sin)")
+        if positions.shape != lead or not jnp.issubdtype(positions.dtype, jnp.integer):
+            raise ValueError(f"rope: positions must be integers of shape {lead}, got {positions.dtype}{positions.shape}")
+        if inv_freq.shape != (K // 2,):
+            raise ValueError(f"rope: inv_freq must have shape {(K // 2,)}, got {inv_freq.shape}")
+        a, b = positions.astype(jnp.int32), inv_freq.astype(jnp.float32)
+    else:
+        if positions is not None or inv_freq is not None:
+            raise ValueError("rope: pass either positions and inv_freq or table, not both")
+        cos, sin = table
+        if cos.shape != sin.shape or cos.shape[:-1] != lead or cos.ndim != len(lead) + 1 or cos.shape[-1] < K // 2:
+            raise ValueError(
+                f"rope: table cos/sin must both have shape {lead} + (S,) with S >= {K // 2}, got {cos.shape} and {sin.shape}"
+            )
+        a, b = cos.astype(jnp.float32), sin.astype(jnp.float32)
+    if norm_w is not None and norm_w.shape != (K,):
+        raise ValueError(f"rope: norm_w must have shape {(K,)}, got {norm_w.shape}")
+    impl = resolve_impl(impl)
+    if impl != "ref" and (x.dtype not in KERNEL_DTYPES or K > MAX_HEAD_DIM):
+        if impl == "ffi":
+            raise TypeError(
+                f"rope: impl='ffi' supports float32/bfloat16/float16 and head_dim <= {MAX_HEAD_DIM}, got {x.dtype}, {K}"
+            )
+        impl = "ref"
+    if norm_w is None:
+        y = _rope(x, a, b, impl)
+    else:
+        y = _norm_rope(x, a, b, norm_w.astype(x.dtype), float(eps), impl)
+    return checkpoint_name(y, "rope")
