@@ -2,7 +2,7 @@
 # One device-machine call: build the CUDA extension, run the GPU tests (plus the op and model
 # suites), then the benchmarks; full logs land in $OUT (at most 8 files come back).
 #   run: [SKIP_TESTS=1] bash benchmarks/gpu_session.sh [bench ...]
-#   benches: rms_norm, swiglu, add_rms_norm, lm_head_ce, rope, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
+#   benches: rms_norm, fp8_matmul, swiglu, add_rms_norm, lm_head_ce, rope, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
 # The GPU image has jax + CUDA 13, nanobind, scikit-build-core, cmake and nvcc, and no network:
 # we install with --no-deps --no-build-isolation into its python3 and build only sm_90a (Hopper).
 set -uo pipefail
@@ -28,6 +28,7 @@ fi
 for b in "${benches[@]}"; do
   case "$b" in
     rms_norm) python3 benchmarks/bench_rms_norm.py --out "$OUT/bench_rms_norm.json" 2>&1 | tee "$OUT/bench_rms_norm.log" | tail -20 ;;
+    fp8_matmul) python3 benchmarks/bench_fp8_matmul.py --out "$OUT/bench_fp8_matmul.json" 2>&1 | tee "$OUT/bench_fp8_matmul.log" | tail -40 ;;
     swiglu|add_rms_norm) python3 benchmarks/bench_$b.py --out "$OUT/bench_$b.json" 2>&1 | tee "$OUT/bench_$b.log" | tail -20 ;;
     lm_head_ce) python3 benchmarks/bench_lm_head_ce.py --out "$OUT/bench_lm_head_ce.json" 2>&1 | tee "$OUT/bench_lm_head_ce.log" | tail -45 ;;
     rope) python3 benchmarks/bench_rope.py --out "$OUT/bench_rope.json" 2>&1 | tee "$OUT/bench_rope.log" | tail -70 ;;

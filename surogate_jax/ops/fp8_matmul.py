@@ -50,7 +50,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from surogate_jax.ops._loader import ENV_VAR, ffi_available, resolve_impl
 from surogate_jax.ops._sharding import data_axes, on_shards
-from surogate_jax.precision.fp8 import E4M3, E5M2, Fp8MatmulState, amax, inverse_scale, quantize
+from surogate_jax.precision.fp8 import (
+    E4M3,
+    E5M2,
+    Fp8MatmulState,
+    amax,
+    inverse_scale,
+    quantize,
+)
 
 QUANT_TARGET = "surogate_fp8_quantize"
 QUANT_T_TARGET = "surogate_fp8_quantize_t"

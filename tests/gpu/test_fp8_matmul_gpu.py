@@ -1,0 +1,258 @@
+"""GPU tests of the FP8 GEMM stack: the fused quantizer kernels bit-exact against
+`precision.fp8.quantize`, the cuBLASLt FP8 GEMM handler against the fp32 GEMM of its dequantized
+operands, the public `fp8_matmul` ("ffi" and "xla") against the reference (forward, dx, dw, amaxes)
+and against unquantized GEMMs within the formats' error, the compiled HLO (XLA's rewrite into
+`__cublas$lt$matmul$f8`, our custom calls), odd row counts, and outputs over poisoned memory."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from surogate_jax.ops import ffi_available
+from surogate_jax.ops.fp8_matmul import (
+    _gemm_ffi,
+    _quantize_ffi,
+    fp8_matmul,
+    resolve_fp8_impl,
+)
+from surogate_jax.precision import fp8
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = {"e4m3": fp8.E4M3, "e5m2": fp8.E5M2}
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+_seed = itertools.count(2000)
+HI = jax.lax.Precision.HIGHEST
+
+
+@pytest.fixture(autouse=True)
+def _need_extension():
+    if not ffi_available():
+        pytest.fail("the CUDA extension surogate_jax._ffi is not available on a GPU machine")
+
+
+def _key():
+    return jax.random.key(next(_seed))  # fresh inputs per call
+
+
+def _poison_allocator(nbytes=256 << 20):
+    """Allocate and free a NaN-filled buffer so the next outputs likely land on NaN memory."""
+    junk = jnp.full((nbytes // 4,), jnp.nan, jnp.float32)
+    junk.block_until_ready()
+    del junk
+
+
+def _bits(a):
+    return np.asarray(jax.device_get(a)).view(np.uint8)
+
+
+def _same_fp8(got, want, what):
+    g, w = np.asarray(jax.device_get(got)), np.asarray(jax.device_get(want))
+    assert g.shape == w.shape and g.dtype == w.dtype, (what, g.shape, w.shape, g.dtype, w.dtype)
+    nan_g, nan_w = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
+    np.testing.assert_array_equal(nan_g, nan_w, err_msg=what)
+    np.testing.assert_array_equal(g.view(np.uint8)[~nan_w], w.view(np.uint8)[~nan_w], err_msg=what)
+
+
+def _np_quantize(x, scale, f8):
+    """Host reference of fp8.quantize: one f32 multiply, clip, ml_dtypes' round-to-nearest-even
+    cast (independent of how XLA's GPU backend lowers f32 -> f8 converts)."""
+    fmax = fp8.fp8_max(f8)
+    xs = np.asarray(jax.device_get(jnp.asarray(x, jnp.float32)), np.float32) * np.float32(scale)
+    return np.clip(xs, -fmax, fmax).astype(jnp.dtype(f8))
+
+
+def _wide_range(shape, dtype):
+    k1, k2 = jax.random.split(_key())
+    mag = jnp.exp2(jax.random.randint(k2, shape, -20, 10).astype(jnp.float32))
+    return (jax.random.normal(k1, shape, jnp.float32) * mag).astype(dtype)
+
+
+# ---- quantizer kernels -------------------------------------------------------------------
+
+QSHAPES = [(1, 16), (7, 33), (65, 130), (1000, 4096), (4097, 24), (129, 1001)]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", QSHAPES, ids=str)
+def test_quantize_kernels_bit_exact(shape, dtype, fmt):
+    x = _wide_range(shape, dtype)
+    scale = jnp.float32(np.random.default_rng(next(_seed)).uniform(0.5, 50.0))
+    f8 = FORMATS[fmt]
+    _poison_allocator()
+    q, qt, amax = jax.jit(lambda x, s: _quantize_ffi(x, s, f8, transposed=True))(x, scale)
+    q2, none, amax2 = jax.jit(lambda x, s: _quantize_ffi(x, s, f8, transposed=False))(x, scale)
+    assert none is None
+    want = _np_quantize(x, scale, f8)
+    rows = shape[0]
+    assert qt.shape == (shape[1], (rows + 15) // 16 * 16)
+    _same_fp8(q, want, "q (cast+transpose kernel)")
+    _same_fp8(q2, want, "q (cast kernel)")
+    _same_fp8(qt[:, :rows], want.T, "qt")
+    assert np.all(_bits(qt[:, rows:]) == 0), "qt padding must be zeros"
+    want_amax = float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    assert float(amax) == want_amax and float(amax2) == want_amax
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quantize_special_values(fmt):
+    f8 = FORMATS[fmt]
+    vals = jnp.asarray([0.0, -0.0, 1e30, -1e30, jnp.inf, -jnp.inf, 1e-30, 3.0, jnp.nan, -2.5], jnp.float32)
+    x = jnp.tile(vals, (33, 4))  # [33, 40]: odd rows, non-vector columns
+    for data, want_amax in ((x, np.nan), (jnp.where(jnp.isnan(x), 0.0, x), np.inf),
+                            (jnp.where(jnp.isfinite(x), x, 0.0), 1e30)):
+        q, qt, amax = jax.jit(lambda x: _quantize_ffi(x, jnp.float32(2.0), f8, transposed=True))(data)
+        want = _np_quantize(data, 2.0, f8)
+        _same_fp8(q, want, "q")
+        _same_fp8(qt[:, :33], want.T, "qt")
+        got = float(amax)
+        assert (np.isnan(got) and np.isnan(want_amax)) or got == np.float32(want_amax), (got, want_amax)
+
+
+# ---- cuBLASLt FP8 GEMM handler -----------------------------------------------------------
+
+GSHAPES = [(1, 16, 16), (17, 32, 48), (1000, 256, 512), (257, 4096, 1024), (4096, 1024, 12288)]
+# (a format, b format, output dtype, fast accumulation): fprop-, dgrad- and wgrad-like calls
+COMBOS = [("e4m3", "e4m3", jnp.bfloat16, True), ("e4m3", "e4m3", jnp.float32, True),
+          ("e4m3", "e4m3", jnp.float16, False), ("e5m2", "e4m3", jnp.bfloat16, False),
+          ("e4m3", "e5m2", jnp.float32, False)]
+
+
+def _random_fp8(shape, f8):
+    return fp8.quantize(jax.random.normal(_key(), shape, jnp.float32), 64.0, f8)
+
+
+@pytest.mark.parametrize("ta,tb,out_dtype,fast_accum", COMBOS,
+                         ids=lambda c: jnp.dtype(c).name if not isinstance(c, (str, bool)) else str(c))
+@pytest.mark.parametrize("m,k,n", GSHAPES, ids=str)
+def test_gemm_matches_dequantized_fp32_gemm(m, k, n, ta, tb, out_dtype, fast_accum, assert_close):
+    a, b = _random_fp8((m, k), FORMATS[ta]), _random_fp8((n, k), FORMATS[tb])
+    sa, sb = jnp.float32(1 / 64.0), jnp.float32(1 / 48.0)
+    _poison_allocator()
+    d = jax.jit(lambda a, b: _gemm_ffi(a, b, sa, sb, out_dtype, fast_accum))(a, b)
+    want = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32).T, precision=HI) * (sa * sb)
+    assert d.shape == (m, n) and d.dtype == jnp.dtype(out_dtype)
+    assert bool(jnp.all(jnp.isfinite(d))), "non-finite output (unwritten memory?)"
+    # Operands are exact; differences come from rounding the output and from the FP8 tensor
+    # cores' accumulator, which keeps fewer mantissa bits than fp32 between promotions (fast
+    # accumulation never promotes): bf16's tolerance even for f32 outputs (still ~10x below the
+    # FP8 rounding error of the operands themselves).
+    assert_close(d, want, jnp.bfloat16 if out_dtype == jnp.float32 else out_dtype)
+
+
+def test_gemm_rejects_unaligned_and_e5m2_pairs():
+    a = _random_fp8((32, 24), fp8.E4M3)
+    with pytest.raises(Exception, match="multiples of 16"):
+        jax.jit(lambda a: _gemm_ffi(a, a[:16], 1.0, 1.0, jnp.bfloat16, True))(a).block_until_ready()
+    g = _random_fp8((32, 32), fp8.E5M2)
+    with pytest.raises(Exception, match="e5m2"):
+        jax.jit(lambda g: _gemm_ffi(g, g, 1.0, 1.0, jnp.bfloat16, True))(g).block_until_ready()
+
+
+# ---- the public op -----------------------------------------------------------------------
+
+OP_SHAPES = [((1000,), 256, 512), ((3, 77), 512, 1024), ((5,), 16, 16), ((4096,), 4096, 1024)]
+
+
+def _state_for(x, w, dy, h=4):
+    """A state whose scales are the delayed-scaling scales after one step that saw x, w, dy."""
+    st = fp8.init_matmul_state(h)
+    d = fp8.Fp8MatmulState(*(fp8.Fp8TensorState(fp8.amax(t), jnp.zeros(h)) for t in (x, w, dy)))
+    return fp8.update(st, d)
+
+
+def _inputs(lead, k, n, dtype):
+    kx, kw, kg = jax.random.split(_key(), 3)
+    x = jax.random.normal(kx, (*lead, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+    dy = (1e-3 * jax.random.normal(kg, (*lead, n), jnp.float32)).astype(dtype)
+    return x, w, dy
+
+
+def _grads(impl, x, w, dy, st):
+    def go(x, w, st, dy):  # dy is an argument: a closed-over array would be constant-folded
+        y, vjp = jax.vjp(lambda x, w, s: fp8_matmul(x, w, s, impl=impl), x, w, st)
+        return (y, *vjp(dy.astype(y.dtype)))
+
+    return jax.jit(go)(x, w, st, dy)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("lead,k,n", OP_SHAPES, ids=str)
+def test_public_op_matches_reference(lead, k, n, dtype, impl, assert_close):
+    x, w, dy = _inputs(lead, k, n, dtype)
+    st = _state_for(x, w, dy)
+    want = _grads("ref", x, w, dy, st)
+    _poison_allocator()
+    got = _grads(impl, x, w, dy, st)
+    for name, g, r in zip(("y", "dx", "dw"), got[:3], want[:3], strict=True):
+        assert g.shape == r.shape and g.dtype == r.dtype, name
+        assert bool(jnp.all(jnp.isfinite(g))), f"{name} has non-finite values (unwritten?)"
+        # both sides use the same quantized operands; the xla path rounds the dequantization
+        # scale to bf16 (<= 2^-8 relative for two operands) and accumulation order differs:
+        # bf16's tolerance for every dtype
+        assert_close(g, r, jnp.bfloat16, f"{impl} {name}")
+    for t in ("x", "w", "g"):  # amaxes are exact maxima
+        assert float(getattr(got[3], t).scale) == float(getattr(want[3], t).scale), t
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_error_against_bf16_gemm_within_fp8_bounds(impl):
+    """Relative Frobenius error vs the unquantized GEMMs within the bound the formats imply (see
+    tests/ops/test_fp8_matmul.py::test_fp8_error_against_unquantized_gemm)."""
+    e4, e5 = 2.0 ** -4 / np.sqrt(3), 2.0 ** -3 / np.sqrt(3)
+    x, w, dy = _inputs((1000,), 1024, 2048, jnp.bfloat16)
+    y, dx, dw, _ = _grads(impl, x, w, dy, _state_for(x, w, dy))
+    f = lambda a: a.astype(jnp.float32)
+    rel = lambda a, b: float(jnp.linalg.norm(f(a) - b) / jnp.linalg.norm(b))
+    assert rel(y, jnp.dot(f(x), f(w), precision=HI)) < 1.5 * np.hypot(e4, e4)
+    assert rel(dx, jnp.dot(f(dy), f(w).T, precision=HI)) < 1.5 * np.hypot(e4, e5)
+    assert rel(dw, jnp.dot(f(x).T, f(dy), precision=HI)) < 1.5 * np.hypot(e4, e5)
+
+
+def _compiled_hlo(impl, lead=(256,), k=512, n=1024):
+    x, w, dy = _inputs(lead, k, n, jnp.bfloat16)
+    st = _state_for(x, w, dy)
+
+    def loss(x, w, st, dy):
+        return jnp.sum(fp8_matmul(x, w, st, impl=impl).astype(jnp.float32) * dy.astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w, st, dy).compile().as_text()
+
+
+def test_xla_backend_is_rewritten_to_cublaslt_fp8():
+    hlo = _compiled_hlo("xla")
+    n = hlo.count("__cublas$lt$matmul$f8")
+    assert n >= 3, f"expected fprop, dgrad and wgrad as FP8 cuBLASLt calls, found {n}:\n{hlo[:6000]}"
+
+
+def test_ffi_backend_hlo_has_our_calls():
+    hlo = _compiled_hlo("ffi")
+    assert hlo.count("surogate_fp8_gemm") >= 3 and "surogate_fp8_quantize_t" in hlo, hlo[:4000]
+    assert "__cublas$lt$matmul$f8" not in hlo
+
+
+def test_auto_picks_a_gpu_backend():
+    assert resolve_fp8_impl(None, 512, 1024) in ("ffi", "xla")
+    assert resolve_fp8_impl(None, 24, 1024) == "xla"  # unaligned K: the xla path pads
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_matmul(jnp.ones((4, 24), jnp.bfloat16), jnp.ones((24, 32), jnp.bfloat16),
+                   fp8.init_matmul_state(4), impl="ffi")
+
+
+def test_vmap_runs_per_example(assert_close):
+    x, w, _ = _inputs((3, 65), 64, 32, jnp.bfloat16)
+    st = _state_for(x, w, jnp.ones((1,)))
+    f = lambda impl: jax.jit(jax.vmap(lambda x: fp8_matmul(x, w, st, impl=impl)))
+    assert_close(f("ffi")(x), f("ref")(x), jnp.bfloat16)
+
+
+def test_device_supports_fp8():
+    assert fp8.check_fp8_supported(jax.devices()[0]) is True  # H100 / H200: compute capability 9.0
