@@ -41,13 +41,17 @@ struct RopeCall {
   int64_t groups = 1;       // launches
 };
 
-std::string DimsStr(ffi::AnyBuffer::Dimensions d, size_t n) {
+// D: the span type AnyBuffer::dimensions() returns (spelled through a template for portability
+// across jax versions' ffi.h).
+template <typename D>
+std::string DimsStr(const D& d, size_t n) {
   std::string s = "[";
   for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(d[i]);
   return s + "]";
 }
 
-bool LeadingDimsEqual(ffi::AnyBuffer::Dimensions a, size_t na, ffi::AnyBuffer::Dimensions b, size_t nb) {
+template <typename D>
+bool LeadingDimsEqual(const D& a, size_t na, const D& b, size_t nb) {
   if (na != nb) return false;
   for (size_t i = 0; i < na; ++i) {
     if (a[i] != b[i]) return false;

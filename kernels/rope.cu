@@ -37,7 +37,7 @@ namespace surogate {
 namespace {
 
 constexpr int kWarp = 32;
-constexpr int kThreads = 256;
+constexpr int kThreads = 128;  // small blocks: finer occupancy steps at ~100 registers
 constexpr int kWarpsPerBlock = kThreads / kWarp;
 constexpr int kFinalRows = 16;  // threadIdx.y extent of the dw finalize kernel
 
@@ -95,6 +95,7 @@ struct Layout {
   int width;    // lanes per group
   int tpw;
   int hslots;
+  bool table_vec4;  // table rows can be read as float4 (16-byte aligned, stride % 4 == 0)
 };
 
 struct Lane {
@@ -150,6 +151,19 @@ __device__ __forceinline__ void token_angles(const RopeAngles& a, int64_t tok, i
     for (int i = 0; i < PER; ++i) {
       const int ch = lane_chunk(lane, i, L);
       if (ch < L.nchunks) {
+        if constexpr (V % 4 == 0) {
+          if (L.table_vec4) {
+#pragma unroll
+            for (int k = 0; k < V; k += 4) {
+              const float4 cv = *reinterpret_cast<const float4*>(cp + ch * V + k);
+              const float4 sv = *reinterpret_cast<const float4*>(sp + ch * V + k);
+              c[i][k] = cv.x, c[i][k + 1] = cv.y, c[i][k + 2] = cv.z, c[i][k + 3] = cv.w;
+              s[i][k] = sgn * sv.x, s[i][k + 1] = sgn * sv.y, s[i][k + 2] = sgn * sv.z,
+              s[i][k + 3] = sgn * sv.w;
+            }
+            continue;
+          }
+        }
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           c[i][k] = cp[ch * V + k];
@@ -175,11 +189,14 @@ __device__ __forceinline__ void load_weights(const T* w, const Layout& L, int la
   }
 }
 
+// U rows (heads h, h + hslots, ...) per group and iteration: their loads are all issued before
+// any math, so a warp keeps U times more bytes in flight.
 template <typename T, int V, int PER, bool kNorm>
 __global__ void __launch_bounds__(kThreads)
     rope_fwd_kernel(const T* __restrict__ x, T* __restrict__ y, RopeAngles ang,
                     const T* __restrict__ w, int64_t tokens, int heads, Layout L, float eps,
                     float sgn) {
+  constexpr int U = PER == 1 ? 2 : 1;
   const Lane me = lane_of(L);
   if (me.tok_off >= L.tpw) return;  // no block-level synchronization below
   const int K = 2 * L.half;
@@ -190,44 +207,57 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t tok = warp * L.tpw + me.tok_off; tok < tokens; tok += step) {
     float c[PER][V], s[PER][V];
     token_angles<V, PER>(ang, tok, me.lane, L, sgn, c, s);
-    for (int h = me.h0; h < heads; h += L.hslots) {
-      const int64_t off = (tok * heads + h) * K;
-      float a[PER][V], b[PER][V];
-      float ss = 0.f;
+    for (int h = me.h0; h < heads; h += U * L.hslots) {
+      float a[U][PER][V], b[U][PER][V];
 #pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        const int ch = lane_chunk(me.lane, i, L);
-        if (ch < L.nchunks) {
-          load<T, V>(x + off + ch * V, a[i]);
-          load<T, V>(x + off + L.half + ch * V, b[i]);
-          if constexpr (kNorm) {
+      for (int u = 0; u < U; ++u) {
+        const int hu = h + u * L.hslots;
+        const int64_t off = (tok * heads + hu) * K;
 #pragma unroll
-            for (int k = 0; k < V; ++k) ss += a[i][k] * a[i][k] + b[i][k] * b[i][k];
+        for (int i = 0; i < PER; ++i) {
+          const int ch = lane_chunk(me.lane, i, L);
+          if (hu < heads && ch < L.nchunks) {
+            load<T, V>(x + off + ch * V, a[u][i]);
+            load<T, V>(x + off + L.half + ch * V, b[u][i]);
           }
         }
       }
-      float r = 1.f;
-      if constexpr (kNorm) {
-        ss = group_sum(ss, me.mask, L.width);
-        r = rsqrtf(ss / static_cast<float>(K) + eps);
-      }
 #pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        const int ch = lane_chunk(me.lane, i, L);
-        if (ch < L.nchunks) {
-          float o1[V], o2[V];
+      for (int u = 0; u < U; ++u) {
+        const int hu = h + u * L.hslots;
+        if (hu >= heads) break;  // uniform over the group
+        const int64_t off = (tok * heads + hu) * K;
+        float r = 1.f;
+        if constexpr (kNorm) {
+          float ss = 0.f;
 #pragma unroll
-          for (int k = 0; k < V; ++k) {
-            float n1 = a[i][k], n2 = b[i][k];
-            if constexpr (kNorm) {
-              n1 = n1 * r * w1[i][k];
-              n2 = n2 * r * w2[i][k];
+          for (int i = 0; i < PER; ++i) {
+            if (lane_chunk(me.lane, i, L) < L.nchunks) {
+#pragma unroll
+              for (int k = 0; k < V; ++k) ss += a[u][i][k] * a[u][i][k] + b[u][i][k] * b[u][i][k];
             }
-            o1[k] = n1 * c[i][k] - n2 * s[i][k];
-            o2[k] = n2 * c[i][k] + n1 * s[i][k];
           }
-          store<T, V>(y + off + ch * V, o1);
-          store<T, V>(y + off + L.half + ch * V, o2);
+          ss = group_sum(ss, me.mask, L.width);
+          r = rsqrtf(ss / static_cast<float>(K) + eps);
+        }
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          const int ch = lane_chunk(me.lane, i, L);
+          if (ch < L.nchunks) {
+            float o1[V], o2[V];
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+              float n1 = a[u][i][k], n2 = b[u][i][k];
+              if constexpr (kNorm) {
+                n1 = n1 * r * w1[i][k];
+                n2 = n2 * r * w2[i][k];
+              }
+              o1[k] = n1 * c[i][k] - n2 * s[i][k];
+              o2[k] = n2 * c[i][k] + n1 * s[i][k];
+            }
+            store<T, V>(y + off + ch * V, o1);
+            store<T, V>(y + off + L.half + ch * V, o2);
+          }
         }
       }
     }
@@ -408,6 +438,7 @@ bool make_plan(int64_t heads, int64_t half, int vec, Plan* out) {
   p.L.half = static_cast<int>(half);
   p.L.nchunks = nchunks;
   p.L.width = width;
+  p.L.table_vec4 = false;
   if (heads >= groups) {
     p.L.tpw = 1;
     p.L.hslots = groups;
@@ -480,6 +511,11 @@ cudaError_t check_args(const RopeAngles& ang, int64_t tokens, int64_t heads, int
   return cudaSuccess;
 }
 
+bool table_vec4(const RopeAngles& a) {
+  return a.cos != nullptr && a.stride % 4 == 0 && reinterpret_cast<uintptr_t>(a.cos) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(a.sin) % 16 == 0;
+}
+
 }  // namespace
 
 int64_t rope_max_head_dim() { return 1024; }
@@ -496,6 +532,7 @@ cudaError_t rope_fwd(const T* x, T* y, const RopeAngles& ang, const T* w, int64_
   SUROGATE_TRY(size_grid(kernel, tokens, p));
   RopeAngles a = ang;
   if (a.positions != nullptr) a.cos = a.sin = nullptr;
+  p.L.table_vec4 = table_vec4(a);
   kernel<<<p.blocks, kThreads, 0, stream>>>(x, y, a, w, tokens, static_cast<int>(heads), p.L, eps,
                                             inverse ? -1.f : 1.f);
   return cudaGetLastError();
@@ -523,6 +560,7 @@ cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const 
   p.blocks = static_cast<int>(std::min<int64_t>(p.blocks, ws_rows));
   RopeAngles a = ang;
   if (a.positions != nullptr) a.cos = a.sin = nullptr;
+  p.L.table_vec4 = table_vec4(a);
   float* ws = static_cast<float*>(workspace);
   kernel<<<p.blocks, kThreads, p.smem, stream>>>(dy, x, a, w, dx, ws, tokens,
                                                  static_cast<int>(heads), p.L, eps);
