@@ -13,26 +13,31 @@
 //
 // Design (why):
 //  * Register path (every hidden size a transformer uses): a row is split over a group of
-//    threads, each holding up to kRegVecs 16-byte vectors of it in registers, so the row is read
-//    from DRAM exactly once (the old kernel read it twice: the second read usually hit L2 but
-//    still cost issue slots and L2 bandwidth) and all of a thread's loads are issued before the
-//    first use. The group is a power-of-two slice of a warp when the row has <= 32 x kRegVecs
-//    vectors (D <= 1024 bf16 / 512 fp32; head-dim norms get 4 lanes per row, 64 rows per block)
-//    -- shuffles only, no barriers -- and otherwise a block of <= kMaxRegBlock threads
-//    (D <= 16384 bf16 / 8192 fp32) reduced through shared memory.
+//    threads, each holding a few 16-byte vectors of it in registers (forward 4, backward 2, as
+//    packed uint4s), so the row is read from DRAM exactly once (the previous kernel read it
+//    twice: the second read usually hit L2 but still cost issue slots and L2 bandwidth) and all
+//    of a thread's loads are issued before their first use. The group is a power-of-two slice
+//    of a warp when it needs <= 32 threads (forward D <= 1024 bf16 / 512 fp32, backward half
+//    that; a head-dim norm of 128 gets 4 lanes per row, 64 rows per block) -- shuffles only, no
+//    barriers -- and otherwise a block of <= kMaxRegBlock threads (forward D <= 16384 bf16 /
+//    8192 fp32, backward half that) reduced through shared memory.
+//  * Registers are capped (__maxnreg__, 64-80) so 768-1024 threads stay resident per SM: with
+//    each thread's whole slice of a row in flight at once that is ~50-100 KB of loads in flight
+//    per SM, above the ~25-40 KB Little's law asks for at ~3 TB/s (132 SMs, ~1 us latency).
 //  * Persistent grid (SMs x resident blocks, grid-stride over rows): each thread always owns the
-//    same columns, so it loads its slice of w once into registers, and in the backward it keeps
-//    its dw partial sums in registers across all its rows. At the end the groups of a block add
-//    their partials in shared memory in a fixed order, each block writes one fp32 row of the
-//    workspace [blocks, dim], and a tiny second kernel sums the workspace over blocks. No
-//    atomics: results are deterministic.
+//    same columns, so in the plain forward it loads its slice of w once into registers, and in
+//    the backward it keeps its dw partial sums in registers across all its rows (w is re-read
+//    from L1 there and in the residual forward, to stay within the register cap). At the end the groups of a block add their
+//    partials in shared memory in a fixed order, each block writes one fp32 row of the
+//    workspace [blocks, dim], and a tiny second kernel sums the workspace over blocks (~1-2% of
+//    the bytes). No atomics: results are deterministic.
 //  * Inputs read once use streaming loads (ld.global.cs) so they do not evict w or the workspace.
 //  * 16-byte vectors when dim is a multiple of 16 / sizeof(T) and the pointers are 16-byte
 //    aligned; one element per "vector" otherwise (dim = 7, 1001, ...).
-//  * Loop path (fallback for rows too long for registers, e.g. 65536 or scalar dims > 2048): the
-//    previous two-pass design: the row is reduced, then re-read (L1/L2) and written. Residual
-//    variants there run the add (forward) or the dres add (backward) as a separate element-wise
-//    pass: correct, slower, only for shapes no model here uses.
+//  * Loop path (fallback for rows too long for the register path, e.g. 65536, fp32 backward
+//    beyond 4096, scalar dims beyond 2048): the previous two-pass design, the row reduced and
+//    then re-read (L1/L2). Residual variants there run the add (forward) or the dres add
+//    (backward) as a separate element-wise pass: correct, slower, for shapes no model here uses.
 #pragma once
 
 #include <algorithm>
@@ -51,11 +56,17 @@ using vec::Raw;
 
 constexpr int kWarp = 32;
 constexpr int kRegVecs = 4;           // vectors per thread in the register path (forward)
-// Backward: dy, s (and dres) plus fp32 dw partials per thread; 8-wide 16-bit vectors hold two
-// vectors per thread so the kernel stays within 128 registers without spilling.
-template <int N> constexpr int kBwdVecs = N == 8 ? 2 : 4;
+// Backward: dy, s (and dres) plus the fp32 dw partials per thread, so a thread holds two 16-byte
+// vectors (four scalars on the scalar path) to stay within its register cap without spilling.
+template <int N> constexpr int kBwdVecs = N == 1 ? 4 : 2;
 constexpr int kSubWarpThreads = 256;  // block size when row groups are warp slices
 constexpr int kMaxRegBlock = 512;     // largest row group (block) of the register path
+// Register caps (__maxnreg__): at most 72-80 registers (forward) and 64-72 (backward) per thread,
+// so 768-1024 threads stay resident per SM and enough rows are in flight to cover DRAM latency
+// (each thread has its whole slice of a row in flight at once). Chosen as the smallest caps at
+// which ptxas (nvcc 13, sm_90a) spills nothing for any instantiation.
+template <bool kRes> constexpr int kFwdRegCap = kRes ? 80 : 72;
+template <bool kRes> constexpr int kBwdRegCap = kRes ? 72 : 64;
 constexpr int kFinalRows = 16;        // threadIdx.y extent of the dw finalize kernel
 
 #define SUROGATE_NORM_TRY(expr)             \
@@ -75,11 +86,14 @@ struct RowLoop {
   int width;       // threads per group
 };
 
+// Block mode: groups of `width` threads (a multiple of 32) each own a row; blockDim.x is a
+// multiple of width (one group per block for long rows, several for medium ones).
 template <bool kBlockRow>
 __device__ __forceinline__ RowLoop row_loop(int width) {
   if constexpr (kBlockRow) {
-    return {static_cast<int64_t>(blockIdx.x), static_cast<int64_t>(gridDim.x), 0,
-            static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x)};
+    const int groups = static_cast<int>(blockDim.x) / width;
+    return {static_cast<int64_t>(blockIdx.x) * groups, static_cast<int64_t>(gridDim.x) * groups,
+            static_cast<int>(threadIdx.x) / width, static_cast<int>(threadIdx.x) % width, width};
   } else {
     const int warps = blockDim.x / kWarp, warp = threadIdx.x / kWarp, per_warp = kWarp / width;
     return {(static_cast<int64_t>(blockIdx.x) * warps + warp) * per_warp,
@@ -94,7 +108,8 @@ __device__ __forceinline__ float xor_sum(float v, int span) {
   return v;
 }
 
-// Sum of v over the thread's group. All threads of the warp (block) must call it.
+// Sum of v over the thread's group. All threads of the warp (block) must call it. Block mode:
+// each warp reduces by shuffles, then every thread adds its group's warp sums in a fixed order.
 template <bool kBlockRow>
 __device__ __forceinline__ float group_sum(float v, int width, float* red) {
   if constexpr (!kBlockRow) {
@@ -104,13 +119,11 @@ __device__ __forceinline__ float group_sum(float v, int width, float* red) {
     v = xor_sum(v, kWarp);
     if (lane == 0) red[warp] = v;
     __syncthreads();
-    if (warp == 0) {
-      float t = lane < static_cast<int>(blockDim.x / kWarp) ? red[lane] : 0.f;
-      t = xor_sum(t, kWarp);
-      if (lane == 0) red[kWarp] = t;
-    }
-    __syncthreads();
-    return red[kWarp];  // next write to red[kWarp] comes after the next call's first barrier
+    const int per = width / kWarp, first = (static_cast<int>(threadIdx.x) / width) * per;
+    float t = 0.f;
+    for (int q = 0; q < per; ++q) t += red[first + q];
+    __syncthreads();  // red is rewritten by the next call
+    return t;
   }
 }
 
@@ -118,18 +131,22 @@ __device__ __forceinline__ float group_sum(float v, int width, float* red) {
 // Register path.
 
 template <typename T, int N, bool kBlockRow, bool kRes>
-__global__ void __launch_bounds__(kMaxRegBlock)
+__global__ void __maxnreg__(kFwdRegCap<kRes>)
     fwd_reg_kernel(const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ w,
                    T* __restrict__ y, T* __restrict__ res_out, float* __restrict__ rstd,
                    int64_t rows, int dim, int width, float eps) {
   __shared__ float red[kWarp + 1];
   const RowLoop L = row_loop<kBlockRow>(width);
   const int nvec = dim / N;
-  Raw<T, N> wr[kRegVecs];
+  // The thread's slice of w stays in registers across rows (with the residual, which needs
+  // registers for x and res, it is re-read from L1 instead).
+  Raw<T, N> wr[kRes ? 1 : kRegVecs];
+  if constexpr (!kRes) {
 #pragma unroll
-  for (int j = 0; j < kRegVecs; ++j) {
-    const int i = L.lane + j * L.width;
-    if (i < nvec) wr[j] = vec::load_raw<T, N>(w + static_cast<int64_t>(i) * N);
+    for (int j = 0; j < kRegVecs; ++j) {
+      const int i = L.lane + j * L.width;
+      if (i < nvec) wr[j] = vec::load_raw<T, N>(w + static_cast<int64_t>(i) * N);
+    }
   }
   for (int64_t base = L.first; base < rows; base += L.stride) {
     const int64_t row = base + L.sub;
@@ -177,7 +194,11 @@ __global__ void __launch_bounds__(kMaxRegBlock)
       if (i < nvec) {
         float v[N], g[N], o[N];
         vec::unpack(xr[j], v);
-        vec::unpack(wr[j], g);
+        if constexpr (kRes) {
+          vec::load<T, N>(w + static_cast<int64_t>(i) * N, g);
+        } else {
+          vec::unpack(wr[j], g);
+        }
 #pragma unroll
         for (int k = 0; k < N; ++k) o[k] = v[k] * r * g[k];
         vec::store<T, N>(y + off + static_cast<int64_t>(i) * N, o);
@@ -189,7 +210,7 @@ __global__ void __launch_bounds__(kMaxRegBlock)
 // ws: [gridDim.x, dim] fp32; block b writes its dw partial sums to row b. Sub-warp mode needs
 // (blockDim.x / width) x dim floats of dynamic shared memory to add its groups' partials.
 template <typename T, int N, bool kBlockRow, bool kRes>
-__global__ void __launch_bounds__(kMaxRegBlock)
+__global__ void __maxnreg__(kBwdRegCap<kRes>)
     bwd_reg_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
                    const float* __restrict__ rstd, const T* __restrict__ dres,
                    T* __restrict__ dx, float* __restrict__ ws, int64_t rows, int dim, int width) {
@@ -260,27 +281,20 @@ __global__ void __launch_bounds__(kMaxRegBlock)
     }
   }
 
+  // dw partials: one group per block writes its own row of ws; several add theirs in shared
+  // memory ([groups, dim], in group order) first.
   float* block_ws = ws + static_cast<int64_t>(blockIdx.x) * dim;
-  if constexpr (kBlockRow) {
+  const int groups = static_cast<int>(blockDim.x) / width;
+  float* part = groups == 1 ? block_ws : smem + static_cast<int64_t>(threadIdx.x / width) * dim;
 #pragma unroll
-    for (int j = 0; j < kBwdVecs<N>; ++j) {
-      const int i = L.lane + j * L.width;
-      if (i < nvec) {
+  for (int j = 0; j < kBwdVecs<N>; ++j) {
+    const int i = L.lane + j * L.width;
+    if (i < nvec) {
 #pragma unroll
-        for (int k = 0; k < N; ++k) block_ws[i * N + k] = acc[j][k];
-      }
+      for (int k = 0; k < N; ++k) part[i * N + k] = acc[j][k];
     }
-  } else {
-    const int groups = static_cast<int>(blockDim.x) / width;
-    float* part = smem + static_cast<int64_t>(threadIdx.x / width) * dim;
-#pragma unroll
-    for (int j = 0; j < kBwdVecs<N>; ++j) {
-      const int i = L.lane + j * L.width;
-      if (i < nvec) {
-#pragma unroll
-        for (int k = 0; k < N; ++k) part[i * N + k] = acc[j][k];
-      }
-    }
+  }
+  if (groups > 1) {
     __syncthreads();
     for (int col = threadIdx.x; col < dim; col += blockDim.x) {
       float s = 0.f;
@@ -465,11 +479,13 @@ inline Plan layout_plan(int64_t dim, int vec, int vecs_per_thread) {
     p.threads = kSubWarpThreads;
     p.rows_per_block = kSubWarpThreads / width;
   } else if (per <= kMaxRegBlock) {
+    // Whole warps per row; rows of < 256 threads share a block (several rows per block keep
+    // blocks of a useful size and the number of dw partial rows down).
     p.reg = true;
     p.block_row = true;
-    p.threads = static_cast<int>((per + kWarp - 1) / kWarp * kWarp);
-    p.width = p.threads;
-    p.rows_per_block = 1;
+    p.width = static_cast<int>((per + kWarp - 1) / kWarp * kWarp);
+    p.rows_per_block = std::max(1, kSubWarpThreads / p.width);
+    p.threads = p.rows_per_block * p.width;
   } else {
     // Loop path: about two vectors per thread per pass, a whole number of warps, <= 1024 threads.
     const int64_t t = ((nvec + 1) / 2 + kWarp - 1) / kWarp * kWarp;
@@ -596,7 +612,8 @@ cudaError_t norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, con
   const int vec = pick_vec<T>(dim, {dy, x, w, dres, dx});
   Plan p = layout_plan(dim, vec, vec == 1 ? kBwdVecs<1> : kBwdVecs<kVec<T>>);
   if (p.reg) {
-    p.smem = p.block_row ? 0 : static_cast<size_t>(p.threads / p.width) * row_bytes;  // <= 16 KiB
+    const int groups = p.threads / p.width;
+    p.smem = groups > 1 ? static_cast<size_t>(groups) * row_bytes : 0;  // <= 16 KiB
     const auto k = bwd_reg<T, kRes>(p);
     SUROGATE_NORM_TRY(size_grid(k, rows, p));
     p.blocks = static_cast<int>(std::min<int64_t>(p.blocks, ws_rows));

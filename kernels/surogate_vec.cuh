@@ -32,21 +32,57 @@ template <> __device__ __forceinline__ __half from_float<__half>(float v) {
 template <typename T>
 constexpr int kVec = 16 / static_cast<int>(sizeof(T));
 
-// N (1 or kVec<T>) consecutive elements in their storage form: one 16-byte register vector.
+// N (1 or kVec<T>) consecutive elements in their storage form. A vector is kept as one uint4
+// (four 32-bit registers; 16-bit elements stay packed in pairs) rather than an array of T, which
+// the compiler would spread over one register per 16-bit element.
 template <typename T, int N>
 struct Raw {
-  static_assert(N == 1 || N * sizeof(T) == 16, "a vector moves 16 bytes");
-  T v[N];
+  static_assert(N * sizeof(T) == 16, "a vector moves 16 bytes");
+  uint4 u;
 };
+template <typename T>
+struct Raw<T, 1> {
+  T v;
+};
+
+namespace detail {
+
+__device__ __forceinline__ void unpack_word(float, uint32_t w, float* out) { out[0] = __uint_as_float(w); }
+__device__ __forceinline__ void unpack_word(__nv_bfloat16, uint32_t w, float* out) {
+  out[0] = __uint_as_float(w << 16);  // element at the lower address sits in the low half
+  out[1] = __uint_as_float(w & 0xffff0000u);
+}
+__device__ __forceinline__ void unpack_word(__half, uint32_t w, float* out) {
+  __half2 h;
+  memcpy(&h, &w, sizeof(w));
+  const float2 f = __half22float2(h);
+  out[0] = f.x;
+  out[1] = f.y;
+}
+
+__device__ __forceinline__ uint32_t pack_word(float, const float* in) { return __float_as_uint(in[0]); }
+__device__ __forceinline__ uint32_t pack_word(__nv_bfloat16, const float* in) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(in[0], in[1]);  // round to nearest even
+  uint32_t w;
+  memcpy(&w, &h, sizeof(w));
+  return w;
+}
+__device__ __forceinline__ uint32_t pack_word(__half, const float* in) {
+  const __half2 h = __floats2half2_rn(in[0], in[1]);  // round to nearest even
+  uint32_t w;
+  memcpy(&w, &h, sizeof(w));
+  return w;
+}
+
+}  // namespace detail
 
 template <typename T, int N>
 __device__ __forceinline__ Raw<T, N> load_raw(const T* p) {
   Raw<T, N> r;
   if constexpr (N == 1) {
-    r.v[0] = p[0];
+    r.v = p[0];
   } else {
-    const uint4 bits = *reinterpret_cast<const uint4*>(p);
-    memcpy(&r, &bits, sizeof(bits));
+    r.u = *reinterpret_cast<const uint4*>(p);
   }
   return r;
 }
@@ -56,18 +92,24 @@ template <typename T, int N>
 __device__ __forceinline__ Raw<T, N> load_raw_stream(const T* p) {
   Raw<T, N> r;
   if constexpr (N == 1) {
-    r.v[0] = p[0];
+    r.v = p[0];
   } else {
-    const uint4 bits = __ldcs(reinterpret_cast<const uint4*>(p));
-    memcpy(&r, &bits, sizeof(bits));
+    r.u = __ldcs(reinterpret_cast<const uint4*>(p));
   }
   return r;
 }
 
 template <typename T, int N>
 __device__ __forceinline__ void unpack(const Raw<T, N>& r, float (&out)[N]) {
-#pragma unroll
-  for (int k = 0; k < N; ++k) out[k] = to_float(r.v[k]);
+  if constexpr (N == 1) {
+    out[0] = to_float(r.v);
+  } else {
+    constexpr int P = N / 4;  // elements per 32-bit word
+    detail::unpack_word(T{}, r.u.x, out + 0 * P);
+    detail::unpack_word(T{}, r.u.y, out + 1 * P);
+    detail::unpack_word(T{}, r.u.z, out + 2 * P);
+    detail::unpack_word(T{}, r.u.w, out + 3 * P);
+  }
 }
 
 template <typename T, int N>
@@ -78,19 +120,24 @@ __device__ __forceinline__ void load(const T* p, float (&out)[N]) {
 template <typename T, int N>
 __device__ __forceinline__ Raw<T, N> pack(const float (&in)[N]) {
   Raw<T, N> r;
-#pragma unroll
-  for (int k = 0; k < N; ++k) r.v[k] = from_float<T>(in[k]);
+  if constexpr (N == 1) {
+    r.v = from_float<T>(in[0]);
+  } else {
+    constexpr int P = N / 4;
+    r.u.x = detail::pack_word(T{}, in + 0 * P);
+    r.u.y = detail::pack_word(T{}, in + 1 * P);
+    r.u.z = detail::pack_word(T{}, in + 2 * P);
+    r.u.w = detail::pack_word(T{}, in + 3 * P);
+  }
   return r;
 }
 
 template <typename T, int N>
 __device__ __forceinline__ void store_raw(T* p, const Raw<T, N>& r) {
   if constexpr (N == 1) {
-    p[0] = r.v[0];
+    p[0] = r.v;
   } else {
-    uint4 bits;
-    memcpy(&bits, &r, sizeof(bits));
-    *reinterpret_cast<uint4*>(p) = bits;
+    *reinterpret_cast<uint4*>(p) = r.u;
   }
 }
 

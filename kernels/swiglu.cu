@@ -12,9 +12,9 @@
 // Design (why):
 //  * 2-D grid: x walks 16-byte column vectors of a row, y walks rows. No integer division per
 //    element, and row-strided views (a packed gate_up [rows, 2F]) cost nothing extra.
-//  * Each thread handles 2-4 rows (backward: 1-2) per iteration and issues all their loads
-//    before any math: 4-8 (3-6) 16-byte loads in flight per thread. Registers are capped at 64 (4 blocks of
-//    256 threads per SM) so 1024 threads stay resident: 48-128 KB in flight per SM, well above
+//  * Each thread handles 4 rows (backward: 2) per iteration and issues all their loads before
+//    any math: 8 (6) 16-byte loads in flight per thread. Registers are capped at 64 (4 blocks of
+//    256 threads per SM) so 1024 threads stay resident: ~100-130 KB in flight per SM, well above
 //    the ~25-40 KB Little's law asks for at ~3 TB/s over 132 SMs.
 //  * Inputs are read once: streaming loads (ld.global.cs) keep them from evicting useful lines.
 //  * fp32 math, one rounding of each output; sigmoid via __expf (ex2.approx, relative error a few
@@ -34,10 +34,10 @@ namespace {
 using vec::kVec;
 using vec::Raw;
 
-// Rows per thread per iteration: as many as fit in 64 registers without spilling (the 8-wide
-// 16-bit vectors need twice the fp32 temporaries of the 4-wide fp32 ones).
-template <int N> constexpr int kFwdUnroll = N == 8 ? 2 : 4;
-template <int N> constexpr int kBwdUnroll = N == 8 ? 1 : 2;
+// Rows per thread per iteration (all loads of them are issued before any math); as many as fit
+// in 64 registers without spilling.
+template <int N> constexpr int kFwdUnroll = 4;
+template <int N> constexpr int kBwdUnroll = 2;
 constexpr int kThreads = 256;
 constexpr int kMinBlocks = 4;  // <= 64 registers: 1024 resident threads per SM
 
@@ -49,8 +49,17 @@ struct Grid2 {
 
 // Block: up to kThreads threads along the row's vectors, the rest of the block along rows.
 Grid2 plan(int64_t rows, int64_t nvec, int sms, int unroll) {
+  // The widest power-of-two x extent that leaves few idle lanes in the row's last block (idle
+  // warps still hold their block's slot): e.g. 384 vectors -> 3 x 128, not 2 x 256.
   int bx = 32;
   while (bx < nvec && bx < kThreads) bx *= 2;
+  for (int cand = bx; cand >= 32; cand /= 2) {
+    const int64_t waste = (nvec + cand - 1) / cand * cand - nvec;
+    if (waste * 16 <= nvec) {
+      bx = cand;
+      break;
+    }
+  }
   const int by = kThreads / bx;
   const int64_t gx = (nvec + bx - 1) / bx;
   const int64_t per_block = static_cast<int64_t>(by) * unroll;
