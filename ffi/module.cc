@@ -16,6 +16,8 @@ Targets LmHeadCeTargets();
 Targets RopeTargets();
 Targets Fp8QuantizeTargets();
 Targets Fp8GemmTargets();
+Targets Nvfp4QuantizeTargets();
+Targets Adamw8bitTargets();
 }  // namespace surogate::ffi_bind
 
 namespace {
@@ -27,7 +29,9 @@ constexpr Targets (*kOps[])() = {&surogate::ffi_bind::RmsNormTargets,
                                  &surogate::ffi_bind::LmHeadCeTargets,
                                  &surogate::ffi_bind::RopeTargets,
                                  &surogate::ffi_bind::Fp8QuantizeTargets,
-                                 &surogate::ffi_bind::Fp8GemmTargets};
+                                 &surogate::ffi_bind::Fp8GemmTargets,
+                                 &surogate::ffi_bind::Nvfp4QuantizeTargets,
+                                 &surogate::ffi_bind::Adamw8bitTargets};
 
 }  // namespace
 
