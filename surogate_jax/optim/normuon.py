@@ -58,18 +58,29 @@ gradient is exactly zero because lora_b starts at zero; the update is then zero,
 `embedding`, `lm_head`, norm `scale`s, `bias`es and anything whose path mentions embed/lm_head/router.
 Pass your own `matrix_dims(path, leaf) -> MatrixDims | None` for other models.
 
-Why no fused CUDA kernel. Per matrix (m <= n after orientation) one step costs 5 x (4 m^2 n + 2 m^3)
-GEMM FLOPs; for a 4096 x 4096 projection that is ~2.1 TFLOP, ~3 ms at the ~700 TFLOP/s XLA reaches
-on an H100. The elementwise/normalization work after it (momentum, column mean of O^2, V update,
-two Frobenius norms, scale, cautious mask, decay) is ~4 passes over m n fp32 values (64 MB for
-4096^2), ~25 us at 3 TB/s, under 1% of the step; XLA fuses it into a few loop/reduction fusions.
-Even a perfect one-pass kernel would save well under 1% of NorMuon's time, so it does not pay.
-The NS GEMMs themselves are plain bf16 dots that XLA hands to cuBLAS.
+Why no fused CUDA kernel. The passes over memory are fixed by data dependencies, not by who
+writes them: the Frobenius norm of U must be complete before NS starts, and the column statistics
+of O before any element can be normalized. So any implementation, a fused kernel included, does
+(per element, fp32 state) one pass before NS (read G, read+write M, write the bf16 NS input:
+14 B) and two after it (read O for the column sums of O^2; read O again, read+write W: 4 + 12 B),
+about 30 B/element. The code above is written so XLA needs exactly those passes: both norms
+come from the column sums (no extra pass), and the last pass is a single elementwise product
+O * c_j that XLA fuses with the cautious decay and the parameter write when the update runs in
+the jitted train step. Against that, NS costs 5 (4 m^2 n + 2 m^3) FLOPs per (m <= n) matrix:
+~24k FLOPs per element at m = 1024 (34 ps at ~700 TFLOP/s) against ~10 ps for 30 B at 3 TB/s;
+at m = 4096, ~120k FLOPs (170 ps) per element. A kernel could only shave XLA's fusion overheads
+off the ~10 ps; benchmarks/bench_normuon.py measures the split on an H100 ("no_ns" = everything
+but the NS GEMMs) so this claim is checked, not assumed. The NS GEMMs themselves are bf16 dots
+that XLA hands to cuBLAS.
 
 State (per NorMuon leaf): `mu` (momentum, fp32, the parameter's shape) and `nu` (V, fp32,
-[lead..., out dims...]); both are created with elementwise/reduction ops of the parameter, so under
-jit they take the parameter's sharding on the shared axes. Plain arrays in optax NamedTuples:
-Orbax saves and restores them like any optax state.
+[lead..., out dims...]): plain arrays in optax NamedTuples that Orbax saves and restores like any
+optax state. `mu` has the parameter's shape and path, `nu` its output axes, so the trainer's
+shape-based state shardings (parallel.py) apply to them as to the parameters, and a jitted update
+keeps whatever shardings the state was placed with (tested on a 4-device CPU mesh). Newton-Schulz
+needs whole matrices: with a sharded state XLA gathers each matrix for it (every device then
+runs the same NS; distributing the matrices over devices, as the NorMuon paper's FSDP2 version
+does, is not done here).
 """
 
 from __future__ import annotations
@@ -250,17 +261,21 @@ def scale_by_normuon(
         mu = momentum * mu + (1.0 - momentum) * g32
         u = (1.0 - momentum) * g32 + momentum * mu if nesterov else mu
         o = newton_schulz(u.reshape(*lead, m, n), ns_steps, ns_coeffs, ns_dtype)
-        row = jnp.mean(jnp.square(o), axis=-2)  # [lead..., n]: one per output neuron
-        nu = beta2 * nu + (1.0 - beta2) * row.reshape(nu.shape)
-        o_hat = o / (jnp.sqrt(nu.reshape(*lead, 1, n)) + eps)
-        o_norm = jnp.sqrt(jnp.sum(jnp.square(o), axis=(-2, -1), keepdims=True))
-        hat_norm = jnp.sqrt(jnp.sum(jnp.square(o_hat), axis=(-2, -1), keepdims=True))
-        o_hat = o_hat * (o_norm / (hat_norm + eps))
+        # Everything after NS is one per-column factor: O_hat = O * c_j. Both Frobenius norms
+        # follow from the column sums of O^2 (||O||^2 = sum_j s_j, ||O / d||^2 = sum_j s_j / d_j^2),
+        # so O is read twice in all: once for s, once for the final scale (fused by XLA with the
+        # cautious decay and the parameter write).
+        col = jnp.sum(jnp.square(o), axis=-2)  # [lead..., n]: one per output neuron
+        nu = beta2 * nu + (1.0 - beta2) * (col / m).reshape(nu.shape)
+        inv = 1.0 / (jnp.sqrt(nu.reshape(col.shape)) + eps)
+        o_norm = jnp.sqrt(jnp.sum(col, axis=-1, keepdims=True))
+        hat_norm = jnp.sqrt(jnp.sum(col * jnp.square(inv), axis=-1, keepdims=True))
+        rescale = o_norm / (hat_norm + eps)  # O_hat = O * inv * rescale has ||O_hat|| = ||O||
         if lr_rule == "muon":
-            o_hat = o_hat * math.sqrt(max(1.0, n / m))
-        else:  # ||o_hat|| == ||o|| here; eps keeps an all-zero gradient (lora_a at step 0) at zero
-            o_hat = o_hat * (rms_scale * math.sqrt(m * n) / (o_norm + eps))
-        return o_hat.reshape(shape).astype(g.dtype), mu, nu
+            factor = inv * rescale * math.sqrt(max(1.0, n / m))
+        else:  # RMS rms_scale; eps keeps an all-zero gradient (lora_a at step 0) at zero
+            factor = inv * rescale * (rms_scale * math.sqrt(m * n) / (rescale * hat_norm + eps))
+        return (o * factor[..., None, :]).reshape(shape).astype(g.dtype), mu, nu
 
     def update_fn(updates, state, params=None):
         del params
