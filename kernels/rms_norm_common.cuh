@@ -511,17 +511,44 @@ inline Plan layout_plan(int64_t dim, int vec, int vecs_per_thread) {
   return p;
 }
 
+// Resident blocks per SM of `kernel` at (threads, smem) and the SM count, memoized per host
+// thread (the occupancy query costs microseconds of host time on every XLA launch otherwise).
+template <typename Kernel>
+cudaError_t occupancy(Kernel kernel, int threads, size_t smem, int* per_sm, int* sms) {
+  struct Entry {
+    const void* kernel;
+    int threads, dev, per_sm, sms;
+    size_t smem;
+  };
+  constexpr int kEntries = 32;
+  thread_local Entry cache[kEntries] = {};
+  thread_local int next = 0;
+  int dev = 0;
+  SUROGATE_NORM_TRY(cudaGetDevice(&dev));
+  const void* key = reinterpret_cast<const void*>(kernel);
+  for (const Entry& e : cache) {
+    if (e.kernel == key && e.threads == threads && e.smem == smem && e.dev == dev) {
+      *per_sm = e.per_sm;
+      *sms = e.sms;
+      return cudaSuccess;
+    }
+  }
+  SUROGATE_NORM_TRY(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev));
+  if (smem > 48 * 1024) {
+    SUROGATE_NORM_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem)));
+  }
+  SUROGATE_NORM_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, smem));
+  cache[next] = {key, threads, dev, *per_sm, *sms, smem};
+  next = (next + 1) % kEntries;
+  return cudaSuccess;
+}
+
 // Persistent grid: as many blocks as fit on the device at once, but no more than there is work.
 template <typename Kernel>
 cudaError_t size_grid(Kernel kernel, int64_t rows, Plan& p) {
-  int dev = 0, sms = 0, per_sm = 0;
-  SUROGATE_NORM_TRY(cudaGetDevice(&dev));
-  SUROGATE_NORM_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  if (p.smem > 48 * 1024) {
-    SUROGATE_NORM_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(p.smem)));
-  }
-  SUROGATE_NORM_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, p.threads, p.smem));
+  int sms = 0, per_sm = 0;
+  SUROGATE_NORM_TRY(occupancy(kernel, p.threads, p.smem, &per_sm, &sms));
   const int64_t need = (rows + p.rows_per_block - 1) / p.rows_per_block;
   const int64_t fit = static_cast<int64_t>(std::max(sms, 1)) * std::max(per_sm, 1);
   p.blocks = static_cast<int>(std::max<int64_t>(1, std::min(need, fit)));
