@@ -9,6 +9,8 @@ Implementations (all return (loss sum, count) and are differentiated with jax.va
   fused        lm_head_ce(impl="ffi"): chunk GEMM (fp32 logits) + our CUDA row kernel + dh/dW GEMMs
                in the forward rule, backward just scales (default chunk, and a chunk sweep)
   fused_bf16   the same with bf16 logits (kernel works in place over the GEMM output)
+  fused_2pass  fused with the two-pass row kernel instead of the single-read cluster kernel
+  fused_bf16acc  fused_bf16 with the head gradient accumulated in bf16 across chunks (full-ft)
   fused_twin   lm_head_ce(impl="ref"): the same chunked algorithm with the kernel's jnp twin (XLA
                fusions instead of our kernel)
   chunked_jax  lm_head_ce_ref: the previous loss (lax.scan + jax.checkpoint per chunk of 2048,
@@ -55,6 +57,9 @@ def impls(chunks):
     out = {
         "fused": lambda h, w, t, m: lm_head_ce(h, w, t, m, impl="ffi"),
         "fused_bf16": lambda h, w, t, m: lm_head_ce(h, w, t, m, impl="ffi", logits_dtype=jnp.bfloat16),
+        "fused_2pass": lambda h, w, t, m: lm_head_ce(h, w, t, m, impl="ffi", kernel="two_pass"),
+        "fused_bf16acc": lambda h, w, t, m: lm_head_ce(h, w, t, m, impl="ffi", logits_dtype=jnp.bfloat16,
+                                                       dhead_accum_dtype=jnp.bfloat16),
         "fused_twin": lambda h, w, t, m: lm_head_ce(h, w, t, m, impl="ref"),
         "chunked_jax": lambda h, w, t, m: lm_head_ce_ref(h, w, t, m, chunk=2048),
         "unfused": _unfused,
@@ -123,9 +128,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--vocab", type=int, default=VOCAB)
-    ap.add_argument("--chunks", type=int, nargs="*", default=[1024, 4096],
+    ap.add_argument("--chunks", type=int, nargs="*", default=[512, 1024, 2048, 4096],
                     help="extra fused chunk sizes to sweep (full-ft and lora)")
-    ap.add_argument("--modes", nargs="+", default=["full-ft", "lora", "eval"])
+    ap.add_argument("--modes", nargs="+", default=["full-ft", "lora", "eval"],
+                    choices=["full-ft", "lora", "eval"])
     ap.add_argument("--isolate", action="store_true", help="one fresh process per configuration")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration, print JSON
     args = ap.parse_args()
@@ -151,7 +157,9 @@ def main() -> None:
             rows = {}
             # the unfused reference first: the ratios are relative to it
             for name in ["unfused"] + [x for x in names if x != "unfused"]:
-                if mode == "eval" and "_c" in name:
+                if mode == "eval" and ("_c" in name or name in ("fused_2pass", "fused_bf16acc")):
+                    continue
+                if mode == "lora" and name == "fused_bf16acc":
                     continue
                 cfg = dict(name=name, mode=mode, n=args.tokens, d=d, v=args.vocab, repeats=args.repeats,
                            chunks=args.chunks)

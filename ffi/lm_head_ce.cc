@@ -3,7 +3,8 @@
 //
 //   surogate_lm_head_ce_loss(logits [..., V], targets [...] s32, weights [...] f32; z_loss: f32)
 //       -> loss [...] f32, lse [...] f32
-//   surogate_lm_head_ce_grad(same)  -> loss [...] f32, lse [...] f32, dlogits [..., V]
+//   surogate_lm_head_ce_grad(same; algo: s32 0 auto / 1 two-pass)
+//       -> loss [...] f32, lse [...] f32, dlogits [..., V]
 // logits: float32 / bfloat16 / float16; dlogits: float32 / bfloat16 / float16 (bf16/f16 logits
 // with fp32 dlogits, or fp32 logits with any dlogits). dlogits may be the same buffer as logits
 // (input_output_aliases) when the dtypes match. Leading dims are flattened into rows, so a
@@ -65,7 +66,7 @@ ffi::Error LmHeadCeLoss(cudaStream_t stream, float z_loss, ffi::AnyBuffer logits
   });
 }
 
-ffi::Error LmHeadCeGrad(cudaStream_t stream, float z_loss, ffi::AnyBuffer logits,
+ffi::Error LmHeadCeGrad(cudaStream_t stream, float z_loss, int32_t algo, ffi::AnyBuffer logits,
                         ffi::AnyBuffer targets, ffi::AnyBuffer weights,
                         ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
                         ffi::Result<ffi::AnyBuffer> dlogits) {
@@ -76,6 +77,10 @@ ffi::Error LmHeadCeGrad(cudaStream_t stream, float z_loss, ffi::AnyBuffer logits
   if (!(dlogits->dimensions() == logits.dimensions())) {
     return InvalidArg(kGrad, "dlogits has shape " + ShapeStr(*dlogits) + " but logits has shape " +
                                  ShapeStr(logits));
+  }
+  if (algo != static_cast<int32_t>(LmHeadCeAlgo::kAuto) &&
+      algo != static_cast<int32_t>(LmHeadCeAlgo::kTwoPass)) {
+    return InvalidArg(kGrad, "algo must be 0 (auto) or 1 (two-pass), got " + std::to_string(algo));
   }
   const ffi::DataType tin = logits.element_type(), tout = dlogits->element_type();
   if (tin != tout && tin != ffi::DataType::F32 && tout != ffi::DataType::F32) {
@@ -95,7 +100,7 @@ ffi::Error LmHeadCeGrad(cudaStream_t stream, float z_loss, ffi::AnyBuffer logits
                                     static_cast<float*>(loss->untyped_data()),
                                     static_cast<float*>(lse->untyped_data()),
                                     static_cast<TOut*>(dlogits->untyped_data()), rows, vocab,
-                                    z_loss, stream));
+                                    z_loss, static_cast<LmHeadCeAlgo>(algo), stream));
       } else {
         return InvalidArg(kGrad, "unsupported dtype pair");  // excluded above
       }
@@ -119,6 +124,7 @@ XLA_FFI_DEFINE_HANDLER(kLmHeadCeGradHandler, LmHeadCeGrad,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<float>("z_loss")
+                           .Attr<int32_t>("algo")
                            .Arg<ffi::AnyBuffer>()   // logits
                            .Arg<ffi::AnyBuffer>()   // targets
                            .Arg<ffi::AnyBuffer>()   // weights

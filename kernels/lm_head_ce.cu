@@ -1,22 +1,27 @@
 // Cross-entropy rows of LM-head logits: loss, lse and (optionally) dlogits in one kernel
 // (see lm_head_ce.h for the math and the launcher contract).
 //
-// Floor. Memory bound: per active row the kernel must read V logits once (pass 1: running max and
-// sum of exp) and, with the gradient, write V dlogits; this implementation reads the row a second
-// time in pass 2 (hits in L2 only when few rows are in flight, so count it as DRAM traffic):
-//   loss only : V * sizeof(TIn)                   e.g. V = 151936 fp32: 0.61 MB/row
-//   gradient  : V * (2 * sizeof(TIn) + sizeof(TOut))   fp32 -> bf16: 1.52 MB/row,
-//                                                       bf16 -> bf16 (in place): 0.91 MB/row
-// At the H100's ~3000 GB/s copy bandwidth, a 4096-token x 151936-vocab chunk costs >= 2.1 ms
-// (fp32 logits) or >= 1.2 ms (bf16 logits) with the gradient; the single-read floor would be
-// 1.2 ms / 0.8 ms. Compare the GEMMs around it: 3 x 2 N D V FLOPs = 7.6 TFLOP at D = 1024 ->
-// ~10 ms at 740 TFLOP/s, 4x that at D = 4096. So the kernel is ~15-20% of the op at D = 1024 and
-// ~5% at D = 4096, and the GEMMs decide the op's speed. (exp count: 2 ex2 per element, ~1.5e12/s
-// needed at full bandwidth for fp32 in pass 1 + 2, under the ~3.6e12/s MUFU throughput.)
+// Floor. Memory bound. Per active row the kernel must read V logits once and, with the gradient,
+// write V dlogits:
+//   loss only : V * sizeof(TIn)                      fp32, V = 151936: 0.61 MB/row
+//   gradient  : V * (sizeof(TIn) + sizeof(TOut))     fp32 -> bf16: 0.91 MB/row, bf16 in place: 0.61
+// At the H100's ~3000 GB/s copy bandwidth a 4096-token x 151936-vocab step costs >= 1.24 ms
+// (fp32 logits -> bf16 dlogits) or >= 0.83 ms (bf16 in place) with the gradient. The cluster
+// kernel below moves exactly these bytes; the two-pass kernel reads the row twice (+0.61 / +0.30
+// MB/row: the second read comes from DRAM once more than ~50 MB of rows are in flight).
+// The GEMMs around it: 3 x 2 N D V FLOPs = 3.8 TFLOP at N = 4096, D = 1024 -> ~5.2 ms at 740
+// TFLOP/s (4x at D = 4096), so even at its floor the kernel is ~19% of the op at D = 1024 with
+// fp32 logits (~14% with bf16 logits) and ~6% at D = 4096: worth being at the floor.
+// exp count: 2 ex2 per element (one per pass), ~1.5e12/s at full bandwidth for fp32, below the
+// ~3.6e12/s MUFU throughput.
 //
 // Design (why):
-//  * One block (kThreads) per row, grid-striding over rows: a 150k-wide row gives every thread
-//    ~75 16-byte vectors per pass, and the block reduction of (max, sum) costs two barriers.
+//  * Gradient, Hopper (compute capability >= 9.0), rows of 512..~51k 16-byte vectors: a thread-
+//    block cluster of K <= 8 CTAs owns a row, each CTA a slice of <= 100 KB (two CTAs per SM) kept
+//    in shared memory between pass 1 (DRAM -> smem, running max/sum) and pass 2 (smem -> dlogits);
+//    the K partial (max, sum) pairs are merged through distributed shared memory. One DRAM read.
+//  * Otherwise (loss only, short or huge rows, older GPUs, algo = kTwoPass): one block per row,
+//    grid-striding over rows, pass 2 re-reads the row.
 //  * Online softmax (Milakov & Gimelshein 2018): each thread keeps a running max m and sum of
 //    exp(x - m), rescaling only when a vector raises the max; exp as ex2.approx of fma(x, log2e,
 //    -m log2e) (one FFMA + one MUFU per element).
@@ -25,13 +30,16 @@
 //    thread per iteration for memory-level parallelism.
 //  * Rows with weight 0 (masked, ignored, padding) are not read at all: their gradient row is
 //    written as zeros (the GEMMs after the kernel still consume it).
-//  * In place: dlogits may alias logits when TIn == TOut; pass 2 reads each element before the
-//    same thread overwrites it, and pass 1 finished for the whole row (block barrier) before.
+//  * In place: dlogits may alias logits when TIn == TOut; every element is read (pass 1, and pass
+//    2 in the two-pass kernel) by the thread that later overwrites it, after the row's reduction
+//    barrier, and the target logit is read before that barrier.
 #include "kernels/lm_head_ce.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+
+#include <cooperative_groups.h>
 
 namespace surogate {
 namespace {
@@ -41,6 +49,8 @@ constexpr int kWarp = 32;
 constexpr int kUnroll = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
+constexpr int kMaxCluster = 8;                  // portable cluster size limit
+constexpr size_t kClusterSmemTarget = 100 << 10;  // bytes of row slice per CTA: 2 CTAs per SM
 
 template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
@@ -276,6 +286,128 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Single-read variant (Hopper thread-block clusters): a cluster of K CTAs owns one row, each CTA
+// one contiguous slice of the row's aligned vectors. Pass 1 streams the slice from DRAM into the
+// CTA's shared memory while accumulating (max, sum); the K partial results are merged through
+// distributed shared memory (every CTA merges all K in rank order: identical, deterministic);
+// pass 2 reads the slice back from shared memory, so DRAM sees each logit once. Each thread reads
+// back exactly the vectors it stored, so the cache needs no barrier. The scalar head/tail of an
+// unaligned row (< 16 bytes each) stay in global memory (rank 0 / rank K-1).
+namespace cg = cooperative_groups;
+
+template <typename TIn, typename TOut, int N>
+__global__ void __launch_bounds__(kThreads)
+    lm_head_ce_cluster_kernel(const TIn* logits, const int32_t* __restrict__ targets,
+                              const float* __restrict__ weights, float* __restrict__ loss,
+                              float* __restrict__ lse_out, TOut* dlogits, int64_t rows, int64_t V,
+                              float z) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // launched only on compute capability >= 9.0 (see launch())
+#else
+  extern __shared__ uint4 cache[];  // this CTA's slice of the row, raw 16-byte vectors
+  __shared__ float red[2 * (kWarp + 1)];
+  __shared__ float slots[2][2];  // this CTA's (m, s), double-buffered by row parity
+  cg::cluster_group cluster = cg::this_cluster();
+  const int K = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int tid = threadIdx.x, bd = blockDim.x;
+  int parity = 0;
+  for (int64_t row = blockIdx.x / K; row < rows; row += gridDim.x / K) {
+    const int64_t g0 = row * V;
+    const int64_t h0 = std::min<int64_t>((N - g0 % N) % N, V);
+    const int64_t nv = (V - h0) / N;
+    const int64_t t0 = h0 + nv * N;
+    const int64_t v0 = nv * rank / K, v1 = nv * (rank + 1) / K;  // this CTA's vectors
+    const TIn* xr = logits + g0;
+    const TIn* xv = xr + h0;
+    TOut* dr = dlogits + g0;
+    TOut* dv = dr + h0;
+    const float w = weights[row];
+    const int32_t t = targets[row];
+    const bool head = rank == 0, tail = rank == K - 1;
+    if (w == 0.f || t < 0 || t >= V) {  // uniform over the cluster: no cluster barrier here
+      const float v = w == 0.f ? 0.f : NAN;
+      if (head && tid == 0) {
+        loss[row] = v;
+        lse_out[row] = v;
+      }
+      float vals[N];
+#pragma unroll
+      for (int k = 0; k < N; ++k) vals[k] = v;
+      for (int64_t i = v0 + tid; i < v1; i += bd) store_vec<TOut, N>(dv + i * N, vals);
+      if (head) for (int64_t j = tid; j < h0; j += bd) dr[j] = from_float<TOut>(v);
+      if (tail) for (int64_t j = t0 + tid; j < V; j += bd) dr[j] = from_float<TOut>(v);
+      continue;
+    }
+    const float xt = head && tid == 0 ? to_float(xr[t]) : 0.f;
+
+    Online o;
+    if (head) {
+      for (int64_t j = tid; j < h0; j += bd) {
+        const float x[1] = {to_float(xr[j])};
+        o.add(x);
+      }
+    }
+    if (tail) {
+      for (int64_t j = t0 + tid; j < V; j += bd) {
+        const float x[1] = {to_float(xr[j])};
+        o.add(x);
+      }
+    }
+    for (int64_t i0 = v0 + tid; i0 < v1; i0 += static_cast<int64_t>(kUnroll) * bd) {
+      uint4 raw[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = i0 + static_cast<int64_t>(u) * bd;
+        if (i < v1) raw[u] = *reinterpret_cast<const uint4*>(xv + i * N);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = i0 + static_cast<int64_t>(u) * bd;
+        if (i < v1) {
+          cache[i - v0] = raw[u];
+          float x[N];
+          load_vec<TIn, N>(reinterpret_cast<const TIn*>(&raw[u]), x);
+          o.add(x);
+        }
+      }
+    }
+    const Online mine = block_merge(o, red);
+    if (tid == 0) {
+      slots[parity][0] = mine.m;
+      slots[parity][1] = mine.s;
+    }
+    cluster.sync();  // every CTA's slot for this row is written
+    Online r;
+    for (int q = 0; q < K; ++q) {
+      const float* remote = cluster.map_shared_rank(&slots[parity][0], q);
+      r.merge(remote[0], remote[1]);
+    }
+    parity ^= 1;  // only rows that passed a cluster barrier flip it (see the masked branch)
+    const float lse = r.m + logf(r.s);
+    if (head && tid == 0) {
+      loss[row] = w * (lse - xt + z * lse * lse);
+      lse_out[row] = lse;
+    }
+    const float coef = w * (1.f + 2.f * z * lse) / r.s;
+    const float sh = r.m * kLog2e;
+    auto grad = [&](float x, int64_t j) {
+      return coef * ex2(fmaf(x, kLog2e, -sh)) - (j == t ? w : 0.f);
+    };
+    for (int64_t i = v0 + tid; i < v1; i += bd) {
+      float x[N], d[N];
+      load_vec<TIn, N>(reinterpret_cast<const TIn*>(&cache[i - v0]), x);
+#pragma unroll
+      for (int k = 0; k < N; ++k) d[k] = grad(x[k], h0 + i * N + k);
+      store_vec<TOut, N>(dv + i * N, d);
+    }
+    if (head) for (int64_t j = tid; j < h0; j += bd) dr[j] = from_float<TOut>(grad(to_float(xr[j]), j));
+    if (tail) for (int64_t j = t0 + tid; j < V; j += bd) dr[j] = from_float<TOut>(grad(to_float(xr[j]), j));
+  }
+  cluster.sync();  // no CTA leaves while another may still read its slots
+#endif
+}
+
 #define SUROGATE_TRY(expr)                \
   do {                                    \
     const cudaError_t err_ = (expr);      \
@@ -284,15 +416,76 @@ __global__ void __launch_bounds__(kThreads)
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Cluster size for the single-read kernel: the smallest power of two whose slice fits the shared
+// memory target (two CTAs per SM), up to kMaxCluster; 0 when the row is too long (or too short to
+// be worth it) or the device/driver cannot run such a cluster.
+template <typename TIn, typename TOut>
+int cluster_plan(int64_t vocab, size_t* smem) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(TIn));
+  const int64_t nv = vocab / kVec;
+  if (nv < kThreads) return 0;  // short rows: the two-pass kernel's second read hits L1/L2 anyway
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9) {
+    return 0;
+  }
+  for (int k = 1; k <= kMaxCluster; k *= 2) {
+    const size_t bytes = static_cast<size_t>((nv + k - 1) / k) * 16;
+    if (bytes > kClusterSmemTarget) continue;
+    auto kernel = lm_head_ce_cluster_kernel<TIn, TOut, kVec>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(bytes)) != cudaSuccess) {
+      return 0;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(k);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = bytes;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = k;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess || clusters < 1) {
+      cudaGetLastError();  // clear a sticky-free query error; fall back to two passes
+      return 0;
+    }
+    *smem = bytes;
+    return k;
+  }
+  return 0;
+}
+
 template <typename TIn, typename TOut, bool kGrad>
 cudaError_t launch(const TIn* logits, const int32_t* targets, const float* weights, float* loss,
                    float* lse, TOut* dlogits, int64_t rows, int64_t vocab, float z,
-                   cudaStream_t stream) {
+                   LmHeadCeAlgo algo, cudaStream_t stream) {
   if (rows < 0 || vocab <= 0 || vocab > INT32_MAX) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   constexpr int kVec = 16 / static_cast<int>(sizeof(TIn));
   const unsigned blocks = static_cast<unsigned>(std::min(rows, kMaxBlocks));
   const bool vec = aligned16(logits) && (!kGrad || aligned16(dlogits));
+  size_t smem = 0;
+  const int k = kGrad && vec && algo != LmHeadCeAlgo::kTwoPass ? cluster_plan<TIn, TOut>(vocab, &smem) : 0;
+  if (k > 0) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(std::min(rows, kMaxBlocks) * k));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = k;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, lm_head_ce_cluster_kernel<TIn, TOut, kVec>, logits, targets,
+                              weights, loss, lse, dlogits, rows, vocab, z);
+  }
   if (vec) {
     lm_head_ce_kernel<TIn, TOut, kVec, kGrad><<<blocks, kThreads, 0, stream>>>(
         logits, targets, weights, loss, lse, dlogits, rows, vocab, z);
@@ -310,16 +503,16 @@ cudaError_t lm_head_ce_loss(const TIn* logits, const int32_t* targets, const flo
                             float* loss, float* lse, int64_t rows, int64_t vocab, float z_loss,
                             cudaStream_t stream) {
   return launch<TIn, TIn, false>(logits, targets, weights, loss, lse, nullptr, rows, vocab,
-                                 z_loss, stream);
+                                 z_loss, LmHeadCeAlgo::kTwoPass, stream);
 }
 
 template <typename TIn, typename TOut>
 cudaError_t lm_head_ce_grad(const TIn* logits, const int32_t* targets, const float* weights,
                             float* loss, float* lse, TOut* dlogits, int64_t rows, int64_t vocab,
-                            float z_loss, cudaStream_t stream) {
+                            float z_loss, LmHeadCeAlgo algo, cudaStream_t stream) {
   if (dlogits == nullptr) return cudaErrorInvalidValue;
   return launch<TIn, TOut, true>(logits, targets, weights, loss, lse, dlogits, rows, vocab,
-                                 z_loss, stream);
+                                 z_loss, algo, stream);
 }
 
 #define SUROGATE_LM_HEAD_CE_LOSS(TIn)                                                          \
@@ -328,7 +521,7 @@ cudaError_t lm_head_ce_grad(const TIn* logits, const int32_t* targets, const flo
 #define SUROGATE_LM_HEAD_CE_GRAD(TIn, TOut)                                              \
   template cudaError_t lm_head_ce_grad<TIn, TOut>(const TIn*, const int32_t*, const float*, \
                                                   float*, float*, TOut*, int64_t, int64_t,   \
-                                                  float, cudaStream_t);
+                                                  float, LmHeadCeAlgo, cudaStream_t);
 
 SUROGATE_LM_HEAD_CE_LOSS(float)
 SUROGATE_LM_HEAD_CE_LOSS(__nv_bfloat16)

@@ -27,10 +27,16 @@ cudaError_t lm_head_ce_loss(const TIn* logits, const int32_t* targets, const flo
                             float* loss, float* lse, int64_t rows, int64_t vocab, float z_loss,
                             cudaStream_t stream);
 
+// Which gradient kernel runs. kAuto: on compute capability >= 9.0, rows of >= 512 vectors that
+// fit 8 x 100 KB of shared memory use the single-read cluster kernel (each logit read once from
+// DRAM); everything else the two-pass kernel (the row is read twice). kTwoPass forces the latter
+// (tests and benchmarks compare them).
+enum class LmHeadCeAlgo : int { kAuto = 0, kTwoPass = 1 };
+
 // loss, lse and dlogits.
 template <typename TIn, typename TOut>
 cudaError_t lm_head_ce_grad(const TIn* logits, const int32_t* targets, const float* weights,
                             float* loss, float* lse, TOut* dlogits, int64_t rows, int64_t vocab,
-                            float z_loss, cudaStream_t stream);
+                            float z_loss, LmHeadCeAlgo algo, cudaStream_t stream);
 
 }  // namespace surogate

@@ -66,10 +66,13 @@ LOSS_TARGET = "surogate_lm_head_ce_loss"
 GRAD_TARGET = "surogate_lm_head_ce_grad"
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 LAYOUTS = ("DV", "VD")
+KERNELS = {"auto": 0, "two_pass": 1}  # gradient kernel variants (kernels/lm_head_ce.h LmHeadCeAlgo)
 IGNORE_INDEX = -100
 # Default chunk: the largest multiple of 256 tokens whose logits (+ dlogits) fit this many bytes,
 # at least MIN_CHUNK (GEMM efficiency) and at least GRAD_HEAD_MIN_CHUNK with a trainable head.
-CHUNK_BYTES = 1 << 30
+# (512 MiB: 512 tokens of fp32 logits + bf16 dlogits at V = 151936, ~1/15 of the unfused
+# loss's ~7.1 GiB of temporaries at 4096 tokens; 1536 tokens of in-place bf16 logits.)
+CHUNK_BYTES = 1 << 29
 MIN_CHUNK = 512
 GRAD_HEAD_MIN_CHUNK = 2048
 
@@ -103,11 +106,11 @@ def _dhidden(dl_CV, W, layout, out_dtype):
     return jax.lax.dot_general(dl_CV, W, dims, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def _dhead(h_CD, dl_CV, layout):
-    """h^T @ dlogits in W's layout, fp32."""
+def _dhead(h_CD, dl_CV, layout, out_dtype):
+    """h^T @ dlogits in W's layout (fp32 accumulation inside the GEMM, output in out_dtype)."""
     if layout == "DV":
-        return jax.lax.dot_general(h_CD, dl_CV, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return jax.lax.dot_general(dl_CV, h_CD, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return jax.lax.dot_general(h_CD, dl_CV, (((0,), (0,)), ((), ())), preferred_element_type=out_dtype)
+    return jax.lax.dot_general(dl_CV, h_CD, (((0,), (0,)), ((), ())), preferred_element_type=out_dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,7 +188,7 @@ def _rows_ref(logits_CV, t_C, w_C, z, dl_dtype):
 # handler), which is exactly the batched semantics of a row-wise op.
 
 
-def _rows_ffi(logits_CV, t_C, w_C, z, dl_dtype):
+def _rows_ffi(logits_CV, t_C, w_C, z, dl_dtype, kernel="auto"):
     rows = logits_CV.shape[:-1]
     f32 = lambda: jax.ShapeDtypeStruct(rows, jnp.float32)  # noqa: E731
     if dl_dtype is None:
@@ -196,18 +199,19 @@ def _rows_ffi(logits_CV, t_C, w_C, z, dl_dtype):
     # dlogits over the logits buffer when the dtypes match (the logits are dead after this call).
     aliases = {0: 2} if jnp.dtype(dl_dtype) == logits_CV.dtype else None
     call = jax.ffi.ffi_call(GRAD_TARGET, out, vmap_method="broadcast_all", input_output_aliases=aliases)
-    return call(logits_CV, t_C, w_C, z_loss=np.float32(z))
+    return call(logits_CV, t_C, w_C, z_loss=np.float32(z), algo=np.int32(KERNELS[kernel]))
 
 
-def _rows_fn(impl):
+def _rows_fn(impl, kernel):
+    ffi = functools.partial(_rows_ffi, kernel=kernel)
     if impl == "ref":
         return _rows_ref
     if impl == "ffi":
-        return _rows_ffi
+        return ffi
 
     def auto(logits_CV, t_C, w_C, z, dl_dtype):
         kw = {"z": z, "dl_dtype": dl_dtype}
-        return jax.lax.platform_dependent(logits_CV, t_C, w_C, cuda=functools.partial(_rows_ffi, **kw),
+        return jax.lax.platform_dependent(logits_CV, t_C, w_C, cuda=functools.partial(ffi, **kw),
                                           default=functools.partial(_rows_ref, **kw))
 
     return auto
@@ -224,6 +228,8 @@ class _Cfg:
     chunk: int | None
     logits_dtype: str  # numpy dtype name
     impl: str
+    kernel: str = "auto"
+    dhead_accum: str = "float32"  # dtype of the head-gradient accumulator across chunks
 
 
 def _chunked(h_ND, W, t_N, w_N, *, cfg: _Cfg, need_dh: bool, need_dw: bool, grad: bool):
@@ -234,7 +240,7 @@ def _chunked(h_ND, W, t_N, w_N, *, cfg: _Cfg, need_dh: bool, need_dw: bool, grad
     C = cfg.chunk or default_chunk(V, ldt, h_ND.dtype, grad and need_dw)
     C = max(1, min(C, N))
     k, r = divmod(N, C)
-    rows = functools.partial(_rows_fn(cfg.impl), z=cfg.z_loss)
+    rows = functools.partial(_rows_fn(cfg.impl, cfg.kernel), z=cfg.z_loss)
 
     def one(h_CD, t_C, w_C, dw_acc):
         logits = _logits(h_CD, W, cfg.layout, ldt)
@@ -243,11 +249,11 @@ def _chunked(h_ND, W, t_N, w_N, *, cfg: _Cfg, need_dh: bool, need_dw: bool, grad
             return jnp.sum(loss), None, dw_acc
         loss, _, dl = rows(logits, t_C, w_C, dl_dtype=h_ND.dtype)
         dh = _dhidden(dl, W, cfg.layout, h_ND.dtype) if need_dh else None
-        if need_dw:
-            dw_acc = dw_acc + _dhead(h_CD, dl, cfg.layout)
+        if need_dw:  # written as acc + dot so XLA can fuse the add into the GEMM (beta = 1)
+            dw_acc = dw_acc + _dhead(h_CD, dl, cfg.layout, dw_acc.dtype)
         return jnp.sum(loss), dh, dw_acc
 
-    dw0 = jnp.zeros(W.shape, jnp.float32) if grad and need_dw else None
+    dw0 = jnp.zeros(W.shape, jnp.dtype(cfg.dhead_accum)) if grad and need_dw else None
     total = jnp.zeros((), jnp.float32)
     dh_parts = []
     if k:
@@ -341,15 +347,20 @@ def _kernel_supports(logits_dtype, compute_dtype) -> bool:
 
 def lm_head_ce(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array | None = None, *,
                head_layout: str = "DV", z_loss: float = 0.0, ignore_index: int = IGNORE_INDEX,
-               chunk: int | None = None, logits_dtype=jnp.float32, impl: str | None = None):
+               chunk: int | None = None, logits_dtype=jnp.float32, dhead_accum_dtype=jnp.float32,
+               impl: str | None = None, kernel: str = "auto"):
     """(weighted sum of token cross-entropy (+ z_loss * lse^2), sum of token weights), float32.
 
     hidden [..., D]; head [D, V] (head_layout="DV") or [V, D] ("VD", e.g. a tied embedding table);
     targets [...] integers; mask [...] token weights (None: all ones); targets == ignore_index are
     ignored. chunk: tokens per chunk (None: `default_chunk`). logits_dtype: dtype of the logits GEMM
     output the kernel reads (float32 default; the compute dtype halves that traffic and memory and
-    works in place, at the price of rounding the logits). impl: None/"auto", "ffi" or "ref"
-    (SUROGATE_JAX_OPS=ref forces the reference). The loss sum is tagged
+    works in place, at the price of rounding the logits). dhead_accum_dtype: the head gradient's
+    accumulator across chunks (float32 default: [D, V] fp32 while the op runs; the head's own
+    dtype halves that at one rounding per chunk). impl: None/"auto", "ffi" or "ref"
+    (SUROGATE_JAX_OPS=ref forces the reference). kernel: "auto" (on Hopper, the single-read cluster
+    kernel where the row fits its shared memory) or "two_pass" (a tuning/testing knob). The loss
+    sum is tagged
     `checkpoint_name(..., "lm_head_ce")`.
     """
     if head_layout not in LAYOUTS:
@@ -366,6 +377,8 @@ def lm_head_ce(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax
     if not jnp.issubdtype(hidden.dtype, jnp.floating) or not jnp.issubdtype(targets.dtype, jnp.integer):
         raise TypeError(f"lm_head_ce: hidden must be floating and targets integer, got {hidden.dtype}, "
                         f"{targets.dtype}")
+    if kernel not in KERNELS:
+        raise ValueError(f"lm_head_ce: kernel must be one of {tuple(KERNELS)}, got {kernel!r}")
     if chunk is not None and chunk < 1:
         raise ValueError(f"lm_head_ce: chunk must be >= 1, got {chunk}")
     impl = resolve_impl(impl)
@@ -381,6 +394,6 @@ def lm_head_ce(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax
     count = jnp.sum(w_N)
     if h_ND.shape[0] == 0:
         return jnp.zeros((), jnp.float32), count
-    cfg = _Cfg(head_layout, float(z_loss), chunk, ldt.name, impl)
+    cfg = _Cfg(head_layout, float(z_loss), chunk, ldt.name, impl, kernel, jnp.dtype(dhead_accum_dtype).name)
     loss = _lm_head_ce(h_ND, head.astype(hidden.dtype), t_N, w_N, cfg)
     return checkpoint_name(loss, "lm_head_ce"), count

@@ -85,18 +85,27 @@ CASES = [  # (N, D, V, chunk)
 ]
 
 
+@pytest.mark.parametrize("kernel", ["auto", "two_pass"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_ffi_matches_reference(case, dtype, assert_close):
+def test_ffi_matches_reference(case, dtype, kernel, assert_close):
     n, d, v, chunk = case
     h, w, t, m = _inputs(n, d, v, dtype)
     kw = dict(chunk=chunk, z_loss=1e-4)
     ref = _run(lambda *a: lm_head_ce(*a, impl="ref", **kw), h, w, t, m)
     auto = _run(lambda *a: lm_head_ce_ref(*a, chunk=chunk or 512, z_loss=1e-4), h, w, t, m)
     _poison_allocator()
-    got = _run(lambda *a: lm_head_ce(*a, impl="ffi", **kw), h, w, t, m)
-    _compare(got, ref, dtype, assert_close, "ffi vs ref twin")
-    _compare(got, auto, dtype, assert_close, "ffi vs autodiff reference")
+    got = _run(lambda *a: lm_head_ce(*a, impl="ffi", kernel=kernel, **kw), h, w, t, m)
+    _compare(got, ref, dtype, assert_close, f"ffi ({kernel}) vs ref twin")
+    _compare(got, auto, dtype, assert_close, f"ffi ({kernel}) vs autodiff reference")
+
+
+def test_bf16_head_grad_accumulator(assert_close):
+    # dW accumulated across chunks in bf16 (one rounding per chunk): within bf16 tolerance of fp32.
+    h, w, t, m = _inputs(1024, 1024, 32003, jnp.bfloat16)
+    want = _run(lambda *a: lm_head_ce(*a, impl="ffi", chunk=256), h, w, t, m)
+    got = _run(lambda *a: lm_head_ce(*a, impl="ffi", chunk=256, dhead_accum_dtype=jnp.bfloat16), h, w, t, m)
+    _compare(got, want, jnp.bfloat16, assert_close, "bf16 dW accumulator")
 
 
 @pytest.mark.parametrize("layout", ["DV", "VD"])
@@ -130,13 +139,15 @@ def test_frozen_inputs_and_eval(frozen, assert_close):
     assert_close(got, want, jnp.float32 if frozen == "eval" else jnp.bfloat16)
 
 
-ROW_SHAPES = [(3, 151936), (5, 32003), (7, 1001), (9, 7), (2, 128256), (4, 1)]
+# 300000 x fp32 does not fit 8 x 100 KB of shared memory: "auto" falls back to two passes.
+ROW_SHAPES = [(3, 151936), (5, 32003), (7, 1001), (9, 7), (2, 128256), (4, 1), (3, 300001), (11, 8192)]
 
 
+@pytest.mark.parametrize("kernel", ["auto", "two_pass"])
 @pytest.mark.parametrize("in_out", [("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16"),
                                     ("float16", "float16"), ("bfloat16", "float32")], ids=str)
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=str)
-def test_row_kernel_direct(shape, in_out, assert_close):
+def test_row_kernel_direct(shape, in_out, kernel, assert_close):
     """The kernel alone on random rows (large and -inf logits, masked rows, unaligned row starts)."""
     tin, tout = (jnp.dtype(x) for x in in_out)
     rows, v = shape
@@ -155,7 +166,7 @@ def test_row_kernel_direct(shape, in_out, assert_close):
     z = 1e-3
     want = _rows_ref(x, t, w, z, tout)
     _poison_allocator()
-    got = jax.jit(lambda x: _rows_ffi(x, t, w, z, tout))(x)
+    got = jax.jit(lambda x: _rows_ffi(x, t, w, z, tout, kernel=kernel))(x)
     _poison_allocator()
     loss_only = jax.jit(lambda x: _rows_ffi(x, t, w, z, None))(x)
     for name, a, b in zip(("loss", "lse", "dlogits"), got, want, strict=True):

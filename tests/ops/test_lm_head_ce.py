@@ -111,6 +111,20 @@ def test_float_head_with_bf16_hidden(assert_close):
     _check(got, want, jnp.bfloat16, assert_close)
 
 
+def test_bf16_head_grad_accumulator(assert_close):
+    # The head gradient accumulated across 3 chunks in bf16 instead of fp32: bf16 tolerance.
+    h, w, t, m = _inputs(jax.random.key(14), dtype=jnp.bfloat16)
+    want = _value_and_grads(_direct, h, w, t, m)
+    got = _value_and_grads(lambda *a: lm_head_ce(*a, chunk=CHUNK, dhead_accum_dtype=jnp.bfloat16, impl="ref"),
+                           h, w, t, m)
+    _check(got, want, jnp.bfloat16, assert_close)
+    bf16_dv = f"bf16[{D},{V}]"
+    jaxpr = _jaxpr(jax.grad(lambda w: lm_head_ce(h, w, t, m, chunk=CHUNK, dhead_accum_dtype=jnp.bfloat16,
+                                                 impl="ref")[0]), w)
+    assert f"{bf16_dv} = dot_general" in jaxpr  # the per-chunk head gradient GEMM writes bf16
+    assert f"f32[{D},{V}] = dot_general" not in jaxpr and f"f32[{D},{V}] = add" not in jaxpr
+
+
 def test_no_mask_all_ones_and_all_masked(assert_close):
     h, w, t, _ = _inputs(jax.random.key(5))
     s, c = lm_head_ce(h, w, t, None, chunk=CHUNK, impl="ref")
@@ -222,6 +236,7 @@ def test_env_forces_reference_and_ffi_selection(monkeypatch, assert_close):
     monkeypatch.setattr(_loader, "ffi_available", lambda: True)
     traced = _jaxpr(grad("ffi"), h)
     assert "surogate_lm_head_ce_grad" in traced
+    assert "surogate_lm_head_ce_grad" in _jaxpr(grad("ffi", kernel="two_pass"), h)
     assert "surogate_lm_head_ce_loss" in _jaxpr(lambda h: lm_head_ce(h, w, t, m, impl="ffi")[0], h)
     # bf16 logits = compute dtype: dlogits written over the logits buffer
     assert "input_output_aliases" in _jaxpr(grad("ffi", logits_dtype=jnp.bfloat16), h)
@@ -247,6 +262,8 @@ def test_bad_arguments():
         lm_head_ce(h, w, t.astype(jnp.float32), m)
     with pytest.raises(ValueError, match="chunk"):
         lm_head_ce(h, w, t, m, chunk=0)
+    with pytest.raises(ValueError, match="kernel"):
+        lm_head_ce(h, w, t, m, kernel="one_pass")
 
 
 def test_checkpoint_name_tag():
