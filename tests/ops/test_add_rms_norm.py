@@ -4,6 +4,10 @@ reference against float64 numpy."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,3 +139,36 @@ def test_reference_against_float64_numpy(shape, assert_close):
         assert_close(dx_ref, dx, jnp.float32, "dx")
         assert_close(dr_ref, dx, jnp.float32, "dresidual")
         assert_close(dw_ref, dw, jnp.float32, "dw")
+
+
+_SHARD_SCRIPT = r'''
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from surogate_jax.ops import add_rms_norm
+assert len(jax.devices()) == 4
+rng = np.random.default_rng(0)
+x, r, dy, ds = (jnp.asarray(rng.normal(size=(8, 5, 12)), jnp.float32) for _ in range(4))
+w = jnp.asarray(rng.normal(size=(12,)), jnp.float32)
+
+def loss(x, r, w):
+    y, s = add_rms_norm(x, r, w)
+    return jnp.sum(y * dy) + jnp.sum(s * ds)
+
+want = jax.grad(loss, argnums=(0, 1, 2))(x, r, w)
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+xs, rs = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, r))
+with jax.set_mesh(mesh):
+    f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    got = f(xs, rs, w)
+    hlo = f.lower(xs, rs, w).as_text()
+assert "shard_map" in hlo or "manual_computation" in hlo, hlo[:2000]
+for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+print("ok")
+'''
+
+
+def test_per_shard_matches_unsharded():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,3 +130,34 @@ def test_reference_against_float64_numpy(shape, assert_close):
         assert_close(h_ref, h, jnp.float32, "h")
         assert_close(dg_ref, dg, jnp.float32, "dgate")
         assert_close(du_ref, du, jnp.float32, "dup")
+
+
+_SHARD_SCRIPT = r'''
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from surogate_jax.ops import swiglu, swiglu_packed
+assert len(jax.devices()) == 4
+rng = np.random.default_rng(0)
+g, u, dh = (jnp.asarray(rng.normal(size=(8, 5, 12)), jnp.float32) for _ in range(3))
+
+def loss(g, u):
+    return jnp.sum(swiglu(g, u) * dh) + jnp.sum(swiglu_packed(jnp.concatenate([g, u], -1)) * dh)
+
+want = jax.grad(loss, argnums=(0, 1))(g, u)
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+gs, us = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (g, u))
+with jax.set_mesh(mesh):
+    f = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    got = f(gs, us)
+    hlo = f.lower(gs, us).as_text()
+assert "shard_map" in hlo or "manual_computation" in hlo, hlo[:2000]
+for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+print("ok")
+'''
+
+
+def test_per_shard_matches_unsharded():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
