@@ -6,7 +6,8 @@ Every op asks `resolve_impl(impl)` which implementation to trace:
   "ref"  -> always the pure-JAX reference.
 `impl=None` means "auto", which degrades to "ref" when the extension is missing (one log line on
 the "surogate_jax" logger says why). `SUROGATE_JAX_OPS=ref` in the environment forces "ref"
-everywhere, whatever the caller asked for (used by CPU-only tests and for debugging).
+everywhere, whatever the caller asked for (used by CPU-only tests and for debugging);
+`SUROGATE_JAX_OPS=ref:rope,swiglu` forces it only for the named ops (for A/B measurements).
 """
 
 from __future__ import annotations
@@ -72,18 +73,29 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
-def resolve_impl(impl: str | None) -> str:
-    """Maps a caller's impl (None, "auto", "ffi", "ref") to the one to trace ("auto"/"ffi"/"ref")."""
+def _forced_ref(op: str | None) -> bool:
+    """Whether SUROGATE_JAX_OPS forces the reference for `op` ("ref" = all, "ref:a,b" = those)."""
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    if forced in ("", "auto"):
+        return False
+    if forced == "ref":
+        return True
+    if forced.startswith("ref:"):
+        names = {n.strip() for n in forced[4:].split(",") if n.strip()}
+        return op is not None and op in names
+    raise ValueError(f"{ENV_VAR}={forced!r} is not understood; use 'ref', 'ref:<op>,<op>' or leave it unset")
+
+
+def resolve_impl(impl: str | None, op: str | None = None) -> str:
+    """Maps a caller's impl (None, "auto", "ffi", "ref") to the one to trace ("auto"/"ffi"/"ref").
+
+    op: the op's name, so `SUROGATE_JAX_OPS=ref:<op>` can force its reference alone.
+    """
     if impl is None:
         impl = "auto"
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
-    forced = os.environ.get(ENV_VAR, "").strip().lower()
-    if forced == "ref":
-        return "ref"
-    if forced not in ("", "auto"):
-        raise ValueError(f"{ENV_VAR}={forced!r} is not understood; use 'ref' (or leave it unset)")
-    if impl == "ref":
+    if _forced_ref(op) or impl == "ref":
         return "ref"
     if ffi_available():
         return impl

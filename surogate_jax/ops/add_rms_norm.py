@@ -153,7 +153,7 @@ def add_rms_norm(
     dtype = jnp.result_type(x, residual)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"add_rms_norm: x and residual must be floating point, got {dtype}")
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, "add_rms_norm")
     if impl != "ref" and dtype not in KERNEL_DTYPES:
         if impl == "ffi":
             raise TypeError(f"add_rms_norm: impl='ffi' supports float32/bfloat16/float16, got {dtype}")

@@ -381,7 +381,7 @@ def lm_head_ce(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax
         raise ValueError(f"lm_head_ce: kernel must be one of {tuple(KERNELS)}, got {kernel!r}")
     if chunk is not None and chunk < 1:
         raise ValueError(f"lm_head_ce: chunk must be >= 1, got {chunk}")
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, "lm_head_ce")
     ldt = jnp.dtype(logits_dtype)
     if impl != "ref" and not _kernel_supports(ldt, hidden.dtype):
         if impl == "ffi":

@@ -140,7 +140,7 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float = 1e-6, *, impl: str | None 
         raise ValueError(f"rms_norm: w must have shape {x.shape[-1:]} for x {x.shape}, got {w.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"rms_norm: x must be floating point, got {x.dtype}")
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, "rms_norm")
     if impl != "ref" and x.dtype not in KERNEL_DTYPES:
         if impl == "ffi":
             raise TypeError(f"rms_norm: impl='ffi' supports float32/bfloat16/float16, got {x.dtype}")

@@ -263,7 +263,7 @@ def rope(
         a, b = cos.astype(jnp.float32), sin.astype(jnp.float32)
     if norm_w is not None and norm_w.shape != (K,):
         raise ValueError(f"rope: norm_w must have shape {(K,)}, got {norm_w.shape}")
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, "rope")
     if impl != "ref" and (x.dtype not in KERNEL_DTYPES or K > MAX_HEAD_DIM):
         if impl == "ffi":
             raise TypeError(

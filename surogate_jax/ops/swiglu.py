@@ -154,7 +154,7 @@ _swiglu_packed.defvjp(_swiglu_packed_vjp_fwd, _swiglu_packed_vjp_bwd)
 def _impl_for(name: str, dtype, impl: str | None) -> str:
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{name}: inputs must be floating point, got {dtype}")
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, "swiglu")
     if impl != "ref" and dtype not in KERNEL_DTYPES:
         if impl == "ffi":
             raise TypeError(f"{name}: impl='ffi' supports float32/bfloat16/float16, got {dtype}")

@@ -77,9 +77,25 @@ def test_env_forces_reference(monkeypatch):
     assert resolve_impl("ffi") == "ref"
     jaxpr = jax.make_jaxpr(lambda x, w: rms_norm(x, w, impl="ffi"))(jnp.ones((2, 8)), jnp.ones(8))
     assert "surogate_rms_norm" not in str(jaxpr)
+    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref:rope, rms_norm")
+    assert resolve_impl("ffi", "rms_norm") == "ref"
+    assert resolve_impl("ref", "swiglu") == "ref"
+    jaxpr = jax.make_jaxpr(lambda x, w: rms_norm(x, w, impl="ffi"))(jnp.ones((2, 8)), jnp.ones(8))
+    assert "surogate_rms_norm" not in str(jaxpr)
     monkeypatch.setenv("SUROGATE_JAX_OPS", "bogus")
     with pytest.raises(ValueError, match="SUROGATE_JAX_OPS"):
         resolve_impl(None)
+
+
+def test_env_forces_reference_per_op(monkeypatch):
+    """ref:<ops> forces only the named ops; the others resolve as usual."""
+    import surogate_jax.ops._loader as loader
+    monkeypatch.setattr(loader, "ffi_available", lambda: True)
+    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref:rope,swiglu")
+    assert loader.resolve_impl("ffi", "rope") == "ref"
+    assert loader.resolve_impl(None, "swiglu") == "ref"
+    assert loader.resolve_impl("ffi", "rms_norm") == "ffi"
+    assert loader.resolve_impl(None, "rms_norm") == "auto"
 
 
 def test_bad_arguments():
