@@ -162,7 +162,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    optimizer: str = "adamw"
+    optimizer: str = "adamw_8bit"  # Surogate's default: adamw (fp32 moments) | adamw_8bit | normuon
     learning_rate: float = 2e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -181,10 +181,10 @@ class OptimConfig:
     normuon_cautious_wd: bool = True
 
     def __post_init__(self):
-        ok = ("adamw", "normuon")
-        _check(self.optimizer in ok,
-               f"optimizer={self.optimizer!r}: "
-               + ("not supported yet; " if self.optimizer == "adamw_8bit" else "") + f"use one of {', '.join(ok)}")
+        ok = ("adamw", "adamw_8bit", "normuon")
+        _check(self.optimizer in ok, f"optimizer={self.optimizer!r}: use one of {', '.join(ok)}")
+        for k in ("adamw_beta1", "adamw_beta2"):
+            _check(0.0 <= getattr(self, k) < 1.0, f"{k}={getattr(self, k)}: must be in [0, 1)")
         for k in ("normuon_momentum", "normuon_beta2"):
             _check(0.0 <= getattr(self, k) < 1.0, f"{k}={getattr(self, k)}: must be in [0, 1)")
         _check(self.learning_rate > 0, f"learning_rate={self.learning_rate}: must be > 0")

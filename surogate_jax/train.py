@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .loss import cross_entropy_sum
 from .models import Decoder, DecoderConfig
+from .optim.adamw_8bit import apply_fused
 
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "positions", "segment_ids")
 H100_BF16_PEAK = 989e12
@@ -80,8 +81,9 @@ def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: 
         denom = jnp.maximum(n_tokens, 1.0)
         grads = jax.tree.map(lambda g, t: (g / denom).astype(t.dtype), grads, state.trainable)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
-        updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
-        trainable = optax.apply_updates(state.trainable, updates)
+        # tx's fused path when it has one (adamw_8bit: the kernel writes the parameters in place,
+        # the clip folded in as a gradient scale), else tx.update + optax.apply_updates
+        trainable, opt_state = apply_fused(tx, grads, state.opt_state, state.trainable)
         metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "supervised_tokens": n_tokens}
         new = state.replace(step=state.step + 1, trainable=trainable, opt_state=opt_state, rng=jax.random.key_data(rng))

@@ -24,6 +24,7 @@ def test_surogate_defaults():
     assert (c.run.per_device_train_batch_size, c.run.gradient_accumulation_steps, c.model.sequence_len) == (2, 4, 1024)
     assert (c.lora.lora, c.lora.lora_rank, c.lora.lora_alpha, c.lora.targets[0]) == (True, 16, 32.0, "q_proj")
     assert (c.optim.learning_rate, c.optim.lr_scheduler_type, c.optim.max_grad_norm) == (2e-4, "linear", 1.0)
+    assert c.optim.optimizer == "adamw_8bit"  # Surogate's default optimizer
     assert (c.run.save_steps, c.run.save_total_limit, c.run.resume_from_checkpoint) == (50, 5, True)
     assert c.data.sample_packing and c.data.validation_split_ratio == 0.1 and c.precision.lora_dtype == "fp32"
 
@@ -38,7 +39,8 @@ def test_validation_datasets_turn_the_split_off():
     ({"lora_rnak": 8}, "did you mean 'lora_rank'"),
     ({"zero_level": 3}, "zero_level: not supported yet"),
     ({"recipe": "nvfp4"}, "not supported yet"),
-    ({"optimizer": "adamw_8bit"}, "not supported yet"),
+    ({"optimizer": "sgd"}, "use one of adamw, adamw_8bit, normuon"),
+    ({"adamw_beta2": 1.0}, "adamw_beta2=1.0: must be in [0, 1)"),
     ({"sequence_len": 1}, "sequence_len=1: must be >= 2"),
     ({"sequence_len": "long"}, "sequence_len: expected int"),
     ({"lora": "yes"}, "lora: expected bool"),

@@ -2,6 +2,8 @@
 
 `make_optimizer(cfg, total_steps)` -> (tx, schedule). Decoupled weight decay skips norm scales and
 biases. Global-norm clipping (max_grad_norm > 0) comes first, as in Surogate.
+`optimizer: adamw_8bit` is `adamw_8bit.adamw_8bit` (blockwise 8-bit moments; its fused path,
+`apply_fused`, writes the parameters in the kernel and folds the clip in as a gradient scale).
 `optimizer: normuon` is `normuon.normuon` (NorMuon on hidden matrices, AdamW on the rest).
 """
 
@@ -11,6 +13,7 @@ import jax
 import optax
 
 from ..config import OptimConfig
+from .adamw_8bit import FusedGradientTransformation, adamw_8bit, apply_fused, chain_clip
 from .normuon import normuon
 from .schedules import make_schedule
 
@@ -23,8 +26,17 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
+def fp32_state_mask(params):
+    """True for norm scales and biases: adamw_8bit keeps their moments in fp32."""
+    return jax.tree.map(lambda d: not d, decay_mask(params))
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int):
     schedule = make_schedule(cfg, total_steps)
+    if cfg.optimizer == "adamw_8bit":  # norms and biases keep fp32 moments (bitsandbytes' small tensors)
+        tx = adamw_8bit(schedule, b1=cfg.adamw_beta1, b2=cfg.adamw_beta2, eps=cfg.adamw_epsilon,
+                        weight_decay=cfg.weight_decay, mask=decay_mask, fp32_mask=fp32_state_mask)
+        return (chain_clip(cfg.max_grad_norm, tx) if cfg.max_grad_norm > 0 else tx), schedule
     parts = []
     if cfg.max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
@@ -38,4 +50,5 @@ def make_optimizer(cfg: OptimConfig, total_steps: int):
     return optax.chain(*parts), schedule
 
 
-__all__ = ["decay_mask", "make_optimizer", "make_schedule", "normuon"]
+__all__ = ["FusedGradientTransformation", "adamw_8bit", "apply_fused", "chain_clip", "decay_mask",
+           "fp32_state_mask", "make_optimizer", "make_schedule", "normuon"]

@@ -31,6 +31,8 @@ float32; values agree to ~1 ulp, code indices are interchangeable).
 midpoints between consecutive codes (ties go to the lower code), followed by the sign guard of the
 reference: a negative m whose nearest code is >= 0 (that is the code 0.0) moves one code down, to
 the smallest negative code, so the sign of m survives (a tiny positive m may still round to 0.0).
+The search itself is a bucket lookup on the float bits plus at most SEARCH_STEPS comparisons (see
+`quantize`), the same method as the kernel's and exactly equal to searchsorted.
 
 Bit-exactness: the CUDA kernel (kernels/adamw_8bit.cu) and this reference do the same float32
 operations in the same order with IEEE rounding (the kernel uses __fmul_rn/__fadd_rn/__fdiv_rn/
@@ -109,16 +111,53 @@ ZERO_S = int(np.flatnonzero(CODE_S == 0.0)[0])  # 127: the signed map's 0.0
 ZERO_U = 0
 # Kernel tables: [signed codes, signed midpoints + inf, unsigned codes, unsigned midpoints + inf].
 TABLES = np.stack([CODE_S, np.append(MID_S, np.inf), CODE_U, np.append(MID_U, np.inf)]).astype(np.float32)
-assert ZERO_S == 127 and np.array_equal(CODE_S[:127], -CODE_S[254:127:-1])  # the kernel relies on it
+# The negative half of the signed map mirrors the positive half (the search below relies on it).
+assert ZERO_S == 127 and np.array_equal(CODE_S[:127], -CODE_S[254:127:-1])
+
+# Nearest-code search without a binary search (the kernel's method, mirrored here so both are one
+# algorithm): the float bits of t = |x| (exponent and top BUCKET_BITS mantissa bits, from 2^-25 up
+# to [1, 2)) pick a bucket; GUESS[b] = number of midpoints below the bucket's lower edge, a lower
+# bound of the answer; a few steps forward over the midpoints finish it. SEARCH_STEPS is the most
+# midpoints any bucket holds, so the result is exactly searchsorted (checked in the tests too).
+BUCKET_BITS = 6
+BUCKET_E0 = 102  # biased exponent of 2^-25, below every nonzero midpoint
+N_BUCKETS = (127 - BUCKET_E0 + 1) << BUCKET_BITS  # 1664
+
+
+def _guess_table(mid: np.ndarray) -> tuple[np.ndarray, int]:
+    b = np.arange(N_BUCKETS, dtype=np.uint32)
+    edges = ((b + (BUCKET_E0 << BUCKET_BITS)) << (23 - BUCKET_BITS)).view(np.float32).copy()
+    edges[0] = 0.0  # bucket 0 also takes every t below 2^-25
+    guess = np.searchsorted(mid, edges, side="left")
+    upper = np.append(edges[1:], np.float32(2.0))
+    steps = int((np.searchsorted(mid, upper, side="right") - guess).max())
+    return guess.astype(np.uint8), steps
+
+
+GUESS_S, _STEPS_S = _guess_table(MID_S)
+GUESS_U, _STEPS_U = _guess_table(MID_U)
+GUESS = np.stack([GUESS_S, GUESS_U])  # uint8 [2, N_BUCKETS], handed to the kernel with TABLES
+SEARCH_STEPS = max(_STEPS_S, _STEPS_U)  # 2 with 6 bucket bits
+assert np.all(MID_S[:127] < 0) and MID_S[127] > 0 and MID_U[0] > 2.0**-25
 
 
 def quantize(x: jax.Array, signed: bool) -> jax.Array:
-    """Index (uint8) of the nearest code to x in [-1, 1] (ties to the lower code), with the
-    signed map's sign guard (a negative x never maps to the code 0.0)."""
-    mid = jnp.asarray(MID_S if signed else MID_U)
-    q = jnp.searchsorted(mid, x, side="left").astype(jnp.int32)
+    """Index (uint8) of the nearest code to x in [-1, 1]: exactly searchsorted(mid, x, "left")
+    (ties to the lower code), then the signed map's sign guard (a negative x never maps to 0.0)."""
+    mid = jnp.asarray(TABLES[1] if signed else TABLES[3])  # 255 midpoints + inf
+    guess = jnp.asarray(GUESS_S if signed else GUESS_U)
+    t = jnp.abs(x)
+    bits = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(t, jnp.uint32), jnp.uint32(23 - BUCKET_BITS))
+    b = jnp.clip(bits.astype(jnp.int32) - (BUCKET_E0 << BUCKET_BITS), 0, N_BUCKETS - 1)
+    q = guess[b].astype(jnp.int32)
+    neg = (x < 0) if signed else jnp.zeros(x.shape, bool)
+    for _ in range(SEARCH_STEPS):
+        m = mid[q]
+        q = q + ((m < t) | (neg & (m == t))).astype(jnp.int32)
     if signed:
-        q = jnp.where((x < 0) & (q >= ZERO_S), q - 1, q)
+        # x < 0: searchsorted(mid, x) = 254 - searchsorted(mid, |x|, "right") by the mirror symmetry
+        q = jnp.where(neg, jnp.maximum(254 - q, 0), q)
+        q = jnp.where(neg & (q >= ZERO_S), q - 1, q)  # the sign guard
     return q.astype(jnp.uint8)
 
 
@@ -233,7 +272,7 @@ def _update_8bit_ffi(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE
     out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (p, qm, qv, am, av))
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential",
                             input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3, 5: 4})
-    return call(g, p, qm, qv, am, av, scalars, jnp.asarray(TABLES))
+    return call(g, p, qm, qv, am, av, scalars, jnp.asarray(TABLES), jnp.asarray(GUESS))
 
 
 def update_8bit(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE, *, impl: str | None = None):
@@ -349,8 +388,9 @@ def adamw_8bit(
       or embeddings as HF Trainer does for bitsandbytes); None = none.
     impl: the 8-bit update's implementation (None/"auto": CUDA kernel on GPU, reference elsewhere).
 
-    `update` returns updates (new_param - param, in the param dtype, which adds back exactly) so
-    the transform chains like any optax one; `fused_update` / `apply_fused` write the parameters
+    `update` returns updates (new_param - param in the param dtype; adding them back gives
+    new_param exactly when it is within a factor 2 of param, else up to one rounding) so the
+    transform chains like any optax one; `fused_update` / `apply_fused` write the parameters
     directly, which is what the train step uses. Needs `params` in both.
     """
     if block_size <= 0:
@@ -367,9 +407,8 @@ def adamw_8bit(
         keep = _broadcast_mask(fp32_mask, params, False)
 
         def moments(p, k):
-            if not is_8bit(p, k):
-                z = jnp.zeros(p.shape, jnp.float32)
-                return z, z
+            if not is_8bit(p, k):  # two distinct buffers: the state may be donated
+                return jnp.zeros(p.shape, jnp.float32), jnp.zeros(p.shape, jnp.float32)
             nb = n_blocks(p.size, block_size)
             return (QuantizedMoment(jnp.full(p.shape, ZERO_S, jnp.uint8), jnp.zeros((nb,), jnp.float32)),
                     QuantizedMoment(jnp.full(p.shape, ZERO_U, jnp.uint8), jnp.zeros((nb,), jnp.float32)))
@@ -399,9 +438,10 @@ def adamw_8bit(
         if grad_scale is not None:
             grad_scale = jnp.asarray(grad_scale, jnp.float32)
         decays = _broadcast_mask(mask, params, True)
+        scalars = {d: scalars_fn(count_inc, lr, d, grad_scale) for d in (False, True)}
 
         def leaf(g, p, mu, nu, d):
-            s = scalars_fn(count_inc, lr, d, grad_scale)
+            s = scalars[bool(d)]
             if isinstance(mu, QuantizedMoment):
                 p1, qm, qv, am, av = update_8bit(g, p, mu.codes, nu.codes, mu.absmax, nu.absmax, s,
                                                  block_size, impl=impl)
