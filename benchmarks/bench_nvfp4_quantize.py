@@ -23,21 +23,21 @@ import argparse
 import datetime
 import json
 
+import _opbench
 import jax
 import jax.numpy as jnp
 
-import _opbench
 from surogate_jax.ops import ffi_available
 from surogate_jax.precision import hadamard, nvfp4
 
 SHAPES = [(16384, 4096), (8192, 14336)]
 CONFIGS = {
-    "1x16": dict(tile_2d=False, four_over_six=False),
-    "1x16+4/6": dict(tile_2d=False, four_over_six=True),
-    "16x16": dict(tile_2d=True, four_over_six=False),
-    "16x16+4/6": dict(tile_2d=True, four_over_six=True),
-    "1x16+4/6+rht": dict(tile_2d=False, four_over_six=True, rht_sign_mask=hadamard.DEFAULT_SIGN_MASK),
-    "1x16+4/6+sr": dict(tile_2d=False, four_over_six=True, stochastic=True),
+    "1x16": {"tile_2d": False, "four_over_six": False},
+    "1x16+4/6": {"tile_2d": False, "four_over_six": True},
+    "16x16": {"tile_2d": True, "four_over_six": False},
+    "16x16+4/6": {"tile_2d": True, "four_over_six": True},
+    "1x16+4/6+rht": {"tile_2d": False, "four_over_six": True, "rht_sign_mask": hadamard.DEFAULT_SIGN_MASK},
+    "1x16+4/6+sr": {"tile_2d": False, "four_over_six": True, "stochastic": True},
 }
 
 
@@ -61,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
     _opbench.require_gpu(ffi_available)
     meta = {"op": "nvfp4_quantize",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "commit": _opbench.commit(), "steps": args.steps, "repeats": args.repeats}
     records = []

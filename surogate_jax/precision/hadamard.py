@@ -47,7 +47,7 @@ def sign_vector(sign_mask: int = DEFAULT_SIGN_MASK) -> np.ndarray:
 def hadamard16() -> np.ndarray:
     """The unnormalized 16x16 Sylvester Hadamard matrix H16 (float32, entries +-1)."""
     i = np.arange(BLOCK)
-    pop = np.array([bin(v).count("1") for v in (i[:, None] & i[None, :]).ravel()]).reshape(BLOCK, BLOCK)
+    pop = np.array([int(v).bit_count() for v in (i[:, None] & i[None, :]).ravel()]).reshape(BLOCK, BLOCK)
     return np.where(pop % 2 == 0, 1.0, -1.0).astype(np.float32)
 
 

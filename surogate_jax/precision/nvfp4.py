@@ -55,8 +55,11 @@ opaque array (`_exact_div`) and materializes products before they feed a subtrac
 
 Entry points: `quantize` / `dequantize` / `fake_quantize` (impl=None/"auto": CUDA kernels on GPU
 when the extension is built, the pure-JAX reference elsewhere; SUROGATE_JAX_OPS=ref forces the
-reference), `quantize_ref` / `fake_quantize_ref` (always the reference), `global_amax`, and
-`nvfp4_matmul_emulated` (quantize both GEMM operands, dequantize to bf16, bf16 GEMM).
+reference), `quantize_ref` / `fake_quantize_ref` (always the reference), `global_amax`,
+`nvfp4_matmul_emulated` (quantize both GEMM operands, dequantize to bf16, bf16 GEMM; forward
+only) and `nvfp4_linear_emulated` (the same with the recipe's custom backward: stochastically
+rounded dY for dgrad, RHT + NVFP4 operands along tokens for wgrad). The native SM100 block-scaled
+GEMM is not here; on Hopper and CPU NVFP4 GEMMs can only be emulated.
 """
 
 from __future__ import annotations
@@ -467,7 +470,7 @@ def global_amax(x: jax.Array, *, rht_sign_mask: int | None = None, impl: str | N
 def _global_amax(x, rht_sign_mask, impl, n):
     if x.size == 0:
         return jnp.float32(0.0)
-    ref = lambda x: _amax_ref(_prepare(x, rht_sign_mask)).reshape((1,))  # noqa: E731
+    ref = lambda x: _amax_ref(_prepare(x, rht_sign_mask)).reshape((1,))
     fn = _pick(impl, functools.partial(_amax_ffi, rht_sign_mask=rht_sign_mask), ref)
     per_shard = _shards(lambda x: (fn(x),), n, (x,), (True,), (True,))[0]
     return jnp.max(per_shard)  # NaN-propagating
@@ -506,7 +509,7 @@ def _quantize_sharded(x, tile_2d, four_over_six, stochastic, key, rht_sign_mask,
     # Two uint32 words seed the stochastic rounding (the kernel's Philox key). Per shard they
     # are offset by the shard index so shards draw independent bits.
     seed = jax.random.bits(key, (2,), jnp.uint32) if stochastic else jnp.zeros((2,), jnp.uint32)
-    opts = dict(tile_2d=tile_2d, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask)
+    opts = {"tile_2d": tile_2d, "four_over_six": four_over_six, "rht_sign_mask": rht_sign_mask}
 
     def shard_seed(seed):
         if n == 1:
@@ -596,7 +599,7 @@ def _linear_fwd(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl):
 def _linear_bwd(four_over_six, stochastic_grad, rht_sign_mask, impl, res, dy):
     x, wq, key, w = res
     k_dgrad, k_wgrad = jax.random.split(key)
-    sr = dict(stochastic=True, key=k_dgrad) if stochastic_grad else {}
+    sr = {"stochastic": True, "key": k_dgrad} if stochastic_grad else {}
     # dgrad: dX = Q(dY) @ Q(W)^T, dY in 1x16 blocks along N (the reduction axis), the same 16x16
     # quantized W as the forward.
     dyq = fake_quantize(dy, four_over_six=four_over_six, impl=impl, **sr).astype(jnp.bfloat16)
@@ -605,7 +608,7 @@ def _linear_bwd(four_over_six, stochastic_grad, rht_sign_mask, impl, res, dy):
     # along T, 1x16 blocks along T (X round-to-nearest, dY stochastic).
     xt = _flat_tokens(x).T
     dyt = _flat_tokens(dy).T
-    sr = dict(stochastic=True, key=k_wgrad) if stochastic_grad else {}
+    sr = {"stochastic": True, "key": k_wgrad} if stochastic_grad else {}
     xtq = dequantize(quantize(xt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask, impl=impl))
     dytq = dequantize(quantize(dyt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask,
                                impl=impl, **sr))

@@ -79,7 +79,7 @@ def _assert_same(q, ref, what):
 def test_rne_matches_reference_bitwise(shape, dtype, tile_2d, four_over_six, rht):
     x = _input(shape, dtype)
     mask = hadamard.DEFAULT_SIGN_MASK if rht else None
-    kw = dict(tile_2d=tile_2d, four_over_six=four_over_six, rht_sign_mask=mask)
+    kw = {"tile_2d": tile_2d, "four_over_six": four_over_six, "rht_sign_mask": mask}
     ref, ref_deq = _ref_on_cpu(x, **kw)
     _poison_allocator()
     q = jax.jit(lambda x: nvfp4.quantize(x, impl="ffi", **kw))(x)
@@ -124,7 +124,7 @@ def test_special_values():
     x[4, 32:48] = -1e-30
     x[5, :] = np.random.default_rng(0).uniform(-2e-4, 2e-4, 64)
     for fos, tile_2d in itertools.product((True, False), (False, True)):
-        kw = dict(tile_2d=tile_2d, four_over_six=fos)
+        kw = {"tile_2d": tile_2d, "four_over_six": fos}
         ref, _ = _ref_on_cpu(jnp.asarray(x), **kw)
         _poison_allocator()
         _assert_same(jax.jit(lambda x: nvfp4.quantize(x, impl="ffi", **kw))(jnp.asarray(x)), ref, str(kw))
@@ -151,7 +151,7 @@ def test_vmap_quantizes_each_slice_separately():
 def test_stochastic_rounding_statistics(tile_2d, rht):
     x = _input((64, 256), jnp.bfloat16)
     mask = hadamard.DEFAULT_SIGN_MASK if rht else None
-    kw = dict(tile_2d=tile_2d, rht_sign_mask=mask)
+    kw = {"tile_2d": tile_2d, "rht_sign_mask": mask}
     rne, _ = _ref_on_cpu(x, **kw)
     keys = jax.random.split(jax.random.key(next(_seed)), 1024)
 

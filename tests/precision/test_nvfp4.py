@@ -242,7 +242,7 @@ def test_subnormal_e4m3_block_scales():
         row[i % 16] = a
         x[i + 1] = row
     for fos in (False, True):
-        codes, scales, deq = check_against_numpy(jnp.asarray(x), False, fos)
+        _codes, scales, _deq = check_against_numpy(jnp.asarray(x), False, fos)
         sub = scales[1:, 0]
         assert np.any((sub > 0) & (sub < 2.0**-6)), sub  # subnormal scales occurred
         assert np.all(sub * 2**9 == np.rint(sub * 2**9))  # on the subnormal grid
@@ -308,7 +308,7 @@ def test_four_over_six_picks_four_when_better():
 
 def test_stochastic_rounding_unbiased_and_neighbours_only():
     x = heavy_tailed(jax.random.key(5), (4, 64)).astype(jnp.float32)
-    keys = jax.random.split(jax.random.key(6), 4000)
+    keys = jax.random.split(jax.random.key(6), 2000)
     for tile_2d in (False, True):
         sr = jax.jit(jax.vmap(lambda k: nvfp4.fake_quantize(x, tile_2d=tile_2d, stochastic=True, key=k)))(keys)
         sr = np.asarray(sr, np.float64)
@@ -519,7 +519,8 @@ print("ok")
 
 def test_quantize_per_shard_matches_unsharded():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                       check=False)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
@@ -540,7 +541,7 @@ def test_linear_emulated_recipe_gradients():
     # Without stochastic rounding and RHT the backward is two plain emulated GEMMs.
     g = grads(lambda x, w: nvfp4.nvfp4_linear_emulated(x, w, jax.random.key(3), stochastic_grad=False,
                                                        rht_sign_mask=None))
-    bf = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float32)  # noqa: E731
+    bf = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float32)
     dx = bf(nvfp4.fake_quantize(dy)) @ bf(nvfp4.fake_quantize(w, tile_2d=True)).T
     xt = jnp.pad(x.reshape(40, 64), ((0, 8), (0, 0))).T
     dyt = jnp.pad(dy.reshape(40, 32), ((0, 8), (0, 0))).T
