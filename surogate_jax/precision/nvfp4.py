@@ -54,8 +54,8 @@ opaque array (`_exact_div`) and materializes products before they feed a subtrac
 (`_round`, an optimization barrier).
 
 Entry points: `quantize` / `dequantize` / `fake_quantize` (impl=None/"auto": CUDA kernels on GPU
-when the extension is built, the pure-JAX reference elsewhere; SUROGATE_JAX_OPS=ref forces the
-reference), `quantize_ref` / `fake_quantize_ref` (always the reference), `global_amax`,
+when the extension is built, the pure-JAX reference elsewhere; SUROGATE_JAX_OPS=ref or ref:nvfp4_quantize
+forces the reference), `quantize_ref` / `fake_quantize_ref` (always the reference), `global_amax`,
 `nvfp4_matmul_emulated` (quantize both GEMM operands, dequantize to bf16, bf16 GEMM; forward
 only) and `nvfp4_linear_emulated` (the same with the recipe's custom backward: stochastically
 rounded dY for dgrad, RHT + NVFP4 operands along tokens for wgrad). The native SM100 block-scaled
@@ -446,7 +446,7 @@ def _num_shards(x, tile_2d) -> int:
 
 
 def _resolve(impl, x):
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, "nvfp4_quantize")
     if impl != "ref" and jnp.dtype(x.dtype) not in KERNEL_DTYPES:
         if impl == "ffi":
             raise TypeError(f"nvfp4: impl='ffi' supports float32/bfloat16/float16, got {x.dtype}")

@@ -383,6 +383,8 @@ def test_env_override_forces_reference(monkeypatch):
     hlo = jax.jit(lambda x: nvfp4.fake_quantize(x)).lower(x).as_text()
     assert "surogate_nvfp4" not in hlo
     assert_bitwise(nvfp4.fake_quantize(x, impl="auto"), nvfp4.fake_quantize_ref(x))
+    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref:nvfp4_quantize")
+    assert nvfp4._resolve("ffi", x) == "ref"
 
 
 def test_pack_unpack_round_trip():
