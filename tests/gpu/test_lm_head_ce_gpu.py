@@ -90,13 +90,13 @@ CASES = [  # (N, D, V, chunk)
 def test_ffi_matches_reference(case, dtype, assert_close):
     n, d, v, chunk = case
     h, w, t, m = _inputs(n, d, v, dtype)
-    kw = dict(chunk=chunk, z_loss=1e-4)
+    kw = {"chunk": chunk, "z_loss": 1e-4}
     ref = _run(lambda *a: lm_head_ce(*a, impl="ref", **kw), h, w, t, m)
     # one chunk: lm_head_ce_ref's autodiff sums the head gradient over chunks in the head's dtype
     auto = _run(lambda *a: lm_head_ce_ref(*a, chunk=n, z_loss=1e-4), h, w, t, m)
     for kernel in ("auto", "two_pass"):  # (auto = the cluster kernel where the row fits)
         _poison_allocator()
-        got = _run(lambda *a: lm_head_ce(*a, impl="ffi", kernel=kernel, **kw), h, w, t, m)
+        got = _run(lambda *a, k=kernel: lm_head_ce(*a, impl="ffi", kernel=k, **kw), h, w, t, m)
         _compare(got, ref, dtype, assert_close, f"ffi ({kernel}) vs ref twin")
         _compare(got, auto, dtype, assert_close, f"ffi ({kernel}) vs autodiff reference")
 
@@ -120,7 +120,7 @@ def test_bf16_head_grad_accumulator(tolerance, assert_close):
 def test_layouts_and_logits_dtype(layout, logits_dtype, assert_close):
     # bf16 logits: the kernel reads the GEMM's bf16 output and writes dlogits over it (in place).
     h, w, t, m = _inputs(389, 1024, 151936, jnp.bfloat16, layout=layout)
-    kw = dict(head_layout=layout, chunk=160, logits_dtype=logits_dtype, z_loss=1e-3)
+    kw = {"head_layout": layout, "chunk": 160, "logits_dtype": logits_dtype, "z_loss": 1e-3}
     ref = _run(lambda *a: lm_head_ce(*a, impl="ref", **kw), h, w, t, m)
     _poison_allocator()
     got = _run(lambda *a: lm_head_ce(*a, impl="ffi", **kw), h, w, t, m)
@@ -132,7 +132,7 @@ def test_frozen_inputs_and_eval(frozen, assert_close):
     h, w, t, m = _inputs(211, 1000, 32003, jnp.bfloat16)
 
     def run(impl):
-        op = lambda h, w: lm_head_ce(h, w, t, m, chunk=100, impl=impl)[0]  # noqa: E731
+        op = lambda h, w: lm_head_ce(h, w, t, m, chunk=100, impl=impl)[0]
         if frozen == "head":
             return jax.jit(jax.grad(op))(h, w)
         if frozen == "hidden":
@@ -173,7 +173,7 @@ def test_row_kernel_direct(shape, in_out, assert_close):
     want = _rows_ref(x, t, w, z, tout)
     for kernel in ("auto", "two_pass"):
         _poison_allocator()
-        got = jax.jit(lambda x: _rows_ffi(x, t, w, z, tout, kernel=kernel))(x)
+        got = jax.jit(lambda x, k=kernel: _rows_ffi(x, t, w, z, tout, kernel=k))(x)
         for name, a, b in zip(("loss", "lse", "dlogits"), got, want, strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape, name
             assert bool(jnp.all(jnp.isfinite(a))), f"{kernel}: {name} has non-finite values (unwritten?)"
@@ -194,7 +194,7 @@ def test_row_kernel_in_place_and_bad_targets():
     w = jnp.asarray([1.0, 1.0, 0.0, 1.0, 1.0, 2.0], jnp.float32)  # row 2: masked bad target
     hlo = jax.jit(lambda x: _rows_ffi(x, t, w, 0.0, jnp.bfloat16)).lower(x).as_text()
     assert "output_operand_alias" in hlo or "input_output_alias" in hlo or "alias" in hlo
-    loss, lse, dl = jax.jit(lambda x: _rows_ffi(x, t, w, 0.0, jnp.bfloat16))(x)
+    loss, _, dl = jax.jit(lambda x: _rows_ffi(x, t, w, 0.0, jnp.bfloat16))(x)
     loss_r, _, dl_r = _rows_ref(x, t, w, 0.0, jnp.bfloat16)
     loss, dl = np.asarray(loss), np.asarray(dl, np.float32)
     assert np.isnan(loss[1]) and np.all(np.isnan(dl[1]))  # supervised out-of-range target

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surogate_jax.ops import lm_head_ce, lm_head_ce_ref, resolve_impl
-from surogate_jax.ops import _loader
+from surogate_jax.ops import _loader, lm_head_ce, lm_head_ce_ref, resolve_impl
 from surogate_jax.ops.lm_head_ce import _rows_ref
 
 N, D, V, CHUNK = 37, 64, 1001, 16
@@ -134,7 +133,7 @@ def test_no_mask_all_ones_and_all_masked(assert_close):
     s, c = lm_head_ce(h, w, t, None, chunk=CHUNK, impl="ref")
     s_r, c_r = _direct(h, w, t, jnp.ones_like(t, jnp.float32))
     assert_close(s, s_r, jnp.float32)
-    assert float(c) == N
+    assert float(c) == N == float(c_r)
     zero = jnp.zeros((N,), jnp.float32)
     s, c, dh, dw = _value_and_grads(lambda *a: lm_head_ce(*a, chunk=CHUNK, impl="ref"), h, w, t, zero)
     assert float(s) == 0 and float(c) == 0
@@ -178,7 +177,7 @@ def test_rows_twin_against_numpy(assert_close):
     p = np.exp(x - lse[:, None])
     dl = w[:, None] * (p * (1 + 2 * z * lse)[:, None] - np.eye(130)[t])
     loss[1], lse[1], dl[1] = 0, 0, 0
-    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
     got_loss, got_lse, got_dl = _rows_ref(f32(x), jnp.asarray(t, jnp.int32), f32(w), z, jnp.float32)
     assert_close(got_loss, loss, jnp.float32, "loss")
     assert_close(got_lse, lse, jnp.float32, "lse")
@@ -192,7 +191,7 @@ def _jaxpr(fn, *args):
 def test_frozen_head_skips_dhead_and_eval_skips_grads():
     h, w, t, m = _inputs(jax.random.key(9), dtype=jnp.bfloat16)
     dv = f"f32[{D},{V}]"  # only the fp32 dW accumulator has this type (the head is bf16)
-    op = lambda h, w: lm_head_ce(h, w, t, m, chunk=CHUNK, impl="ref")[0]  # noqa: E731
+    op = lambda h, w: lm_head_ce(h, w, t, m, chunk=CHUNK, impl="ref")[0]
     full = _jaxpr(jax.grad(op, argnums=(0, 1)), h, w)
     frozen = _jaxpr(jax.grad(op), h, w)  # LoRA: no gradient for the head
     evaluation = _jaxpr(op, h, w)
@@ -207,7 +206,7 @@ def test_frozen_head_skips_dhead_and_eval_skips_grads():
 
 def test_grad_under_remat_vmap_and_unused_loss(assert_close):
     h, w, t, m = _inputs(jax.random.key(10))
-    op = lambda h, w: lm_head_ce(h, w, t, m, chunk=CHUNK, impl="ref")  # noqa: E731
+    op = lambda h, w: lm_head_ce(h, w, t, m, chunk=CHUNK, impl="ref")
     g = jax.grad(jax.checkpoint(lambda h, w: op(h, w)[0]), argnums=(0, 1))(h, w)
     g_ref = jax.grad(lambda h, w: _direct(h, w, t, m)[0], argnums=(0, 1))(h, w)
     assert_close(g[0], g_ref[0], jnp.float32)
@@ -234,7 +233,7 @@ def test_zero_tokens():
 
 def test_env_forces_reference_and_ffi_selection(monkeypatch, assert_close):
     h, w, t, m = _inputs(jax.random.key(11), dtype=jnp.bfloat16)
-    grad = lambda impl, **kw: jax.grad(  # noqa: E731
+    grad = lambda impl, **kw: jax.grad(
         lambda h: lm_head_ce(h, w, t, m, chunk=CHUNK, impl=impl, **kw)[0])
     # Pretend the extension is there: impl="ffi" traces the FFI targets (tracing needs no GPU).
     monkeypatch.setattr(_loader, "ffi_available", lambda: True)
@@ -311,5 +310,6 @@ print("ok")
 
 def test_per_shard_matches_unsharded():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                       check=False)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
