@@ -21,6 +21,14 @@ from surogate_jax.ops.lm_head_ce import _rows_ref
 N, D, V, CHUNK = 37, 64, 1001, 16
 
 
+@pytest.fixture(autouse=True)
+def _full_f32_matmuls():
+    # The fp32 cases compare differently shaped GEMMs; on a GPU (the GPU session runs tests/ops too)
+    # XLA would otherwise use TF32 for them.
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def _inputs(key, n=N, d=D, v=V, dtype=jnp.float32, layout="DV", mask_frac=0.3, lead=None):
     kh, kw, kt, km = jax.random.split(key, 4)
     h = jax.random.normal(kh, (n, d), jnp.float32).astype(dtype)
