@@ -26,12 +26,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from surogate_jax.ops import add_rms_norm, rms_norm, rope, swiglu
 
 Dtype = Any
 
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# "offload_residual": "full" with each layer's input (the residual stream) kept in pinned host memory.
+# The fused kernels the model runs by default on GPU; the other ops use XLA's own fusion of their
+# pure-JAX reference (same math). Measured 2026-11-22 on an H100 (benchmarks/RESULTS.md, "Kernels
+# inside the model"): each of our rope / rms_norm / add_rms_norm / swiglu kernels beats XLA's fusion
+# standalone, yet inside the jitted train step they cost 3-4% tokens/s (custom calls end XLA's
+# fusions with neighbouring ops), so none is on by default yet. `DecoderConfig.kernels` opts in.
+MODEL_KERNELS = ("rope", "rms_norm", "add_rms_norm", "swiglu")
+DEFAULT_KERNELS: tuple[str, ...] = ()
+
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_residual")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +99,7 @@ class DecoderConfig:
     param_dtype: Dtype = jnp.float32
     attention_impl: str = "auto"  # "auto" | "cudnn" | "xla"
     remat_policy: str = "none"  # one of REMAT_POLICIES
+    kernels: tuple[str, ...] = DEFAULT_KERNELS  # ops of MODEL_KERNELS that run our CUDA kernels on GPU
     lora: LoraSpec | None = None
 
     def __post_init__(self):
@@ -100,8 +111,14 @@ class DecoderConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.attention_impl not in ("auto", "cudnn", "xla"):
             raise ValueError(f"attention_impl={self.attention_impl!r}: use auto, cudnn or xla")
+        if not set(self.kernels) <= set(MODEL_KERNELS):
+            raise ValueError(f"kernels={self.kernels!r}: choose among {MODEL_KERNELS}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}")
+
+    def impl(self, op: str) -> str | None:
+        """impl argument for op: None (kernel on GPU, reference elsewhere) or "ref" (XLA fusion)."""
+        return None if op in self.kernels else "ref"
 
     def replace(self, **kw) -> DecoderConfig:
         return dataclasses.replace(self, **kw)
@@ -139,12 +156,13 @@ def rope_cos_sin(cfg: DecoderConfig, positions_BT: jax.Array) -> tuple[jax.Array
 
 
 def apply_rope(
-    x_BTHK: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array, norm_w_K: jax.Array | None = None, eps: float = 1e-6
+    x_BTHK: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array, norm_w_K: jax.Array | None = None, eps: float = 1e-6,
+    impl: str | None = None,
 ) -> jax.Array:
     """HF rotate-half RoPE (after a per-head RMSNorm with weight norm_w_K, if given), computed in
     float32 and rounded once to x's dtype. Runs `surogate_jax.ops.rope`: our fused CUDA kernel on
     GPU, its pure-JAX reference elsewhere. cos/sin are rope_cos_sin's [B, T, K] tables."""
-    return rope(x_BTHK, table=(cos_BTK, sin_BTK), norm_w=norm_w_K, eps=eps)
+    return rope(x_BTHK, table=(cos_BTK, sin_BTK), norm_w=norm_w_K, eps=eps, impl=impl)
 
 
 class NormRope(nn.Module):
@@ -153,13 +171,14 @@ class NormRope(nn.Module):
     eps: float
     dtype: Dtype
     param_dtype: Dtype
+    impl: str | None = None  # see DecoderConfig.impl
 
     @nn.compact
     def __call__(self, x_BTHK, cos_BTK, sin_BTK):
         scale = _param(
             self, "scale", nn.initializers.ones, (x_BTHK.shape[-1],), ("head_dim",), self.param_dtype
         )
-        return apply_rope(x_BTHK.astype(self.dtype), cos_BTK, sin_BTK, scale.astype(self.dtype), self.eps)
+        return apply_rope(x_BTHK.astype(self.dtype), cos_BTK, sin_BTK, scale.astype(self.dtype), self.eps, self.impl)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,13 +196,14 @@ class RMSNorm(nn.Module):
     axis_name: str
     dtype: Dtype
     param_dtype: Dtype
+    impl: str | None = None  # see DecoderConfig.impl
 
     @nn.compact
     def __call__(self, x):
         scale = _param(
             self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,), self.param_dtype
         )
-        return rms_norm(x.astype(self.dtype), scale.astype(self.dtype), self.eps)
+        return rms_norm(x.astype(self.dtype), scale.astype(self.dtype), self.eps, impl=self.impl)
 
 
 class AddRMSNorm(RMSNorm):
@@ -195,7 +215,8 @@ class AddRMSNorm(RMSNorm):
         scale = _param(
             self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,), self.param_dtype
         )
-        return add_rms_norm(x.astype(self.dtype), residual.astype(self.dtype), scale.astype(self.dtype), self.eps)
+        return add_rms_norm(x.astype(self.dtype), residual.astype(self.dtype), scale.astype(self.dtype), self.eps,
+                            impl=self.impl)
 
 
 class Linear(nn.Module):
@@ -265,12 +286,12 @@ class Attention(nn.Module):
         k = Linear((KV, K), ("embed", "kv_heads", "head_dim"), cfg, cfg.qkv_bias, name="k_proj")(x_BTD)
         v = Linear((KV, K), ("embed", "kv_heads", "head_dim"), cfg, cfg.qkv_bias, name="v_proj")(x_BTD)
         if cfg.qk_norm:  # per-head RMSNorm fused with RoPE (one kernel each for q and k)
-            norm = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+            norm = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, impl=cfg.impl("rope"))
             q = NormRope(**norm, name="q_norm")(q, cos_BTK, sin_BTK)
             k = NormRope(**norm, name="k_norm")(k, cos_BTK, sin_BTK)
         else:
-            q = apply_rope(q, cos_BTK, sin_BTK)
-            k = apply_rope(k, cos_BTK, sin_BTK)
+            q = apply_rope(q, cos_BTK, sin_BTK, impl=cfg.impl("rope"))
+            k = apply_rope(k, cos_BTK, sin_BTK, impl=cfg.impl("rope"))
         impl = _attention_impl(cfg, q.dtype)
         if segment_ids_BT is None:
             o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
@@ -292,7 +313,7 @@ class MLP(nn.Module):
         F = cfg.intermediate_size
         gate = Linear((F,), ("embed", "mlp"), cfg, name="gate_proj")(x_BTD)
         up = Linear((F,), ("embed", "mlp"), cfg, name="up_proj")(x_BTD)
-        h = swiglu(gate.astype(cfg.dtype), up.astype(cfg.dtype))  # silu(gate) * up, fp32 math, one rounding
+        h = swiglu(gate.astype(cfg.dtype), up.astype(cfg.dtype), impl=cfg.impl("swiglu"))  # silu(gate) * up, fp32 math, one rounding
         return Linear((cfg.hidden_size,), ("mlp", "embed"), cfg, name="down_proj")(h)
 
 
@@ -303,13 +324,14 @@ class DecoderLayer(nn.Module):
     def __call__(self, x_BTD, cos_BTK, sin_BTK, segment_ids_BT):
         cfg = self.cfg
         norm = dict(eps=cfg.rms_norm_eps, axis_name="embed", dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        h = RMSNorm(**norm, name="input_layernorm")(x_BTD)
+        x_BTD = checkpoint_name(x_BTD, "decoder_layer_input")  # what "offload_residual" sends to host
+        h = RMSNorm(**norm, impl=cfg.impl("rms_norm"), name="input_layernorm")(x_BTD)
         attn_BTD = Attention(cfg, name="self_attn")(h, cos_BTK, sin_BTK, segment_ids_BT)
         # One kernel reads attn_out and x and writes the new x and its norm. The closing
         # `x + mlp(h)` stays a plain add: fusing it with the next layer's input_layernorm would
         # need the un-added MLP output carried across the nn.scan boundary, i.e. two [B, T, D]
         # carries per layer that remat keeps, for saving one element-wise pass.
-        h, x_BTD = AddRMSNorm(**norm, name="post_attention_layernorm")(attn_BTD, x_BTD)
+        h, x_BTD = AddRMSNorm(**norm, impl=cfg.impl("add_rms_norm"), name="post_attention_layernorm")(attn_BTD, x_BTD)
         x_BTD = x_BTD + MLP(cfg, name="mlp")(h)
         return x_BTD, None
 
@@ -319,6 +341,9 @@ def _remat_policy(name: str):
         "full": jax.checkpoint_policies.nothing_saveable,
         "dots": jax.checkpoint_policies.dots_saveable,
         "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        "offload_residual": jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=["decoder_layer_input"],
+            offload_src="device", offload_dst="pinned_host"),
     }[name]
 
 
@@ -356,7 +381,7 @@ class Decoder(nn.Module):
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
         x_BTD, _ = stack(cfg, name="layers")(x_BTD, cos_BTK, sin_BTK, segment_ids)
-        x_BTD = RMSNorm(cfg.rms_norm_eps, "embed", cfg.dtype, cfg.param_dtype, name="norm")(x_BTD)
+        x_BTD = RMSNorm(cfg.rms_norm_eps, "embed", cfg.dtype, cfg.param_dtype, cfg.impl("rms_norm"), name="norm")(x_BTD)
         if return_hidden:
             return x_BTD
         if cfg.tie_word_embeddings:

@@ -1,5 +1,6 @@
-"""On the GPU: cuDNN flash attention and our RMSNorm kernel inside the decoder agree with the
-reference paths, for plain and packed (segment_ids) rows, forward and gradients."""
+"""On the GPU: cuDNN flash attention and our kernels inside the decoder (all of MODEL_KERNELS, opted
+in through DecoderConfig.kernels) agree with the reference paths, for plain and packed
+(segment_ids) rows, forward and gradients."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from surogate_jax.models import Decoder, DecoderConfig
+from surogate_jax.models.llamalike import MODEL_KERNELS
 
 pytestmark = pytest.mark.gpu
 
@@ -66,12 +68,20 @@ def test_packed_rows_with_cudnn():
         start += n
 
 
-def test_rms_norm_kernel_inside_model_matches_reference(monkeypatch):
+def test_kernels_inside_model_match_reference(monkeypatch):
     ids, params = _setup(2)
-    cfg = CFG.replace(attention_impl="xla", dtype=jnp.float32)
+    cfg = CFG.replace(attention_impl="xla", dtype=jnp.float32, kernels=MODEL_KERNELS)
+    fwd = jax.jit(lambda p: Decoder(cfg).apply({"params": p}, ids))
+    text = fwd.lower(params).as_text()
+    for op in MODEL_KERNELS:
+        assert f"surogate_{op}_fwd" in text, op
+    grad = jax.jit(jax.grad(lambda p: _loss(p, cfg, ids)))
     # Full fp32 matmuls: TF32 (the GPU default) turns 1-ulp norm differences into ~1e-3 ones.
     with jax.default_matmul_precision("highest"):
-        ffi = jax.jit(lambda p: Decoder(cfg).apply({"params": p}, ids))(params)
+        ffi, g_ffi = fwd(params), grad(params)
         monkeypatch.setenv("SUROGATE_JAX_OPS", "ref")
         ref = jax.jit(lambda p: Decoder(cfg).apply({"params": p}, ids))(params)
+        g_ref = jax.jit(jax.grad(lambda p: _loss(p, cfg, ids)))(params)
     assert _rel(ffi, ref) < 1e-5
+    for a, b in zip(jax.tree.leaves(g_ffi), jax.tree.leaves(g_ref), strict=True):
+        assert _rel(a, b) < 1e-4

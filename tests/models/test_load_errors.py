@@ -137,3 +137,19 @@ def test_unknown_hub_id_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError, match="downloading it from the Hugging Face hub failed"):
         surogate_jax.load_pretrained("surogate-test-org/does-not-exist-xyz")
+
+
+def test_kernels_option_is_validated():
+    import pytest as _pytest
+
+    from surogate_jax.models import DecoderConfig
+    from surogate_jax.models.llamalike import MODEL_KERNELS
+
+    base = dict(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                num_heads=2, num_kv_heads=1, head_dim=8)
+    cfg = DecoderConfig(**base, kernels=("swiglu",))
+    assert cfg.impl("swiglu") is None and cfg.impl("rope") == "ref"
+    assert DecoderConfig(**base).impl("rms_norm") == "ref"
+    assert set(MODEL_KERNELS) == {"rope", "rms_norm", "add_rms_norm", "swiglu"}
+    with _pytest.raises(ValueError, match="kernels"):
+        DecoderConfig(**base, kernels=("flash",))
