@@ -91,7 +91,7 @@ class RunConfig:
     report_to: list[str] | None = None
     wandb_project: str | None = None
     wandb_name: str | None = None
-    recompute: bool = True
+    recompute: bool | str = True  # true/false, or a remat policy name (RECOMPUTE_POLICIES)
     # surogate_jax additions: greedy exact-match accuracy on held-out chat rows after training.
     exact_match_file: str | None = None
     exact_match_samples: int = 100
@@ -104,6 +104,12 @@ class RunConfig:
         _check(self.save_total_limit >= 1, f"save_total_limit={self.save_total_limit}: must be >= 1")
         for r in self.report_to or []:
             _check(r in ("wandb", "tensorboard"), f"report_to: {r!r} is not supported (use wandb or tensorboard)")
+        _check(isinstance(self.recompute, bool) or self.recompute in RECOMPUTE_POLICIES,
+               f"recompute={self.recompute!r}: use true, false or one of {RECOMPUTE_POLICIES}")
+
+
+# The decoder's remat policies (models/llamalike.py REMAT_POLICIES) a `recompute:` string may name.
+RECOMPUTE_POLICIES = ("none", "full", "dots", "dots_no_batch")
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,41 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Surogate's `distributed:` block (multi-node through Ray; examples/ray_launch.py reads it)."""
+
+    ray_address: str = "auto"
+    num_nodes: int = 1
+    gpus_per_node: int = 0  # 0: all GPUs of each node
+    worker_output_dir: str | None = None
+
+    def __post_init__(self):
+        _check(self.num_nodes >= 1, f"distributed.num_nodes={self.num_nodes}: must be >= 1")
+        _check(self.gpus_per_node >= 0, f"distributed.gpus_per_node={self.gpus_per_node}: must be >= 0 (0 = all)")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Data parallelism, ZeRO, host offload (Surogate's keys and semantics; see parallel.py)."""
+
+    zero_level: int = 1  # 0 DDP (our extension), 1 optimizer state, 2 + gradients, 3 + weights sharded
+    shard_weights: bool = False
+    shard_gradients: bool = False
+    offload_optimizer: bool = False
+    offload_master: bool = False
+    offload_grads: bool = False
+    offload_residual: bool = False
+    gpus: int = 1  # devices of a single-process run; 0 = all
+    distributed: DistributedConfig | None = None
+
+    def __post_init__(self):
+        _check(self.zero_level in (0, 1, 2, 3), f"zero_level={self.zero_level}: use 1, 2 or 3 (0 = plain DDP)")
+        _check(self.gpus >= 0, f"gpus={self.gpus}: must be >= 0 (0 = all)")
+        _check(not self.offload_grads or self.zero_level >= 2 or self.shard_gradients,
+               "offload_grads: true needs sharded gradients (zero_level >= 2 or shard_gradients: true)")
+
+
+@dataclass(frozen=True)
 class SFTConfig:
     run: RunConfig
     model: ModelConfig
@@ -225,16 +266,19 @@ class SFTConfig:
     lora: LoraConfig
     optim: OptimConfig
     precision: PrecisionConfig
+    parallel: ParallelConfig = ParallelConfig()
     source: str | None = None  # the YAML path it came from
 
     def to_flat(self) -> dict:
         """Back to Surogate's flat key layout (what we save next to checkpoints)."""
         flat: dict[str, Any] = {}
-        for section in (self.run, self.model, self.data, self.lora, self.optim, self.precision):
+        for section in (self.run, self.model, self.data, self.lora, self.optim, self.precision, self.parallel):
             for f in dataclasses.fields(section):
                 v = getattr(section, f.name)
                 if f.name in ("datasets", "validation_datasets"):
                     v = [_nondefault(d) for d in v]
+                elif dataclasses.is_dataclass(v):
+                    v = dataclasses.asdict(v)
                 elif isinstance(v, tuple):
                     v = list(v)
                 flat[f.name] = v
@@ -248,7 +292,7 @@ def _nondefault(d: DatasetConfig) -> dict:
 
 SECTIONS = {
     "run": RunConfig, "model": ModelConfig, "data": DataConfig,
-    "lora": LoraConfig, "optim": OptimConfig, "precision": PrecisionConfig,
+    "lora": LoraConfig, "optim": OptimConfig, "precision": PrecisionConfig, "parallel": ParallelConfig,
 }
 KEY_SECTION = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 ALIASES = {"torch_dtype": "model_dtype"}
@@ -260,9 +304,8 @@ NOT_YET = frozenset(
     qlora_bnb_block_size qlora_bnb_double_quant qlora_fp8 qlora_block_size qlora_fp4
     qlora_four_over_six qlora_selective_expert_dequant qlora_offload_experts adapter_path
     adapter_init_mode train_router
-    zero_level shard_weights shard_gradients offload_optimizer offload_master offload_grads
-    offload_residual offload_saved_tensors offload_quants persistent_quants cpu_training
-    use_zero_copy use_write_combined distributed gpus ep_size parallelism sequence_chunks
+    offload_saved_tensors offload_quants persistent_quants cpu_training
+    use_zero_copy use_write_combined ep_size parallelism sequence_chunks
     long_context lmhead_chunks auto_lmhead_chunks lmhead_drop_ignored_rows attn_bwd_chunks
     distillation auto_lr_reduction early_stop epoch_adjustment max_model_len rope_scaling
     train_vision""".split()
@@ -307,6 +350,8 @@ def _coerce(cls, key: str, value: Any, where: str) -> Any:
         value = [value]  # lora_target_modules: all
     if key in ("datasets", "validation_datasets"):
         return _datasets(value, key)
+    if key == "distributed":
+        return _distributed(value)
     if isinstance(value, str) and _type_ok(1.0, tp) and not _type_ok("", tp):
         try:  # PyYAML (YAML 1.1) reads 2e-4 (no dot) as a string
             value = float(value)
@@ -346,6 +391,19 @@ def _datasets(value: Any, key: str) -> tuple[DatasetConfig, ...]:
         kwargs = {k: _coerce(DatasetConfig, k, v, where) for k, v in entry.items()}
         out.append(DatasetConfig(**kwargs))
     return tuple(out)
+
+
+def _distributed(value: Any) -> DistributedConfig | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(f"distributed: expected a mapping (ray_address, num_nodes, gpus_per_node, "
+                          f"worker_output_dir), got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(DistributedConfig)}
+    for k in value:
+        if k not in known:
+            raise ConfigError(f"distributed.{k}: unknown key{_suggest(k, known)}")
+    return DistributedConfig(**{k: _coerce(DistributedConfig, k, v, "distributed.") for k, v in value.items()})
 
 
 def _suggest(key: str, candidates) -> str:
@@ -416,7 +474,7 @@ def load_config(path: str | Path, overrides: list[str] = (), *, defaults: dict |
 
 
 __all__ = [
-    "LORA_TARGETS", "ConfigError", "DataConfig", "DatasetConfig", "LoraConfig", "ModelConfig",
-    "OptimConfig", "PrecisionConfig", "RunConfig", "SFTConfig", "config_from_dict", "load_config",
+    "LORA_TARGETS", "ConfigError", "DataConfig", "DatasetConfig", "DistributedConfig", "LoraConfig", "ModelConfig",
+    "OptimConfig", "ParallelConfig", "PrecisionConfig", "RunConfig", "SFTConfig", "config_from_dict", "load_config",
     "parse_override",
 ]

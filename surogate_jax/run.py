@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import parallel as par
 from . import train as T
 from .checkpoint import Checkpointer, abstract_like
 from .config import ConfigError, SFTConfig
 from .errors import ModelLoadError
-from .hf import load_pretrained, read_hf_config, resolve_model_dir, save_pretrained
+from .hf import abstract_params, load_pretrained, read_hf_config, resolve_model_dir, save_pretrained
 from .lora import DTYPES, count, init_adapters, lora_spec, merge, save_peft
 from .metrics import RunLogger, check_backends
 from .models import Decoder, config_from_hf, config_to_hf
@@ -55,7 +56,7 @@ def prepare_output(cfg: SFTConfig) -> tuple[Path, Checkpointer]:
     out = Path(cfg.run.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
+        probe = out / f".write_test.{jax.process_index()}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
@@ -71,11 +72,13 @@ def prepare_output(cfg: SFTConfig) -> tuple[Path, Checkpointer]:
     return out, ckpt
 
 
-def build_model(cfg: SFTConfig, model_dir: Path, mode: str):
-    """(model, frozen params, trainable) per the config: LoRA, full fine-tuning or from scratch."""
+def build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout | None = None):
+    """(model, frozen params, trainable) per the config: LoRA, full fine-tuning or from scratch.
+    With a layout, pretrained weights stream from disk straight into their final sharding (ZeRO-3:
+    no device ever holds the whole model)."""
     model_dtype = DTYPES[cfg.precision.model_dtype]
     master = DTYPES[cfg.precision.master_dtype or "fp32"]
-    remat = "full" if cfg.run.recompute else "none"
+    remat = par.remat_policy(cfg.run.recompute, cfg.parallel.offload_residual)
     spec = lora_spec(cfg.lora, cfg.precision.lora_dtype)
     if cfg.model.from_scratch:
         dcfg = config_from_hf(read_hf_config(model_dir), dtype=model_dtype, param_dtype=master, remat_policy=remat)
@@ -89,14 +92,23 @@ def build_model(cfg: SFTConfig, model_dir: Path, mode: str):
         if spec is not None:  # LoRA on a random base is allowed (odd, but well defined)
             params = jax.tree.map(lambda x: x.astype(model_dtype), params)
     elif spec is not None:
-        model, params = load_pretrained(model_dir, dtype=model_dtype, remat_policy=remat)
+        model, params = load_pretrained(model_dir, dtype=model_dtype, remat_policy=remat,
+                                        shardings=_weight_shardings(model_dir, model_dtype, layout, trainable=False))
     else:
-        model, params = load_pretrained(model_dir, dtype=master, compute_dtype=model_dtype, remat_policy=remat)
+        model, params = load_pretrained(model_dir, dtype=master, compute_dtype=model_dtype, remat_policy=remat,
+                                        shardings=_weight_shardings(model_dir, master, layout, trainable=True))
     if spec is None:
         return model, {}, params
     model = Decoder(model.config.replace(lora=spec))
     trainable = init_adapters(model, jax.random.key(cfg.run.train_seed + 1), jnp.zeros((1, 1), jnp.int32))
     return model, params, trainable
+
+
+def _weight_shardings(model_dir: Path, dtype, layout: par.Layout | None, *, trainable: bool):
+    if layout is None:
+        return None
+    abstract = abstract_params(Decoder(config_from_hf(read_hf_config(model_dir), dtype=dtype, param_dtype=dtype)))
+    return layout.weight_shardings(abstract, trainable=trainable)
 
 
 def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
@@ -111,13 +123,16 @@ def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
 def run(cfg: SFTConfig, mode: str = "sft") -> dict:
     from .data import BatchLoader, build_datasets
 
+    par.initialize_distributed()  # before anything touches a device
+    check_launch(cfg)
     check_backends(cfg.run)
     out, ckpt = prepare_output(cfg)
     model_dir = resolve_model(cfg.model.model)
     meta = run_meta(cfg, model_dir, mode)
     if ckpt.latest_step() is not None:
         ckpt.check_meta(meta)  # before anything in output_dir is touched
-    (out / "config.json").write_text(json.dumps(cfg.to_flat(), indent=1, default=str))
+    if jax.process_index() == 0:
+        (out / "config.json").write_text(json.dumps(cfg.to_flat(), indent=1, default=str))
     tokenizer = load_tokenizer(model_dir)
     seq = cfg.model.sequence_len
     train_docs, val_docs = build_datasets(cfg.data, tokenizer, sequence_len=seq, cache_dir=out / "tokenized",
@@ -127,16 +142,17 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
              st.get("docs", len(train_docs)), st.get("tokens", 0), st.get("supervised_tokens", 0),
              st.get("rows_skipped", 0), st.get("truncated_docs", 0), seq)
 
-    mesh = T.make_mesh()
-    model, params, trainable = build_model(cfg, model_dir, mode)
-    per_process_rows = cfg.run.per_device_train_batch_size * jax.local_device_count()
+    mesh = par.make_mesh(par.run_devices(cfg.parallel.gpus))
+    layout = par.Layout(mesh, par.Plan.from_config(cfg.parallel))
+    model, params, trainable = build_model(cfg, model_dir, mode, layout)
+    per_process_rows = par.process_local_rows(cfg.run.per_device_train_batch_size, mesh)
     accum = cfg.run.gradient_accumulation_steps
     loader = BatchLoader(train_docs, batch_size=per_process_rows, sequence_len=seq, packing=cfg.data.sample_packing,
                          seed=cfg.run.train_seed, process_index=jax.process_index(), process_count=jax.process_count())
     steps_per_epoch = max(loader.batches_per_epoch() // accum, 1)
     total = cfg.run.max_steps if cfg.run.max_steps > 0 else cfg.run.num_epochs * steps_per_epoch
     tx, schedule = make_optimizer(cfg.optim, total)
-    state = T.init_state(model, tx, params, trainable, cfg.run.train_seed, mesh)
+    state = T.init_state(model, tx, params, trainable, cfg.run.train_seed, mesh, layout)
     del params, trainable
     start = 0
     if ckpt.latest_step() is not None:
@@ -144,16 +160,18 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
         loader.restore(data_state)
         start = int(state.step)
         log.info("resumed from %s at step %d", ckpt.dir, start)
+    n_dev = mesh.devices.size
     log.info("model: %s, %s trainable parameters (%s); %d steps (%d per epoch), %d x %d x %d tokens per step on %d device(s)",
              model.config.model_type, f"{count(state.trainable):,}", "LoRA" if model.config.lora else "full",
-             total, steps_per_epoch, accum, cfg.run.per_device_train_batch_size * len(jax.devices()), seq, len(jax.devices()))
+             total, steps_per_epoch, accum, cfg.run.per_device_train_batch_size * n_dev, seq, n_dev)
+    log.info("parallel: %s; %d process(es); remat %s", layout.describe(), jax.process_count(), model.config.remat_policy)
 
-    step_fn = T.jit_train_step(model, tx, schedule, mesh, state)
-    eval_fn = T.jit_eval_step(model, mesh, state) if val_docs is not None else None
-    tokens_per_step = accum * cfg.run.per_device_train_batch_size * len(jax.devices()) * seq
+    step_fn = T.jit_train_step(model, tx, schedule, mesh, state, layout)
+    eval_fn = T.jit_eval_step(model, mesh, state, layout) if val_docs is not None else None
+    tokens_per_step = accum * cfg.run.per_device_train_batch_size * n_dev * seq
     flops = T.flops_per_token(model.config, seq, frozen_base=model.config.lora is not None)
     peak = T.device_peak_flops()
-    logger = RunLogger(out, cfg.run, total_steps=total, start_step=start, config_flat=cfg.to_flat())
+    logger = RunLogger(*log_target(cfg, out), total_steps=total, start_step=start, config_flat=cfg.to_flat())
     last_eval = None
     timer = T.Throughput()
     try:
@@ -183,6 +201,9 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
         logger.close()
         ckpt.close()
     summary = {"steps": total, "output_dir": str(out), "eval_loss": last_eval}
+    # Exports read whole arrays: sharded-across-processes or host-offloaded leaves become numpy
+    # (collective: every process takes part).
+    state = state.replace(params=par.host_view(state.params), trainable=par.host_view(state.trainable), opt_state=None)
     if jax.process_index() == 0:
         summary.update(export(cfg, model, model_dir, state, out))
         if cfg.run.exact_match_file:
@@ -192,6 +213,29 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
         summary["peak_memory_gb"] = peak_mem / 1e9
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def log_target(cfg: SFTConfig, out: Path):
+    """(directory, run config) of this process's RunLogger. Process 0 logs to output_dir; the others
+    to distributed.worker_output_dir (Surogate's key) or output_dir/workers/process_<i>, without
+    report_to backends, so one run has one metrics.jsonl, plot and W&B run."""
+    pid = jax.process_index()
+    if pid == 0:
+        return out, cfg.run
+    d = cfg.parallel.distributed
+    where = Path(d.worker_output_dir) if d is not None and d.worker_output_dir else out / "workers"
+    where = where / f"process_{pid}"
+    where.mkdir(parents=True, exist_ok=True)
+    return where, dataclasses.replace(cfg.run, report_to=None)
+
+
+def check_launch(cfg: SFTConfig) -> None:
+    """A `distributed:` block with several nodes needs a multi-process launch (Ray or SLURM)."""
+    d = cfg.parallel.distributed
+    if d is not None and d.num_nodes > 1 and jax.process_count() == 1:
+        raise ConfigError(f"distributed.num_nodes={d.num_nodes} but this is a single process: launch the run with "
+                          "`python examples/ray_launch.py <config>` (Ray) or srun (examples/slurm_multinode.sh); "
+                          "see README 'Scaling'")
 
 
 def evaluate(eval_fn, state, docs, *, rows: int, seq: int, mesh) -> float:

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .loss import cross_entropy_sum
 from .models import Decoder, DecoderConfig
 from .optim.adamw_8bit import apply_fused
+from .parallel import Layout, make_mesh  # noqa: F401  (make_mesh: re-exported)
 
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "positions", "segment_ids")
 H100_BF16_PEAK = 989e12
@@ -61,10 +62,14 @@ def batch_loss(model: Decoder, params, trainable, batch: dict, rng) -> tuple[jax
     return cross_entropy_sum(hidden, lm_head(model.config, v["params"]), batch["targets"], batch["loss_mask"])
 
 
-def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: Callable) -> Callable:
-    """step(state, batch with leading [grad_accum] axis) -> (state, metrics); pure, not jitted."""
+def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: Callable,
+                    layout: Layout | None = None) -> Callable:
+    """step(state, batch with leading [grad_accum] axis) -> (state, metrics); pure, not jitted.
+    `layout` (parallel.Layout): ZeRO-2 gradient sharding and host-offload placement in the step."""
+    layout = layout or Layout(None)
 
     def step(state: TrainState, batch: dict):
+        state = layout.fetch_state(state)  # offloaded trainable / optimizer state -> device
         rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
         n_accum = batch["input_ids"].shape[0]
         grad_fn = jax.value_and_grad(lambda t, mb, r: batch_loss(model, state.params, t, mb, r), has_aux=True)
@@ -73,10 +78,13 @@ def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: 
             grads, loss = carry
             mb, i = xs
             (l, _), g = grad_fn(state.trainable, mb, jax.random.fold_in(step_rng, i))
-            return (jax.tree.map(jnp.add, grads, g), loss + l), None
+            grads = layout.constrain_grads(jax.tree.map(jnp.add, layout.grads_to_device(grads), g))
+            return (layout.grads_to_host(grads), loss + l), None
 
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), state.trainable)
+        zeros = layout.grads_to_host(layout.constrain_grads(zeros))
         (grads, loss_sum), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (batch, jnp.arange(n_accum)))
+        grads = layout.grads_to_device(grads)
         n_tokens = jnp.sum(batch["loss_mask"])
         denom = jnp.maximum(n_tokens, 1.0)
         grads = jax.tree.map(lambda g, t: (g / denom).astype(t.dtype), grads, state.trainable)
@@ -92,19 +100,17 @@ def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: 
     return step
 
 
-def make_eval_step(model: Decoder) -> Callable:
+def make_eval_step(model: Decoder, layout: Layout | None = None) -> Callable:
+    layout = layout or Layout(None)
+
     def step(state: TrainState, batch: dict):
+        state = state.replace(trainable=layout.fetch_trainable(state.trainable))
         return batch_loss(model, state.params, state.trainable, batch, None)
     return step
 
 
 # ---------------------------------------------------------------------------------------------
-# Mesh, shardings, placement
-
-
-def make_mesh(devices=None) -> Mesh:
-    devices = np.asarray(jax.devices() if devices is None else devices)
-    return Mesh(devices.reshape(-1), ("data",))
+# Mesh, shardings, placement (the rules live in parallel.py)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -121,27 +127,50 @@ def global_batch(mesh: Mesh, local: dict, accum_axis: bool) -> dict:
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k])) for k in BATCH_KEYS}
 
 
-def init_state(model: Decoder, tx, params: Any, trainable: Any, seed: int, mesh: Mesh) -> TrainState:
-    """Places everything replicated on the mesh. The train step donates the state, so arrays
-    passed in here may be consumed (device_put onto the same device does not copy)."""
-    rep = replicated(mesh)
-    params = jax.device_put(params, rep)
-    trainable = jax.device_put(trainable, rep)
-    opt_state = jax.jit(tx.init, out_shardings=rep)(trainable)
-    return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), rep), params=params, trainable=trainable,
-                      opt_state=opt_state, rng=jax.device_put(jax.random.key_data(jax.random.key(seed)), rep))
+def abstract_state(tx, params: Any, trainable: Any) -> TrainState:
+    """ShapeDtypeStructs of the TrainState that init_state builds (no computation)."""
+    sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=jax.tree.map(sds, params),
+                      trainable=jax.tree.map(sds, trainable), opt_state=jax.eval_shape(tx.init, trainable),
+                      rng=jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))))
 
 
-def jit_train_step(model, tx, schedule, mesh: Mesh, state: TrainState):
-    step = make_train_step(model, tx, schedule)
+def init_state(model: Decoder, tx, params: Any, trainable: Any, seed: int, mesh: Mesh,
+               layout: Layout | None = None) -> TrainState:
+    """Places the state per `layout` (default: everything replicated on the mesh). The train step
+    donates the state, so arrays passed in here may be consumed (device_put onto the same device
+    does not copy). The optimizer state is built where it will live (sharded, or in host memory)."""
+    layout = layout or Layout(mesh)
+    sh = layout.state_shardings(abstract_state(tx, params, trainable))
+    params = jax.device_put(params, sh.params)
+    on_device = jax.tree.map(lambda s: s.with_memory_kind("device") if s.memory_kind else s, sh.trainable)
+    trainable = jax.device_put(trainable, on_device)
+    opt_state = jax.jit(tx.init, out_shardings=sh.opt_state)(trainable)
+    trainable = jax.device_put(trainable, sh.trainable)  # to pinned_host when offload_master
+    return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), sh.step), params=params, trainable=trainable,
+                      opt_state=opt_state, rng=jax.device_put(jax.random.key_data(jax.random.key(seed)), sh.rng))
+
+
+def _in_mesh(fn: Callable, mesh: Mesh) -> Callable:
+    """fn traced with `mesh` as the abstract mesh (ops' on_shards reads it; parallel.py)."""
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+    return traced
+
+
+def jit_train_step(model, tx, schedule, mesh: Mesh, state: TrainState, layout: Layout | None = None):
+    """The jitted step: in/out shardings = the state's own (so ZeRO layouts and host memory kinds
+    persist across steps), the batch split over "data", the state donated."""
+    step = _in_mesh(make_train_step(model, tx, schedule, layout or Layout(mesh)), mesh)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     batch_sh = {k: batch_sharding(mesh, True) for k in BATCH_KEYS}
     return jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated(mesh)),
                    donate_argnums=(0,))
 
 
-def jit_eval_step(model, mesh: Mesh, state: TrainState):
-    step = make_eval_step(model)
+def jit_eval_step(model, mesh: Mesh, state: TrainState, layout: Layout | None = None):
+    step = _in_mesh(make_eval_step(model, layout or Layout(mesh)), mesh)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     batch_sh = {k: batch_sharding(mesh, False) for k in BATCH_KEYS}
     return jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=replicated(mesh))

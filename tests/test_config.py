@@ -37,7 +37,12 @@ def test_validation_datasets_turn_the_split_off():
 @pytest.mark.parametrize("raw, message", [
     ({"learnin_rate": 1e-3}, "did you mean 'learning_rate'"),
     ({"lora_rnak": 8}, "did you mean 'lora_rank'"),
-    ({"zero_level": 3}, "zero_level: not supported yet"),
+    ({"zero_level": 4}, "zero_level=4: use 1, 2 or 3"),
+    ({"offload_grads": True}, "offload_grads: true needs sharded gradients"),
+    ({"distributed": {"num_node": 2}}, "distributed.num_node: unknown key (did you mean 'num_nodes'?)"),
+    ({"distributed": {"num_nodes": "two"}}, "distributed.num_nodes: expected int"),
+    ({"recompute": "some"}, "recompute='some': use true, false or one of"),
+    ({"cpu_training": True}, "cpu_training: not supported yet"),
     ({"recipe": "nvfp4"}, "not supported yet"),
     ({"optimizer": "sgd"}, "use one of adamw, adamw_8bit, normuon"),
     ({"adamw_beta2": 1.0}, "adamw_beta2=1.0: must be in [0, 1)"),
@@ -69,6 +74,19 @@ def test_normuon_keys():
                          ({"optimizer": "muon"}, "optimizer='muon': use one of")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             config_from_dict({**BASE, **raw})
+
+
+def test_parallel_keys():
+    c = config_from_dict({**BASE, "zero_level": 3, "offload_optimizer": True, "offload_grads": True, "gpus": 0,
+                          "recompute": "dots", "distributed": {"num_nodes": 2, "gpus_per_node": 8}})
+    p = c.parallel
+    assert (p.zero_level, p.offload_optimizer, p.offload_grads, p.gpus, c.run.recompute) == (3, True, True, 0, "dots")
+    assert (p.distributed.num_nodes, p.distributed.gpus_per_node, p.distributed.ray_address) == (2, 8, "auto")
+    flat = c.to_flat()
+    assert flat["zero_level"] == 3 and flat["distributed"]["num_nodes"] == 2
+    assert config_from_dict({**BASE, **{k: v for k, v in flat.items() if v is not None}}).parallel == p
+    d = config_from_dict(BASE).parallel  # Surogate's defaults
+    assert (d.zero_level, d.gpus, d.distributed, d.offload_optimizer) == (1, 1, None, False)
 
 
 def test_not_yet_keys_at_default_are_accepted():
