@@ -102,10 +102,17 @@ def fp8_max(dtype) -> float:
 def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """q = dtype(clip(f32(x) * scale, -max, max)): round to nearest even, saturating, NaN kept.
 
-    (A plain astype does not saturate: 500 -> NaN in E4M3, so the clip matters.)"""
+    (A plain astype does not saturate: 500 -> NaN in E4M3, so the clip matters.)
+
+    The result passes through `jax.lax.optimization_barrier`: XLA's GPU compiler (with its default
+    xla_allow_excess_precision) folds a chain of converts such as f32 -> f8 -> f32/bf16 into one
+    convert (SimplifyFPConversions; openxla/xla issue 41605), which silently drops the FP8
+    rounding wherever a consumer widens q in the same program (the reference GEMMs, the "xla"
+    dequantize-dot path). The barrier is opaque to that pass and is removed only after
+    scheduling, so q really is rounded to `dtype`; it changes nothing on CPU."""
     m = fp8_max(dtype)
     xs = x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)
-    return jnp.clip(xs, -m, m).astype(dtype)
+    return jax.lax.optimization_barrier(jnp.clip(xs, -m, m).astype(dtype))
 
 
 def inverse_scale(scale: jax.Array) -> jax.Array:

@@ -26,6 +26,13 @@ from surogate_jax.ops.fp8_matmul import (
 from surogate_jax.precision import fp8
 
 
+@pytest.fixture(autouse=True)
+def _full_f32_matmuls():
+    # These tests also run in the GPU session, where fp32 dots would default to TF32.
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def _state(sx, sw, sg, h=4):
     mk = lambda s: fp8.Fp8TensorState(jnp.float32(s), jnp.zeros(h, jnp.float32))
     return fp8.Fp8MatmulState(mk(sx), mk(sw), mk(sg))
