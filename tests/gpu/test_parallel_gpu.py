@@ -108,3 +108,19 @@ def test_zero_levels_on_several_gpus():
                     shapes.append(tuple(int(d) for d in dims.split(",") if d))
             assert shapes and not [s for s in shapes if s in stacked], shapes
     assert args[1] < args[0] and args[3] < args[2], args  # sharded optimizer state / weights per GPU
+
+
+def test_checkpoint_roundtrip_keeps_host_memory(tmp_path):
+    """Orbax writes offloaded (pinned_host) state and restores it into the same memory kinds."""
+    from surogate_jax.checkpoint import Checkpointer, abstract_like
+
+    _, _, _, state = _run(jax.devices()[:1], offload_optimizer=True, offload_master=True)
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save(3, state, {"pos": 1}, {"m": 1})
+    ckpt.wait()
+    restored, data = ckpt.restore(abstract_like(state))
+    ckpt.close()
+    assert data == {"pos": 1}
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        assert a.sharding.memory_kind == b.sharding.memory_kind
+        np.testing.assert_array_equal(np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b)))
