@@ -39,7 +39,7 @@ def _batches(n=3, rows=8, T_=64, accum=2):
             for _ in range(n)]
 
 
-def _run(devices, remat="none", lora=False, **keys):
+def _run(devices, remat="none", lora=False, tx=None, **keys):
     model = Decoder(BIG.replace(remat_policy=remat, lora=SPEC if lora else None))
     if lora:
         params, trainable = base_params(cfg=BIG), L.init_adapters(model, jax.random.key(1), jnp.zeros((1, 1), jnp.int32))
@@ -47,7 +47,7 @@ def _run(devices, remat="none", lora=False, **keys):
         params, trainable = {}, base_params(cfg=BIG)
     mesh = T.make_mesh(devices)
     layout = par.Layout(mesh, par.Plan.from_config(ParallelConfig(**keys)))
-    tx = optax.adamw(1e-3, weight_decay=0.1)
+    tx = tx or optax.adamw(1e-3, weight_decay=0.1)
     state = T.init_state(model, tx, params, trainable, 0, mesh, layout)
     batches = _batches(rows=4 * len(jax.devices()))  # the same global batches on 1 GPU and on all of them
     step = T.jit_train_step(model, tx, lambda s: 1e-3, mesh, state, layout)
@@ -81,8 +81,14 @@ def test_grad_offload_keeps_the_losses():
 
 def test_residual_offload_uses_host_memory():
     dev = jax.devices()[:1]
-    ref, mem_full, _, _ = _run(dev, remat="full", lora=True)
-    got, mem, _, _ = _run(dev, remat="offload_residual", lora=True)
+    # Plain SGD here: the two remat policies compile to different fusions, so gradients may differ
+    # in the last fp32 bit, and Adam turns a last-bit difference of a near-zero gradient into a
+    # full +-lr step (seen on the H100, 2026-11-22: step-2 loss 2.4e-5 apart under AdamW, step-1
+    # losses identical). SGD keeps the comparison at rounding level, which is what "offload
+    # changes memory, not results" means.
+    sgd = optax.sgd(0.5)
+    ref, mem_full, _, _ = _run(dev, remat="full", lora=True, tx=sgd)
+    got, mem, _, _ = _run(dev, remat="offload_residual", lora=True, tx=sgd)
     np.testing.assert_allclose(got, ref, rtol=1e-5)
     assert mem.host_temp_size_in_bytes > 0 or mem.host_output_size_in_bytes > 0, mem
     print("device temp bytes: full", mem_full.temp_size_in_bytes, "offload_residual", mem.temp_size_in_bytes)
