@@ -1,13 +1,22 @@
-"""SFT throughput at the seed benchmark's configuration, one model size per process.
+"""SFT throughput at the seed benchmark's configuration, one model size per process; also the
+multi-GPU / ZeRO / host-offload / full fine-tuning variants of issue 7.
 
 Random-init Qwen3 shapes (0.6B, 1.7B, 4B, 8B, 14B), bf16 base weights, LoRA r=16 alpha=32 on
 q,k,v,o,gate,up,down (fp32 adapters), sequence 2048, batch 2, gradient accumulation 4, packed rows
 (random document lengths, per-document attention and positions), AdamW, the production train
-step (surogate_jax.train.jit_train_step). Tokens/s = B x GA x T / median step seconds after
+step (surogate_jax.train.jit_train_step). Tokens/s = B x GPUs x GA x T / median step seconds after
 warm-up (compile excluded); MFU per ARCHITECTURE.md (4 x P_linear + 6 x L x T x H x Dh per token,
-989 TFLOP/s); peak = the device's peak bytes in use.
+6 x P_linear with --full-ft, over 989 TFLOP/s x GPUs); peak = the devices' peak bytes in use.
+
+Scaling: --gpus N builds the mesh over the first N devices (global batch = batch x N rows, split
+over "data"), the state and step exactly as the trainer does (parallel.Layout from a
+ParallelConfig with --zero-level / --offload-*; train.init_state; train.jit_train_step).
+--full-ft trains fp32 masters of every weight (bf16 compute, no LoRA), as the trainer's full
+fine-tuning does. --baseline-tps (the 1-GPU tokens/s) adds the scaling efficiency
+(tokens/s per GPU / baseline).
 
     python benchmarks/sft_throughput.py --size 0.6b [--steps 8] [--no-recompute] [--out f.json]
+    python benchmarks/sft_throughput.py --size 8b --gpus 4 --full-ft --zero-level 3 --offload-optimizer
 """
 
 from __future__ import annotations
@@ -23,9 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from surogate_jax import parallel as par
 from surogate_jax import train as T
+from surogate_jax.config import ParallelConfig
 from surogate_jax.lora import init_adapters
 from surogate_jax.models import Decoder, DecoderConfig, LoraSpec
+from surogate_jax.optim import adamw_8bit, fp32_state_mask
 
 QWEN3 = {  # from the Qwen3 config.json files: hidden, intermediate, layers, heads, kv heads, tied
     "0.6b": (1024, 3072, 28, 16, 8, True),
@@ -33,22 +45,25 @@ QWEN3 = {  # from the Qwen3 config.json files: hidden, intermediate, layers, hea
     "4b": (2560, 9728, 36, 32, 8, True),
     "8b": (4096, 12288, 36, 32, 8, False),
     "14b": (5120, 17408, 40, 40, 8, False),
-    "tiny": (64, 128, 2, 4, 2, True),  # CPU smoke test of this script only
+    "tiny": (64, 128, 2, 4, 2, True),  # CPU smoke test of this script only (small vocab too)
 }
 SEED_H100 = {  # seed table, NVIDIA H100 80GB HBM3, total tokens/s (Surogate BF16, Unsloth BF16)
     "0.6b": (53.9e3, 21.3e3), "1.7b": (32.8e3, 20.8e3), "4b": (15.9e3, 12.4e3),
     "8b": (10.2e3, 8.9e3), "14b": (6.0e3, 5.6e3), "tiny": (float("nan"), float("nan")),
 }
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+OFFLOADS = ("optimizer", "master", "grads", "residual")
 
 
-def qwen3(size: str, recompute: bool) -> DecoderConfig:
+def qwen3(size: str, recompute: bool, full_ft: bool = False, offload_residual: bool = False) -> DecoderConfig:
     D, F, L, H, KV, tied = QWEN3[size]
     return DecoderConfig(
-        model_type="qwen3", vocab_size=151936, hidden_size=D, intermediate_size=F, num_layers=L, num_heads=H,
-        num_kv_heads=KV, head_dim=128, qk_norm=True, rope_theta=1e6, tie_word_embeddings=tied,
-        dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, remat_policy="full" if recompute else "none",
-        lora=LoraSpec(rank=16, alpha=32.0, targets=TARGETS),
+        model_type="qwen3", vocab_size=2048 if size == "tiny" else 151936, hidden_size=D, intermediate_size=F,
+        num_layers=L, num_heads=H, num_kv_heads=KV, head_dim=16 if size == "tiny" else 128, qk_norm=True,
+        rope_theta=1e6, tie_word_embeddings=tied, dtype=jnp.bfloat16,
+        param_dtype=jnp.float32 if full_ft else jnp.bfloat16,  # full FT: fp32 masters, bf16 compute
+        remat_policy=par.remat_policy(recompute, offload_residual),
+        lora=None if full_ft else LoraSpec(rank=16, alpha=32.0, targets=TARGETS),
     )
 
 
@@ -74,17 +89,47 @@ def packed_batches(rng, n, accum, rows, T_, vocab):
     return out
 
 
-def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int) -> dict:
-    cfg = qwen3(size, recompute)
+def init_weights(model: Decoder, layout: par.Layout, seed: int):
+    """Random weights of `model` (no LoRA) built directly in their final sharding (ZeRO-3: no device
+    ever holds the whole model), in device memory (init_state moves offloaded masters to the host)."""
+    ids = jnp.zeros((1, 8), jnp.int32)
+    init = lambda key: nn.meta.unbox(model.init(key, ids)["params"])
+    shardings = layout.weight_shardings(jax.eval_shape(init, jax.random.key(seed)), trainable=False)
+    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+
+
+def make_tx(optimizer: str):
+    if optimizer == "adamw_8bit":  # as the trainer builds it: norms keep fp32 moments
+        return adamw_8bit(2e-4, weight_decay=0.0, fp32_mask=fp32_state_mask)
+    return optax.adamw(2e-4, weight_decay=0.0)
+
+
+def device_peaks(devices) -> list[float | None]:
+    """Peak bytes in use per device (GB) since the process started; None where not reported (CPU)."""
+    stats = [d.memory_stats() or {} for d in devices]
+    return [s["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in s else None for s in stats]
+
+
+def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int, gpus: int = 1,
+        zero_level: int = 1, offload: tuple[str, ...] = (), full_ft: bool = False, optimizer: str = "adamw",
+        baseline_tps: float | None = None) -> dict:
+    cfg = qwen3(size, recompute, full_ft, "residual" in offload)
     model = Decoder(cfg)
-    mesh = T.make_mesh(jax.devices()[:1])
-    params = nn.meta.unbox(jax.jit(Decoder(cfg.replace(lora=None)).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
-    adapters = init_adapters(model, jax.random.key(1), jnp.zeros((1, 1), jnp.int32))
-    tx = optax.adamw(2e-4, weight_decay=0.0)
-    state = T.init_state(model, tx, params, adapters, 0, mesh)
-    del params, adapters
-    step = T.jit_train_step(model, tx, lambda s: 2e-4, mesh, state)
-    batches = [T.global_batch(mesh, b, True) for b in packed_batches(np.random.default_rng(0), 3, accum, batch, seq, cfg.vocab_size)]
+    devices = par.run_devices(gpus)
+    mesh = T.make_mesh(devices)
+    pcfg = ParallelConfig(zero_level=zero_level, gpus=gpus, **{f"offload_{o}": True for o in offload})
+    layout = par.Layout(mesh, par.Plan.from_config(pcfg))
+    if full_ft:  # the trainer's full fine-tuning: no frozen base, the fp32 masters are trained
+        params, trainable = {}, init_weights(model, layout, 0)
+    else:
+        params = init_weights(Decoder(cfg.replace(lora=None)), layout, 0)
+        trainable = init_adapters(model, jax.random.key(1), jnp.zeros((1, 1), jnp.int32))
+    tx = make_tx(optimizer)
+    state = T.init_state(model, tx, params, trainable, 0, mesh, layout)
+    del params, trainable
+    step = T.jit_train_step(model, tx, lambda s: 2e-4, mesh, state, layout)
+    rows = batch * len(devices)
+    batches = [T.global_batch(mesh, b, True) for b in packed_batches(np.random.default_rng(0), 3, accum, rows, seq, cfg.vocab_size)]
     t0 = time.perf_counter()
     state, m = step(state, batches[0])
     jax.block_until_ready(m)
@@ -96,31 +141,59 @@ def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int
         losses.append(float(m["loss"]))  # fetching the loss syncs, as the training loop's logging does
         times.append(time.perf_counter() - t0)
     sec = statistics.median(times[1:])
-    tokens = batch * accum * seq
+    tokens = rows * accum * seq
     tps = tokens / sec
-    mfu = T.flops_per_token(cfg, seq, frozen_base=True) * tps / T.H100_BF16_PEAK
-    res = dict(size=size, device=jax.devices()[0].device_kind, jax=jax.__version__, recompute=recompute, batch=batch,
+    mfu = T.flops_per_token(cfg, seq, frozen_base=not full_ft) * tps / (T.H100_BF16_PEAK * len(devices))
+    peaks = device_peaks(devices)
+    known = [p for p in peaks if p is not None]
+    res = dict(size=size, device=devices[0].device_kind, jax=jax.__version__, recompute=recompute, batch=batch,
                accum=accum, seq=seq, step_s=sec, step_spread_s=max(times[1:]) - min(times[1:]), tokens_per_s=tps,
-               mfu=mfu, peak_gb=(T.peak_memory_bytes() or 0) / 1e9, compile_s=compile_s, losses=losses,
-               seed_surogate_bf16=SEED_H100[size][0], seed_unsloth_bf16=SEED_H100[size][1])
+               mfu=mfu, peak_gb=max(known) if known else 0.0, compile_s=compile_s, losses=losses,
+               seed_surogate_bf16=SEED_H100[size][0], seed_unsloth_bf16=SEED_H100[size][1],
+               gpus=len(devices), tokens_per_s_per_gpu=tps / len(devices), peak_gb_per_gpu=peaks,
+               mode="full" if full_ft else "lora", zero_level=zero_level, offload=list(offload), optimizer=optimizer,
+               parallel=layout.describe(), remat=cfg.remat_policy, baseline_tps=baseline_tps,
+               scaling_efficiency=(tps / len(devices) / baseline_tps) if baseline_tps else None)
     return res
+
+
+def table_line(res: dict, plain: bool) -> str:
+    """The seed-table line for the plain 1-GPU LoRA run (as before), else the scaling line."""
+    if plain:
+        return (f"| Qwen3-{res['size'].upper()} | {res['tokens_per_s'] / 1e3:.1f}k | {100 * res['mfu']:.1f}% "
+                f"| {res['peak_gb']:.1f} GB | {res['step_s'] * 1e3:.0f} ms | {res['seed_surogate_bf16'] / 1e3:.1f}k "
+                f"| {res['seed_unsloth_bf16'] / 1e3:.1f}k |")
+    eff = f"{100 * res['scaling_efficiency']:.1f}%" if res["scaling_efficiency"] else "--"
+    peaks = "/".join("--" if p is None else f"{p:.1f}" for p in res["peak_gb_per_gpu"])
+    return (f"| Qwen3-{res['size'].upper()} | {res['mode']} | {res['gpus']} | zero {res['zero_level']} "
+            f"| {','.join(res['offload']) or 'none'} | {res['optimizer']} | {res['tokens_per_s'] / 1e3:.2f}k "
+            f"| {res['tokens_per_s_per_gpu'] / 1e3:.2f}k | {eff} | {100 * res['mfu']:.1f}% | {res['peak_gb']:.1f} GB "
+            f"({peaks}) | {res['step_s'] * 1e3:.0f} ms |")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=list(QWEN3), required=True)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2, help="rows per GPU per micro-batch")
     ap.add_argument("--accum", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--no-recompute", dest="recompute", action="store_false")
+    ap.add_argument("--gpus", type=int, default=1, help="mesh over the first N local devices (0 = all)")
+    ap.add_argument("--zero-level", type=int, choices=(0, 1, 2, 3), default=ParallelConfig().zero_level)
+    for o in OFFLOADS:
+        ap.add_argument(f"--offload-{o}", action="store_true")
+    ap.add_argument("--full-ft", action="store_true", help="full fine-tuning (fp32 masters), no LoRA")
+    ap.add_argument("--optimizer", choices=("adamw", "adamw_8bit"), default="adamw")
+    ap.add_argument("--baseline-tps", type=float, help="1-GPU tokens/s: report the scaling efficiency")
     ap.add_argument("--out")
     a = ap.parse_args()
-    res = run(a.size, a.steps, a.recompute, a.batch, a.accum, a.seq)
-    line = (f"| Qwen3-{a.size.upper()} | {res['tokens_per_s'] / 1e3:.1f}k | {100 * res['mfu']:.1f}% | {res['peak_gb']:.1f} GB "
-            f"| {res['step_s'] * 1e3:.0f} ms | {res['seed_surogate_bf16'] / 1e3:.1f}k | {res['seed_unsloth_bf16'] / 1e3:.1f}k |")
+    offload = tuple(o for o in OFFLOADS if getattr(a, f"offload_{o}"))
+    res = run(a.size, a.steps, a.recompute, a.batch, a.accum, a.seq, gpus=a.gpus, zero_level=a.zero_level,
+              offload=offload, full_ft=a.full_ft, optimizer=a.optimizer, baseline_tps=a.baseline_tps)
+    plain = res["gpus"] == 1 and not (offload or a.full_ft or a.optimizer != "adamw" or a.baseline_tps)
     print(json.dumps(res))
-    print(line)
+    print(table_line(res, plain))
     if a.out:
         with open(a.out, "a") as f:
             f.write(json.dumps(res) + "\n")

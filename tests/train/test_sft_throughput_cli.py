@@ -1,0 +1,48 @@
+"""benchmarks/sft_throughput.py's multi-device options on 4 CPU devices (--size tiny): a full
+fine-tuning ZeRO-3 run with every offload option and an offload-free LoRA run both train and print
+their table line and json (the GPU matrix in benchmarks/multi_gpu_session.sh runs the same code)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+SMALL = ["--size", "tiny", "--gpus", "4", "--steps", "1", "--seq", "64", "--batch", "1", "--accum", "2"]
+CASES = [
+    SMALL + ["--zero-level", "3", "--full-ft", "--offload-optimizer", "--offload-master", "--offload-grads",
+             "--offload-residual", "--baseline-tps", "1000"],
+    SMALL + ["--zero-level", "1"],
+]
+# Both cases in one process (one jax start-up); each through the script's own main().
+SCRIPT = r'''
+import sys, runpy
+for argv in CASES:
+    sys.argv = ["sft_throughput.py", *argv]
+    runpy.run_path(PATH, run_name="__main__")
+'''
+
+
+def test_gpus_zero3_offload_full_ft_and_lora_on_4_cpu_devices(tmp_path):
+    out = tmp_path / "r.jsonl"
+    cases = [c + ["--out", str(out)] for c in CASES]
+    code = f"CASES = {cases!r}\nPATH = {str(ROOT / 'benchmarks/sft_throughput.py')!r}\n" + SCRIPT
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    full, lora = [json.loads(x) for x in out.read_text().splitlines()]
+    assert full["gpus"] == 4 and full["mode"] == "full" and full["zero_level"] == 3
+    assert full["offload"] == ["optimizer", "master", "grads", "residual"] and full["remat"] == "offload_residual"
+    assert "zero: optimizer,gradients,weights" in full["parallel"] and "pinned_host" in full["parallel"]
+    assert abs(full["scaling_efficiency"] - full["tokens_per_s_per_gpu"] / 1000) < 1e-9
+    assert lora["mode"] == "lora" and lora["offload"] == [] and lora["parallel"] == "4 device(s); zero: optimizer"
+    for res in (full, lora):
+        assert res["tokens_per_s"] > 0 and len(res["peak_gb_per_gpu"]) == 4
+        assert len(res["losses"]) == 2 and all(0 < x < 20 for x in res["losses"]), res["losses"]
+        # 4 GPUs x 1 row x 2 micro-batches x 64 tokens per step
+        assert abs(res["tokens_per_s"] * res["step_s"] - 4 * 2 * 64) < 1e-6
+    lines = [x for x in r.stdout.splitlines() if x.startswith("| Qwen3-TINY |")]
+    assert len(lines) == 2 and "| full | 4 | zero 3 |" in lines[0] and "| lora | 4 | zero 1 | none |" in lines[1], lines
