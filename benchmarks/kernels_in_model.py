@@ -1,0 +1,47 @@
+"""Our model kernels inside the jitted train step: step time per kernel set, and the compiled HLO.
+
+Seed config (Qwen3 random init, LoRA r16 on all projections, batch 2 x accum 4 x 2048, full
+recompute), one process, several kernel sets (comma lists of DecoderConfig.kernels, or `none`):
+
+    python benchmarks/kernels_in_model.py 0.6b none swiglu rope,rms_norm,add_rms_norm,swiglu
+
+Prints one JSON line per set (step ms, tokens/s, counts of custom calls / fusions / copies in the
+compiled HLO) and writes the HLO text to $OUT/hlo_<size>_<set>.txt (or /tmp) to read what XLA fused.
+"""
+sys.path.insert(0, "benchmarks")
+import jax, jax.numpy as jnp, numpy as np, optax, flax.linen as nn
+import sft_throughput as S
+from surogate_jax import train as T
+from surogate_jax.lora import init_adapters
+from surogate_jax.models import Decoder
+out = os.environ.get("OUT", "/tmp")
+size = sys.argv[1]; sets = sys.argv[2:]
+res = []
+for ks in sets:
+    kernels = tuple(k for k in ks.split(",") if k and k != "none")
+    cfg = S.qwen3(size, True).replace(kernels=kernels)
+    model = Decoder(cfg)
+    mesh = T.make_mesh(jax.devices()[:1])
+    params = nn.meta.unbox(jax.jit(Decoder(cfg.replace(lora=None)).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    adapters = init_adapters(model, jax.random.key(1), jnp.zeros((1, 1), jnp.int32))
+    tx = optax.adamw(2e-4, weight_decay=0.0)
+    state = T.init_state(model, tx, params, adapters, 0, mesh)
+    del params, adapters
+    step = T.jit_train_step(model, tx, lambda s: 2e-4, mesh, state)
+    batches = [T.global_batch(mesh, b, True) for b in S.packed_batches(np.random.default_rng(0), 2, 4, 2, 2048, cfg.vocab_size)]
+    comp = step.lower(state, batches[0]).compile()
+    txt = comp.as_text()
+    name = ks.replace(",", "+")
+    open(f"{out}/hlo_{size}_{name}.txt", "w").write(txt)
+    stats = {k: len(re.findall(p, txt)) for k, p in {
+        "custom_call": r"custom-call\(", "fusion": r"= \S+ fusion\(", "copy": r"= \S+ copy\(",
+        "transpose_fusion": r"kind=kInput.*transpose|transpose\(", "gemm": r"__cublas\$gemm|cublas.*gemm"}.items()}
+    for _ in range(2):
+        state, m = comp(state, batches[0]); jax.block_until_ready(m)
+    times = []
+    for i in range(6):
+        t0 = time.perf_counter(); state, m = comp(state, batches[i % 2]); float(m["loss"]); times.append(time.perf_counter() - t0)
+    sec = statistics.median(times)
+    r = dict(size=size, kernels=ks, step_ms=sec * 1e3, tps=2 * 4 * 2048 / sec, **stats)
+    print(json.dumps(r), flush=True); res.append(r)
+    del state, comp, step
