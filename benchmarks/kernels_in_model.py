@@ -8,12 +8,27 @@ recompute), one process, several kernel sets (comma lists of DecoderConfig.kerne
 Prints one JSON line per set (step ms, tokens/s, counts of custom calls / fusions / copies in the
 compiled HLO) and writes the HLO text to $OUT/hlo_<size>_<set>.txt (or /tmp) to read what XLA fused.
 """
-sys.path.insert(0, "benchmarks")
-import jax, jax.numpy as jnp, numpy as np, optax, flax.linen as nn
-import sft_throughput as S
-from surogate_jax import train as T
-from surogate_jax.lora import init_adapters
-from surogate_jax.models import Decoder
+
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sft_throughput as S  # noqa: E402
+
+from surogate_jax import train as T  # noqa: E402
+from surogate_jax.lora import init_adapters  # noqa: E402
+from surogate_jax.models import Decoder  # noqa: E402
+
 out = os.environ.get("OUT", "/tmp")
 size = sys.argv[1]; sets = sys.argv[2:]
 res = []
