@@ -6,7 +6,9 @@ q,k,v,o,gate,up,down (fp32 adapters), sequence 2048, batch 2, gradient accumulat
 (random document lengths, per-document attention and positions), AdamW, the production train
 step (surogate_jax.train.jit_train_step). Tokens/s = B x GPUs x GA x T / median step seconds after
 warm-up (compile excluded); MFU per ARCHITECTURE.md (4 x P_linear + 6 x L x T x H x Dh per token,
-6 x P_linear with --full-ft, over 989 TFLOP/s x GPUs); peak = the devices' peak bytes in use.
+6 x P_linear with --full-ft, over 989 TFLOP/s x GPUs); peak = the devices' peak bytes in use over
+the whole process (max over the used devices, and each); init_peak_gb_per_gpu = the same before
+the first step (building the state), compiled_gb = XLA's buffer assignment of the step per device.
 
 Scaling: --gpus N builds the mesh over the first N devices (global batch = batch x N rows, split
 over "data"), the state and step exactly as the trainer does (parallel.Layout from a
@@ -110,6 +112,18 @@ def device_peaks(devices) -> list[float | None]:
     return [s["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in s else None for s in stats]
 
 
+def compiled_memory_gb(compiled) -> dict:
+    """XLA's per-device buffer assignment of the step (GB): device arguments + outputs - donated
+    aliases + temporaries is the step's own device footprint; host_* are pinned_host buffers."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    g = lambda k: getattr(m, k, 0) / 1e9
+    dev = g("argument_size_in_bytes") + g("output_size_in_bytes") - g("alias_size_in_bytes") + g("temp_size_in_bytes")
+    return {"device_total": dev, "temp": g("temp_size_in_bytes"), "arguments": g("argument_size_in_bytes"),
+            "host_arguments": g("host_argument_size_in_bytes"), "host_temp": g("host_temp_size_in_bytes")}
+
+
 def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int, gpus: int = 1,
         zero_level: int = 1, offload: tuple[str, ...] = (), full_ft: bool = False, optimizer: str = "adamw",
         baseline_tps: float | None = None) -> dict:
@@ -130,7 +144,10 @@ def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int
     step = T.jit_train_step(model, tx, lambda s: 2e-4, mesh, state, layout)
     rows = batch * len(devices)
     batches = [T.global_batch(mesh, b, True) for b in packed_batches(np.random.default_rng(0), 3, accum, rows, seq, cfg.vocab_size)]
+    init_peaks = device_peaks(devices)  # before the first step: what building the state took
     t0 = time.perf_counter()
+    step = step.lower(state, batches[0]).compile()
+    mem = compiled_memory_gb(step)
     state, m = step(state, batches[0])
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
@@ -152,6 +169,7 @@ def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int
                seed_surogate_bf16=SEED_H100[size][0], seed_unsloth_bf16=SEED_H100[size][1],
                gpus=len(devices), tokens_per_s_per_gpu=tps / len(devices), peak_gb_per_gpu=peaks,
                mode="full" if full_ft else "lora", zero_level=zero_level, offload=list(offload), optimizer=optimizer,
+               init_peak_gb_per_gpu=init_peaks, compiled_gb=mem,
                parallel=layout.describe(), remat=cfg.remat_policy, baseline_tps=baseline_tps,
                scaling_efficiency=(tps / len(devices) / baseline_tps) if baseline_tps else None)
     return res

@@ -46,3 +46,24 @@ def test_gpus_zero3_offload_full_ft_and_lora_on_4_cpu_devices(tmp_path):
         assert abs(res["tokens_per_s"] * res["step_s"] - 4 * 2 * 64) < 1e-6
     lines = [x for x in r.stdout.splitlines() if x.startswith("| Qwen3-TINY |")]
     assert len(lines) == 2 and "| full | 4 | zero 3 |" in lines[0] and "| lora | 4 | zero 1 | none |" in lines[1], lines
+
+
+def test_multi_gpu_session_plans_the_matrix_and_skips_what_does_not_fit(tmp_path):
+    """benchmarks/multi_gpu_session.sh with no budget left: every run of the matrix is listed as
+    skipped with its exact command (2 GPUs present: 1 and 2 GPU scaling runs, full FT on 2)."""
+    env = {**os.environ, "OUT": str(tmp_path), "NGPU": "2", "SKIP_BUILD": "1", "BUDGET_S": "0",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run(["bash", str(ROOT / "benchmarks/multi_gpu_session.sh")], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    status = (tmp_path / "status.txt").read_text().splitlines()
+    skipped = [x.split(": ", 1)[1] for x in status if x.startswith("SKIPPED")]
+    run = "python3 benchmarks/sft_throughput.py "
+    assert skipped[:4] == [run + "--size 0.6b --gpus 1 --steps 6", run + "--size 0.6b --gpus 2 --steps 6",
+                           run + "--size 8b --gpus 1 --steps 4", run + "--size 8b --gpus 2 --steps 4"], skipped
+    full = run + "--size 8b --gpus 2 --full-ft --zero-level 3 --accum 2 --steps 2"
+    assert skipped[4:] == [full + " --offload-optimizer", full, full + " --offload-master", full + " --offload-grads",
+                           full + " --offload-residual",
+                           full + " --offload-optimizer --offload-master --offload-grads --offload-residual"], skipped
+    assert "| model | mode | GPUs |" in (tmp_path / "summary.md").read_text()
+    assert {p.name for p in tmp_path.iterdir()} == {"env.txt", "status.txt", "summary.md", "logs.tar.gz"}
