@@ -2,9 +2,10 @@
 // pick the element types, run the launcher on XLA's stream. Python side:
 // surogate_jax/optim/adamw_8bit.py (`_update_8bit_ffi`, reference `update_8bit_ref`).
 //
-//   surogate_adamw_8bit_update(g [S], p [S], qm [S] u8, qv [S] u8, am [B] f32, av [B] f32,
-//                              scalars [9] f32, tables [4, 256] f32, guess [2, 1664] u8)
-//     -> p' [S], qm' [S], qv' [S], am' [B], av' [B]       (B = ceil(prod(S) / 256))
+//   surogate_adamw_8bit_update(g [S], p [S], qm [S] u8, qv [S] u8, am [A] f32, av [A] f32,
+//                              scalars [9] f32, aux [6848] u32; attribute variant: int32 0..4)
+//     -> p' [S], qm' [S], qv' [S], am' [A], av' [A]     (prod(A) = ceil(prod(S) / 256); A is any
+//                                                        shape, the Python side picks it)
 //
 // The Python wrapper aliases p, qm, qv, am, av to the five outputs (input_output_aliases), so with
 // donated buffers the update is in place; if XLA ever hands us distinct output buffers, the inputs
@@ -29,6 +30,11 @@ ffi::Error ExpectU8(const char* name, const ffi::AnyBuffer& b) {
   return InvalidArg(kOp, std::string(name) + " has dtype " + DtypeName(b.element_type()) + ", expected uint8");
 }
 
+ffi::Error ExpectU32(const char* name, const ffi::AnyBuffer& b) {
+  if (b.element_type() == ffi::DataType::U32) return ffi::Error::Success();
+  return InvalidArg(kOp, std::string(name) + " has dtype " + DtypeName(b.element_type()) + ", expected uint32");
+}
+
 ffi::Error SameShape(const char* name, const ffi::AnyBuffer& b, const ffi::AnyBuffer& like, const char* like_name) {
   if (b.dimensions() == like.dimensions()) return ffi::Error::Success();
   return InvalidArg(kOp, std::string(name) + " has shape " + ShapeStr(b) + " but " + like_name + " has shape " +
@@ -49,7 +55,7 @@ ffi::Error Prepare(const char* name, const ffi::AnyBuffer& in, ffi::AnyBuffer& o
 
 ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer p, ffi::AnyBuffer qm,
                            ffi::AnyBuffer qv, ffi::AnyBuffer am, ffi::AnyBuffer av, ffi::AnyBuffer scalars,
-                           ffi::AnyBuffer tables, ffi::AnyBuffer guess, ffi::Result<ffi::AnyBuffer> p_out,
+                           ffi::AnyBuffer aux, int32_t variant, ffi::Result<ffi::AnyBuffer> p_out,
                            ffi::Result<ffi::AnyBuffer> qm_out, ffi::Result<ffi::AnyBuffer> qv_out,
                            ffi::Result<ffi::AnyBuffer> am_out, ffi::Result<ffi::AnyBuffer> av_out) {
   const int64_t n = static_cast<int64_t>(p.element_count());
@@ -59,9 +65,13 @@ ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer
   if (auto e = SameShape("qv", qv, p, "p"); e.failure()) return e;
   if (auto e = ExpectU8("qm", qm); e.failure()) return e;
   if (auto e = ExpectU8("qv", qv); e.failure()) return e;
-  if (auto e = ExpectU8("guess", guess); e.failure()) return e;
+  if (auto e = ExpectU32("aux", aux); e.failure()) return e;
+  if (variant < 0 || variant >= kAdamw8bitVariants) {
+    return InvalidArg(kOp, "variant must be in [0, " + std::to_string(kAdamw8bitVariants) + "), got " +
+                               std::to_string(variant));
+  }
   for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"am", &am}, {"av", &av},
-                           {"scalars", &scalars}, {"tables", &tables}}) {
+                           {"scalars", &scalars}}) {
     if (auto e = ExpectDtype(kOp, name, *buf, ffi::DataType::F32); e.failure()) return e;
   }
   const std::string blocks = "one per 256-element block of p " + ShapeStr(p);
@@ -71,8 +81,10 @@ ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer
       e.failure()) {
     return e;
   }
-  if (auto e = ExpectCount("tables", tables, 4 * 256, "[4, 256] code tables"); e.failure()) return e;
-  if (auto e = ExpectCount("guess", guess, 2 * kAdamw8bitBuckets, "[2, 1664] bucket guesses"); e.failure()) return e;
+  if (auto e = ExpectCount("aux", aux, kAdamw8bitAuxWords, "the code tables of adamw_8bit.py KERNEL_AUX");
+      e.failure()) {
+    return e;
+  }
   if (auto e = Prepare("p", p, *p_out, stream); e.failure()) return e;
   if (auto e = Prepare("qm", qm, *qm_out, stream); e.failure()) return e;
   if (auto e = Prepare("qv", qv, *qv_out, stream); e.failure()) return e;
@@ -88,8 +100,8 @@ ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer
           static_cast<TP*>(p_out->untyped_data()), static_cast<const TG*>(g.untyped_data()),
           static_cast<uint8_t*>(qm_out->untyped_data()), static_cast<uint8_t*>(qv_out->untyped_data()),
           static_cast<float*>(am_out->untyped_data()), static_cast<float*>(av_out->untyped_data()),
-          static_cast<const float*>(scalars.untyped_data()), static_cast<const float*>(tables.untyped_data()),
-          static_cast<const uint8_t*>(guess.untyped_data()), n, stream);
+          static_cast<const float*>(scalars.untyped_data()), static_cast<const uint32_t*>(aux.untyped_data()), n,
+          variant, stream);
       return CudaError(kOp, err);
     });
   });
@@ -107,8 +119,8 @@ XLA_FFI_DEFINE_HANDLER(kAdamw8bitUpdateHandler, Adamw8bitUpdate,
                            .Arg<ffi::AnyBuffer>()   // am
                            .Arg<ffi::AnyBuffer>()   // av
                            .Arg<ffi::AnyBuffer>()   // scalars
-                           .Arg<ffi::AnyBuffer>()   // tables
-                           .Arg<ffi::AnyBuffer>()   // guess
+                           .Arg<ffi::AnyBuffer>()   // aux
+                           .Attr<int32_t>("variant")
                            .Ret<ffi::AnyBuffer>()   // p'
                            .Ret<ffi::AnyBuffer>()   // qm'
                            .Ret<ffi::AnyBuffer>()   // qv'

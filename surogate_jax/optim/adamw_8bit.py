@@ -43,9 +43,28 @@ computed once in JAX and handed to the kernel, so they match too. Remaining diff
 CPU runtime flushes float32 denormals to zero, the kernel keeps them (only gradients below ~1e-19
 or moments below ~1e-38 ever see one).
 
+State layout: the absmax of a tensor of shape S is stored as S[:j] + (prod(S[j:]) / 256,), j the
+largest index with prod(S[j:]) a multiple of 256 (e.g. [L, D, F] -> [L, D, F/256]): the same flat
+blocks in the same order (a reshape of bitsandbytes' [n_blocks]), but blocks never cross the
+leading dims, so the absmax can be split along those dims like the codes (ZeRO, below). A tensor
+whose size is not a multiple of 256 keeps a flat [n_blocks] absmax (its last block is padded).
+
+ZeRO (parallel.py shards optimizer state along the largest dim divisible by the "data" axis): under
+a mesh whose "data" axis has n > 1 devices, each 8-bit leaf is updated inside `jax.shard_map` on
+its own shard: g, p and the codes split along that dim (parallel.zero_spec's rule, the same for
+params, grads and state), the absmax along the matching dim of its layout. No optimizer state is
+gathered. A leaf whose blocks would straddle shards (the sharded dim lies inside a block, e.g.
+[L, 16, 128, 1024] split 8 ways along 1024: 128 elements per row per shard) is updated unsharded,
+with one logged line (XLA then gathers its state). `shard_update=False` turns this off (DDP, where
+the state is replicated and sharding the update would all-gather it afterwards).
+
+Kernel variants (`kernel_variant`, env SUROGATE_ADAMW8_VARIANT): 0 the first kernel (scan search),
+1 one-probe lookup, 2 = 1 + software pipelining, 3 = 1 + straight-line div/sqrt fast paths, 4 = 2 +
+3; all give the same bits (tests/gpu), benchmarks/notes_adamw_8bit.md has the measurements.
+
 Public API:
   adamw_8bit(learning_rate, b1, b2, eps, weight_decay, block_size, *, mask, min_8bit_size,
-             fp32_mask, impl) -> FusedGradientTransformation (an optax.GradientTransformation)
+             fp32_mask, impl, kernel_variant, shard_update) -> FusedGradientTransformation
   apply_fused(tx, grads, opt_state, params) -> (new_params, new_opt_state)
   chain_clip(max_norm, tx): optax.chain(optax.clip_by_global_norm(max_norm), tx) whose fused path
                             folds the clip into the kernel as the gradient scale.
@@ -55,6 +74,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -62,6 +82,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from jax.sharding import PartitionSpec as P
 
 from ..ops._loader import resolve_impl
 
@@ -140,6 +162,61 @@ GUESS = np.stack([GUESS_S, GUESS_U])  # uint8 [2, N_BUCKETS], handed to the kern
 SEARCH_STEPS = max(_STEPS_S, _STEPS_U)  # 2 with 6 bucket bits
 assert np.all(MID_S[:127] < 0) and MID_S[127] > 0 and MID_U[0] > 2.0**-25
 
+# The kernel's one-probe lookup (variants >= 1): with LOOKUP_BITS_S / _U mantissa bits per bucket
+# every bucket holds at most one midpoint, so searchsorted(mid, t) = (midpoints below the bucket)
+# + (the bucket's midpoint < t); inside a bucket float order is the integer order of the low
+# 23 - bits mantissa bits. Entry: below << (low + 1) | low bits of the midpoint (1 << low when the
+# bucket holds none, larger than any t's low bits). `lookup_np` below is the kernel's arithmetic.
+LOOKUP_BITS_S, LOOKUP_BITS_U = 6, 7
+
+
+def _lookup_table(mid: np.ndarray, bits: int) -> np.ndarray:
+    low = 23 - bits
+    n = (127 - BUCKET_E0 + 1) << bits
+    b = np.arange(n, dtype=np.uint32)
+    edges = ((b + (BUCKET_E0 << bits)) << low).view(np.float32).copy()
+    edges[0] = 0.0
+    below = np.searchsorted(mid, edges, side="left").astype(np.uint32)
+    pos = mid[mid > 0]
+    mb = (pos.view(np.uint32) >> low).astype(np.int64) - (BUCKET_E0 << bits)
+    assert mb.min() > 0 and mb.max() < n - 1 and np.bincount(mb, minlength=n).max() == 1, "one midpoint per bucket"
+    thr = np.full(n, 1 << low, np.uint32)
+    thr[mb] = pos.view(np.uint32) & np.uint32((1 << low) - 1)
+    return (below << np.uint32(low + 1)) | thr
+
+
+LOOKUP_S = _lookup_table(MID_S, LOOKUP_BITS_S)  # uint32 [1664]
+LOOKUP_U = _lookup_table(MID_U, LOOKUP_BITS_U)  # uint32 [3328]
+
+
+def lookup_np(x: np.ndarray, signed: bool) -> np.ndarray:
+    """The kernel's nearest-code lookup (quantize_signed / quantize_unsigned in the .cu) in numpy."""
+    x = np.asarray(x, np.float32)
+    bits = LOOKUP_BITS_S if signed else LOOKUP_BITS_U
+    table = LOOKUP_S if signed else LOOKUP_U
+    low = 23 - bits
+    tb = np.abs(x).view(np.uint32).astype(np.int64)
+    b = np.clip((tb >> low) - (BUCKET_E0 << bits), 0, table.size - 1)
+    e = table[b].astype(np.int64)
+    neg = (x < 0).astype(np.int64) if signed else 0
+    q = (e >> (low + 1)) + ((e & ((2 << low) - 1)) < (tb & ((1 << low) - 1)) + neg)
+    if signed:
+        q = np.where(x < 0, np.clip(254 - q, 0, ZERO_S - 1), q)
+    return q.astype(np.uint8)
+
+
+def _kernel_aux() -> np.ndarray:
+    """uint32 [6848]: the tables of every kernel variant (layout in kernels/adamw_8bit.h)."""
+    guess = np.ascontiguousarray(GUESS).reshape(-1).view(np.uint32)  # 2 x 1664 bytes
+    aux = np.concatenate([TABLES.reshape(-1).view(np.uint32), guess, LOOKUP_S, LOOKUP_U]).astype(np.uint32)
+    assert aux.size == 6848
+    return aux
+
+
+KERNEL_AUX = _kernel_aux()
+N_VARIANTS = 5
+DEFAULT_VARIANT = 1  # safest fast variant; switch to the fastest bit-exact one after a GPU bench
+
 
 def quantize(x: jax.Array, signed: bool) -> jax.Array:
     """Index (uint8) of the nearest code to x in [-1, 1]: exactly searchsorted(mid, x, "left")
@@ -189,6 +266,24 @@ def n_blocks(size: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-size // block_size)
 
 
+def absmax_split(shape: tuple[int, ...], block_size: int = BLOCK_SIZE) -> int | None:
+    """j: the largest index with prod(shape[j:]) a multiple of block_size (blocks never cross the
+    dims before j); None when the size is not a multiple (flat absmax, padded last block)."""
+    for j in range(len(shape) - 1, -1, -1):
+        if int(np.prod(shape[j:])) % block_size == 0:
+            return j
+    return None
+
+
+def absmax_shape(shape: tuple[int, ...], block_size: int = BLOCK_SIZE) -> tuple[int, ...]:
+    """Shape of a tensor's absmax: shape[:j] + (prod(shape[j:]) / block_size,) (see the docstring)."""
+    shape = tuple(int(d) for d in shape)
+    j = absmax_split(shape, block_size)
+    if j is None:
+        return (n_blocks(int(np.prod(shape)), block_size),)
+    return shape[:j] + (int(np.prod(shape[j:])) // block_size,)
+
+
 def state_bytes(state: Adam8bitState) -> int:
     """Bytes held by the optimizer state (count excluded)."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state.mu, state.nu)))
@@ -235,8 +330,11 @@ def update_fp32_ref(g, p, m, v, scalars):
 def update_8bit_ref(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE):
     """8-bit update of one tensor -> (p', qm', qv', am', av'); the kernel's exact twin.
 
-    g, p: [shape] float; qm, qv: uint8 [shape]; am, av: float32 [n_blocks]; scalars: f32 [9]."""
-    shape, n, nb = p.shape, p.size, am.shape[0]
+    g, p: [shape] float; qm, qv: uint8 [shape]; am, av: float32 with n_blocks elements (any shape,
+    flat blocks in row-major order, see absmax_shape); scalars: f32 [9]."""
+    shape, n, nb = p.shape, p.size, am.size
+    am_shape = am.shape
+    am, av = am.reshape(-1), av.reshape(-1)
     pad = nb * block_size - n
 
     def blocks(x, fill):
@@ -264,21 +362,34 @@ def update_8bit_ref(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE)
     inv_v = jnp.where(av1 > 0, 1.0 / av1, 0.0)
     qm1 = quantize(m * inv_m[:, None], True)
     qv1 = quantize(v * inv_v[:, None], False)
-    return unblock(p1), unblock(qm1), unblock(qv1), am1, av1
+    return unblock(p1), unblock(qm1), unblock(qv1), am1.reshape(am_shape), av1.reshape(am_shape)
 
 
-def _update_8bit_ffi(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE):
+def resolve_variant(variant: int | None = None) -> int:
+    """The kernel variant to run: `variant`, else $SUROGATE_ADAMW8_VARIANT, else DEFAULT_VARIANT."""
+    if variant is None:
+        env = os.environ.get("SUROGATE_ADAMW8_VARIANT", "").strip()
+        variant = int(env) if env else DEFAULT_VARIANT
+    if not 0 <= int(variant) < N_VARIANTS:
+        raise ValueError(f"adamw_8bit: kernel variant must be in [0, {N_VARIANTS}), got {variant}")
+    return int(variant)
+
+
+def _update_8bit_ffi(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE, *, variant: int = DEFAULT_VARIANT):
     del block_size  # the kernel supports KERNEL_BLOCK_SIZE only (checked by the caller)
     out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (p, qm, qv, am, av))
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential",
                             input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3, 5: 4})
-    return call(g, p, qm, qv, am, av, scalars, jnp.asarray(TABLES), jnp.asarray(GUESS))
+    return call(g, p, qm, qv, am, av, scalars, jnp.asarray(KERNEL_AUX), variant=np.int32(variant))
 
 
-def update_8bit(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE, *, impl: str | None = None):
+def update_8bit(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE, *, impl: str | None = None,
+                variant: int | None = None):
     """8-bit update of one tensor: the CUDA kernel on GPU (in place when the buffers are donated),
-    `update_8bit_ref` elsewhere (impl: None/"auto", "ffi" or "ref"; see ops/_loader.py)."""
+    `update_8bit_ref` elsewhere (impl: None/"auto", "ffi" or "ref"; see ops/_loader.py).
+    variant: the kernel variant (see resolve_variant); every variant gives the same bits."""
     impl = resolve_impl(impl)
+    ffi = functools.partial(_update_8bit_ffi, variant=resolve_variant(variant))
     kernel_ok = block_size == KERNEL_BLOCK_SIZE and p.dtype in KERNEL_DTYPES and g.dtype in KERNEL_DTYPES
     if impl != "ref" and not kernel_ok:
         if impl == "ffi":
@@ -289,8 +400,8 @@ def update_8bit(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE, *, 
     if impl == "ref":
         return ref(g, p, qm, qv, am, av, scalars)
     if impl == "ffi":
-        return _update_8bit_ffi(g, p, qm, qv, am, av, scalars)
-    return jax.lax.platform_dependent(g, p, qm, qv, am, av, scalars, cuda=_update_8bit_ffi, default=ref)
+        return ffi(g, p, qm, qv, am, av, scalars)
+    return jax.lax.platform_dependent(g, p, qm, qv, am, av, scalars, cuda=ffi, default=ref)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,6 +462,64 @@ def chain_clip(max_norm: float, tx: optax.GradientTransformation) -> optax.Gradi
 # The optax transform
 
 
+def _distinct_buffers(tree):
+    """Outside jit: make sure no two leaves share a device buffer (an eagerly built state may hold
+    the same zeros array twice, e.g. through a cached constant, and donating it then fails)."""
+    seen = set()
+
+    def one(x):
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return x
+        try:
+            key = tuple(s.data.unsafe_buffer_pointer() for s in x.addressable_shards)
+        except Exception:  # noqa: BLE001 (no pointer for this array kind: fall back to identity)
+            key = (id(x),)
+        if key in seen or id(x) in seen:
+            x = jnp.array(x, copy=True)
+        seen.add(key)
+        seen.add(id(x))
+        return x
+
+    return jax.tree.map(one, tree)
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(msg: str, level: int = logging.INFO) -> None:
+    if msg not in _LOGGED:
+        _LOGGED.add(msg)
+        _log.log(level, msg)
+
+
+def _data_mesh():
+    """(abstract mesh, n) when the trace runs under a mesh whose "data" axis has n > 1 devices."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return None, 1
+    n = dict(mesh.shape).get("data", 1)
+    return (mesh, n) if n > 1 else (None, 1)
+
+
+def shard_specs(path, shape: tuple[int, ...], n: int, block_size: int = BLOCK_SIZE):
+    """How a ZeRO-sharded 8-bit leaf is updated per shard: (codes spec, absmax spec), None when the
+    leaf is replicated (nothing to split), or "straddle" when its blocks would cross shards.
+
+    The codes (and g, p) follow parallel.zero_spec: the largest dim d divisible by n. The absmax,
+    shaped S[:j] + (R,), splits along d when d < j, along its last dim when d == j and n divides R
+    (each shard then holds whole blocks); otherwise blocks straddle shards."""
+    from ..parallel import DATA, zero_spec  # late import: parallel imports the config only
+
+    spec = zero_spec(path, tuple(shape), n)
+    if spec == P():
+        return None
+    d = len(spec) - 1
+    j = absmax_split(tuple(shape), block_size)
+    if j is None or d > j or (d == j and absmax_shape(tuple(shape), block_size)[j] % n):
+        return "straddle"
+    return spec, P(*([None] * d), DATA)
+
+
 def _increment(count):
     return jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)
 
@@ -376,6 +545,8 @@ def adamw_8bit(
     min_8bit_size: int = MIN_8BIT_SIZE,
     fp32_mask: Any = None,
     impl: str | None = None,
+    kernel_variant: int | None = None,
+    shard_update: bool | None = None,
 ) -> FusedGradientTransformation:
     """8-bit AdamW (see the module docstring) as an optax GradientTransformation.
 
@@ -387,6 +558,10 @@ def adamw_8bit(
     fp32_mask: True for leaves that keep fp32 moments whatever their size (e.g. norms, biases,
       or embeddings as HF Trainer does for bitsandbytes); None = none.
     impl: the 8-bit update's implementation (None/"auto": CUDA kernel on GPU, reference elsewhere).
+    kernel_variant: which CUDA kernel variant (None: $SUROGATE_ADAMW8_VARIANT or DEFAULT_VARIANT).
+    shard_update: update each 8-bit leaf per ZeRO shard under a "data" mesh (None/True: yes when
+      the trace runs under a mesh whose "data" axis has > 1 devices; False: never, for replicated
+      state as in DDP, where the sharded update would all-gather its outputs).
 
     `update` returns updates (new_param - param in the param dtype; adding them back gives
     new_param exactly when it is within a factor 2 of param, else up to one rounding) so the
@@ -399,6 +574,7 @@ def adamw_8bit(
         raise ValueError(f"adamw_8bit: b1 and b2 must be in [0, 1), got {b1}, {b2}")
     f32 = np.float32
     consts = (f32(b1), f32(1.0) - f32(b1), f32(b2), f32(1.0) - f32(b2))
+    variant = None if kernel_variant is None else resolve_variant(kernel_variant)
 
     def is_8bit(p, keep_fp32: bool) -> bool:
         return (not keep_fp32) and p.size >= min_8bit_size and p.size > 0
@@ -409,14 +585,14 @@ def adamw_8bit(
         def moments(p, k):
             if not is_8bit(p, k):  # two distinct buffers: the state may be donated
                 return jnp.zeros(p.shape, jnp.float32), jnp.zeros(p.shape, jnp.float32)
-            nb = n_blocks(p.size, block_size)
-            return (QuantizedMoment(jnp.full(p.shape, ZERO_S, jnp.uint8), jnp.zeros((nb,), jnp.float32)),
-                    QuantizedMoment(jnp.full(p.shape, ZERO_U, jnp.uint8), jnp.zeros((nb,), jnp.float32)))
+            ams = absmax_shape(p.shape, block_size)
+            return (QuantizedMoment(jnp.full(p.shape, ZERO_S, jnp.uint8), jnp.zeros(ams, jnp.float32)),
+                    QuantizedMoment(jnp.full(p.shape, ZERO_U, jnp.uint8), jnp.zeros(ams, jnp.float32)))
 
         outer = jax.tree.structure(params)
         both = [moments(p, k) for p, k in zip(outer.flatten_up_to(params), outer.flatten_up_to(keep), strict=True)]
-        return Adam8bitState(count=jnp.zeros([], jnp.int32), mu=outer.unflatten([b[0] for b in both]),
-                             nu=outer.unflatten([b[1] for b in both]))
+        return _distinct_buffers(Adam8bitState(count=jnp.zeros([], jnp.int32), mu=outer.unflatten([b[0] for b in both]),
+                                               nu=outer.unflatten([b[1] for b in both])))
 
     def scalars_fn(count_inc, lr, decays: bool, grad_scale):
         t = count_inc.astype(jnp.float32)
@@ -440,17 +616,34 @@ def adamw_8bit(
         decays = _broadcast_mask(mask, params, True)
         scalars = {d: scalars_fn(count_inc, lr, d, grad_scale) for d in (False, True)}
 
-        def leaf(g, p, mu, nu, d):
+        mesh, n_data = _data_mesh() if shard_update is not False else (None, 1)
+        one_leaf = functools.partial(update_8bit, block_size=block_size, impl=impl, variant=variant)
+
+        def leaf(path, g, p, mu, nu, d):
             s = scalars[bool(d)]
             if isinstance(mu, QuantizedMoment):
-                p1, qm, qv, am, av = update_8bit(g, p, mu.codes, nu.codes, mu.absmax, nu.absmax, s,
-                                                 block_size, impl=impl)
+                args = (g, p, mu.codes, nu.codes, mu.absmax, nu.absmax, s)
+                plan = shard_specs(path, p.shape, n_data, block_size) if mesh is not None else None
+                if plan == "straddle":
+                    _log_once(f"adamw_8bit: {jax.tree_util.keystr(path)} {tuple(p.shape)}: its 256-blocks would "
+                              f"straddle the {n_data} ZeRO shards; updated unsharded (its state is gathered)",
+                              logging.WARNING)
+                    plan = None
+                if plan is None:
+                    p1, qm, qv, am, av = one_leaf(*args)
+                else:
+                    spec, am_spec = plan
+                    p1, qm, qv, am, av = jax.shard_map(
+                        lambda *a: tuple(one_leaf(*a)), mesh=mesh,
+                        in_specs=(spec, spec, spec, spec, am_spec, am_spec, P()),
+                        out_specs=(spec, spec, spec, am_spec, am_spec), check_vma=False)(*args)
                 return p1, QuantizedMoment(qm, am), QuantizedMoment(qv, av)
             return update_fp32_ref(g, p, mu, nu, s)
 
         outer = jax.tree.structure(params)
+        paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         flat = [leaf(*args) for args in zip(
-            outer.flatten_up_to(grads), outer.flatten_up_to(params),
+            paths, outer.flatten_up_to(grads), outer.flatten_up_to(params),
             outer.flatten_up_to(state.mu), outer.flatten_up_to(state.nu),
             outer.flatten_up_to(decays), strict=True)]
         new_params = outer.unflatten([f[0] for f in flat])
@@ -467,7 +660,8 @@ def adamw_8bit(
 
 
 __all__ = [
-    "Adam8bitState", "CODE_S", "CODE_U", "FusedGradientTransformation", "QuantizedMoment",
-    "adamw_8bit", "apply_fused", "chain_clip", "dequantize", "dynamic_map", "global_norm",
-    "midpoints", "quantize", "state_bytes", "update_8bit", "update_8bit_ref", "update_fp32_ref",
+    "Adam8bitState", "CODE_S", "CODE_U", "FusedGradientTransformation", "KERNEL_AUX", "QuantizedMoment",
+    "absmax_shape", "adamw_8bit", "apply_fused", "chain_clip", "dequantize", "dynamic_map", "global_norm",
+    "lookup_np", "resolve_variant", "midpoints", "quantize", "shard_specs", "state_bytes", "update_8bit",
+    "update_8bit_ref", "update_fp32_ref",
 ]

@@ -445,3 +445,86 @@ def test_500_step_loss_trajectory_matches_fp32_adamw():
     assert c[-1] < 0.1 * c[0]  # it learns (4.1 -> ~0.06)
     assert np.abs(c - a)[-100:].mean() <= max(2 * noise, 0.02 * a[-1])
     assert np.abs(c - a)[50:].max() < 0.1 * a[50:].max()  # the whole curve, not just the end
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel tables (variants >= 1), absmax layout, eager init
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_kernel_lookup_equals_searchsorted_and_the_reference(signed):
+    """lookup_np is the .cu's one-probe arithmetic; it must be searchsorted + sign guard exactly at
+    every midpoint, its float neighbours, every bucket edge and random magnitudes."""
+    from surogate_jax.optim.adamw_8bit import LOOKUP_BITS_S, LOOKUP_BITS_U, lookup_np
+    mid = MID_S if signed else MID_U
+    pos = mid[mid > 0]
+    bits = LOOKUP_BITS_S if signed else LOOKUP_BITS_U
+    edges = ((np.arange((127 - 102 + 1) << bits, dtype=np.uint32) + (102 << bits)) << (23 - bits)).view(np.float32)
+    rng = np.random.default_rng(7)
+    x = np.concatenate([pos, np.nextafter(pos, f32(0)), np.nextafter(pos, f32(2)), edges,
+                        np.nextafter(edges, f32(0)), [0.0, 1.0, 1.0000001, 1.5, 1e-30, 2.0**-25, 3e-8],
+                        rng.uniform(0, 1, 20000), 10.0 ** rng.uniform(-9, 0, 20000)]).astype(f32)
+    if signed:
+        x = np.concatenate([x, -x, [-0.0]]).astype(f32)
+    want = np.searchsorted(mid, x, side="left")
+    if signed:
+        want = np.where((x < 0) & (want >= ZERO_S), want - 1, want)
+    np.testing.assert_array_equal(lookup_np(x, signed), want.astype(np.uint8))
+    np.testing.assert_array_equal(lookup_np(x, signed), np.asarray(quantize(jnp.asarray(x), signed)))
+
+
+def test_kernel_aux_layout():
+    """The offsets the .cu reads (kernels/adamw_8bit.h) hold what the .py file built."""
+    from surogate_jax.optim.adamw_8bit import GUESS, KERNEL_AUX, LOOKUP_S, LOOKUP_U, TABLES
+    header = (Path(__file__).resolve().parents[2] / "kernels/adamw_8bit.h").read_text()
+    assert "kAdamw8bitAuxWords = kAdamw8bitAuxLookupU + kAdamw8bitBucketsU;         // 6848" in header
+    assert KERNEL_AUX.dtype == np.uint32 and KERNEL_AUX.shape == (6848,)
+    np.testing.assert_array_equal(KERNEL_AUX[:1024].view(np.float32), TABLES.reshape(-1))
+    np.testing.assert_array_equal(KERNEL_AUX[1024:1856].view(np.uint8), GUESS.reshape(-1))
+    np.testing.assert_array_equal(KERNEL_AUX[1856:3520], LOOKUP_S)
+    np.testing.assert_array_equal(KERNEL_AUX[3520:], LOOKUP_U)
+
+
+def test_absmax_layout_is_a_reshape_of_flat_blocks():
+    from surogate_jax.optim.adamw_8bit import absmax_shape
+    assert absmax_shape((28, 1024, 3072)) == (28, 1024, 12)
+    assert absmax_shape((28, 1024, 16, 128)) == (28, 1024, 8)
+    assert absmax_shape((151936, 1024)) == (151936, 4)
+    assert absmax_shape((40, 130)) == (21,)  # not a multiple of 256: flat, padded last block
+    assert absmax_shape((4, 64)) == (1,)
+    rng = np.random.default_rng(3)
+    shape = (3, 8, 96)  # 8 * 96 = 768 = 3 blocks per leading index
+    qm, qv, am, av = _random_state(rng, shape)
+    g = rng.standard_normal(shape).astype(f32) * f32(1e-2)
+    p = rng.standard_normal(shape).astype(f32)
+    s = jnp.asarray(_scalars())
+    flat = update_8bit_ref(g, p, qm, qv, am, av, s)
+    shaped = update_8bit_ref(g, p, qm, qv, am.reshape(3, 3), av.reshape(3, 3), s)
+    assert shaped[3].shape == (3, 3) and shaped[4].shape == (3, 3)
+    for a, b in zip(flat, shaped, strict=True):
+        np.testing.assert_array_equal(np.asarray(a).reshape(-1), np.asarray(b).reshape(-1))
+    st = adamw_8bit(1e-3, min_8bit_size=256).init({"w": jnp.zeros(shape)})
+    assert st.mu["w"].absmax.shape == (3, 3)
+
+
+def test_eager_init_has_distinct_buffers_and_can_be_donated():
+    params = {"w": jnp.ones((8, 1024)), "n": jnp.ones((10,)), "b": jnp.ones((10,))}
+    tx = adamw_8bit(1e-3)
+    state = tx.init(params)  # outside jit
+    ptrs = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state)]
+    assert len(set(ptrs)) == len(ptrs)
+    step = jax.jit(lambda p, s, g: apply_fused(tx, g, s, p), donate_argnums=(0, 1))
+    p2, s2 = step(jax.tree.map(jnp.copy, params), state, jax.tree.map(lambda x: 0.1 * x, params))
+    assert all(x.is_deleted() for x in jax.tree.leaves(state))
+    assert int(s2.count) == 1 and float(jnp.max(jnp.abs(s2.mu["n"]))) > 0
+
+
+def test_variant_selection(monkeypatch):
+    from surogate_jax.optim.adamw_8bit import DEFAULT_VARIANT, N_VARIANTS, resolve_variant
+    assert resolve_variant() == DEFAULT_VARIANT
+    monkeypatch.setenv("SUROGATE_ADAMW8_VARIANT", "3")
+    assert resolve_variant() == 3 and resolve_variant(0) == 0
+    with pytest.raises(ValueError, match="variant"):
+        resolve_variant(N_VARIANTS)
+    with pytest.raises(ValueError, match="variant"):
+        adamw_8bit(1e-3, kernel_variant=-1)
