@@ -33,12 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from surogate_jax.models import Decoder, DecoderConfig, LoraSpec
 
 from surogate_jax import parallel as par
 from surogate_jax import train as T
 from surogate_jax.config import ParallelConfig
 from surogate_jax.lora import init_adapters
-from surogate_jax.models import Decoder, DecoderConfig, LoraSpec
 from surogate_jax.optim import adamw_8bit, fp32_state_mask
 
 QWEN3 = {  # from the Qwen3 config.json files: hidden, intermediate, layers, heads, kv heads, tied

@@ -10,6 +10,15 @@ rows (e.g. a norm weight's gradient) are `psum`-ed across the shards.
 The mesh comes from the tracing context (`jax.set_mesh(mesh)`, which the train step uses). With no
 mesh, a mesh whose data axes are all of size 1, or a leading axis that does not split evenly, the
 function is called as is (correct; XLA then gathers).
+
+Explicit meshes (`jax.sharding.AxisType.Explicit`): there a value's sharding is part of its type
+and shard_map refuses operands whose sharding differs from its in_specs (e.g. targets that arrive
+replicated next to row-split activations, or a ZeRO-3-sharded weight). So when the data axes are
+Explicit, `on_shards` first brings every operand to its in_spec itself (`jax.sharding.reshard`:
+batched operands to the row split, the others replicated), and gives its outputs back the types
+the operands imply (a replicated input gives a replicated output, a weight's gradient the weight's
+sharding), which custom_vjp needs for its cotangents. Every op gets this; none has to do it.
+Auto meshes need nothing: shard_map reshards their operands by itself.
 """
 
 from __future__ import annotations
@@ -32,6 +41,47 @@ def data_axes() -> tuple[str, ...]:
     return tuple(a for a in DATA_AXES if shape.get(a, 1) > 1)
 
 
+def _explicit(mesh, axes) -> bool:
+    """True when every one of `axes` is an Explicit axis of `mesh` (sharding in the type)."""
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    return all(types[a] == jax.sharding.AxisType.Explicit for a in axes)
+
+
+def _spec(x) -> P | None:
+    """x's sharding spec from its type (Explicit meshes), or None where it has none."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return getattr(sharding, "spec", None)
+
+
+def _replicated(spec: P | None) -> bool:
+    return spec is not None and all(s is None for s in spec)
+
+
+def _types_back(outs, args, specs, batched, out_batched):
+    """Explicit meshes: gives the outputs the types the caller's operands imply, so an op is
+    transparent (a replicated input gives a replicated output) and a custom_vjp's cotangents match
+    its primals. A batched output takes the spec of the first batched operand when the ranks agree
+    (else replicated if that operand was, else it stays row-split); any other output takes the spec
+    of the first unbatched operand of the same shape (a weight and its gradient), else stays
+    replicated."""
+    lead = next(((a, sp) for a, sp, b in zip(args, specs, batched, strict=True) if b), (None, None))
+
+    def target(o, is_batched):
+        if is_batched:
+            a, sp = lead
+            if sp is not None and a.ndim == o.ndim:
+                return sp
+            return P() if _replicated(sp) else None
+        return next((sp for a, sp, b in zip(args, specs, batched, strict=True)
+                     if not b and sp is not None and tuple(a.shape) == tuple(o.shape)), None)
+
+    res = []
+    for o, ob in zip(outs, out_batched, strict=True):
+        t = target(o, ob)
+        res.append(o if t is None else jax.sharding.reshard(o, t))
+    return tuple(res)
+
+
 def on_shards(
     fn: Callable,
     *args,
@@ -46,6 +96,10 @@ def on_shards(
       listed in out_summed).
     out_summed[j]: output j is a per-shard partial sum; the shards' values are added (psum).
     fn must return a tuple of len(out_batched) arrays.
+
+    On an Explicit mesh the operands are first resharded to those specs (batched: split rows,
+    others replicated) whatever sharding they arrive with, and the outputs get back the types
+    the operands imply (see `_types_back`).
     """
     axes = data_axes()
     if not axes:
@@ -54,8 +108,15 @@ def on_shards(
     n = 1
     for a in axes:
         n *= dict(mesh.shape)[a]
+    explicit = _explicit(mesh, axes)
+    specs = [_spec(a) for a in args] if explicit else None
     if any(b and (a.ndim == 0 or a.shape[0] % n) for a, b in zip(args, batched, strict=True)):
-        return fn(*args)  # rows do not split evenly: let XLA gather (correct, slower)
+        # rows do not split evenly: the op runs whole (correct, slower); an Explicit mesh gathers
+        # the operands here, an Auto one lets XLA do it
+        if not explicit:
+            return fn(*args)
+        outs = fn(*(jax.sharding.reshard(a, P()) for a in args))
+        return _types_back(outs, args, specs, batched, out_batched)
     out_summed = tuple(out_summed or (False,) * len(out_batched))
     split, rep = P(axes), P()
 
@@ -63,10 +124,14 @@ def on_shards(
         outs = fn(*local)
         return tuple(jax.lax.psum(o, axes) if s else o for o, s in zip(outs, out_summed, strict=True))
 
-    return jax.shard_map(
+    run = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=tuple(split if b else rep for b in batched),
         out_specs=tuple(split if b else rep for b in out_batched),
         check_vma=False,
-    )(*args)
+    )
+    if not explicit:
+        return run(*args)
+    outs = run(*(jax.sharding.reshard(a, split if b else rep) for a, b in zip(args, batched, strict=True)))
+    return _types_back(outs, args, specs, batched, out_batched)

@@ -40,7 +40,8 @@ efficiency and, with a trainable head, the accumulator's read+write per chunk (8
 6 C D V GEMM FLOPs: ~330/C of the GEMM time on an H100, 16% at C = 2048).
 
 Sharding: the whole chunked computation runs per data shard (ops/_sharding.on_shards): tokens split
-along the leading axis, W replicated, the loss sum and dW psum-ed.
+along the leading axis, W replicated, the loss sum and dW psum-ed (on an Explicit mesh on_shards
+also brings replicated targets/mask or a sharded head to those layouts itself).
 
 Implementations (`impl`, see ops/_loader.py): the CUDA row kernel (kernels/lm_head_ce.cu through
 ffi/lm_head_ce.cc) or its pure-jnp twin `_rows_ref` inside the same chunked custom_vjp;
@@ -59,10 +60,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
 
 from surogate_jax.ops._loader import resolve_impl
-from surogate_jax.ops._sharding import data_axes, on_shards
+from surogate_jax.ops._sharding import on_shards
 
 LOSS_TARGET = "surogate_lm_head_ce_loss"
 GRAD_TARGET = "surogate_lm_head_ce_grad"
@@ -281,23 +281,8 @@ def _chunked(h_ND, W, t_N, w_N, *, cfg: _Cfg, need_dh: bool, need_dw: bool, grad
     return tuple(outs)
 
 
-def _rows_on_data_axes(*xs):
-    """Under an Explicit mesh, shard_map needs the token operands already split over the data axes
-    (targets/mask may arrive replicated while hidden is split); Auto meshes reshard by themselves."""
-    axes = data_axes()
-    if not axes:
-        return xs
-    mesh = jax.sharding.get_abstract_mesh()
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    n = int(np.prod([dict(mesh.shape)[a] for a in axes]))
-    if any(types[a] != jax.sharding.AxisType.Explicit for a in axes) or xs[0].shape[0] % n:
-        return xs
-    return tuple(jax.sharding.reshard(x, P(axes)) for x in xs)
-
-
 def _sharded(h, W, t, w, *, cfg, need_dh, need_dw, grad):
     fn = functools.partial(_chunked, cfg=cfg, need_dh=need_dh, need_dw=need_dw, grad=grad)
-    h, t, w = _rows_on_data_axes(h, t, w)
     out_batched, out_summed = [False], [True]  # loss sum: per-shard partial sums
     if grad and need_dh:
         out_batched.append(True)
