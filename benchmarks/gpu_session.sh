@@ -33,7 +33,7 @@ for b in "${benches[@]}"; do
     lm_head_ce) python3 benchmarks/bench_lm_head_ce.py --out "$OUT/bench_lm_head_ce.json" 2>&1 | tee "$OUT/bench_lm_head_ce.log" | tail -45 ;;
     rope) python3 benchmarks/bench_rope.py --out "$OUT/bench_rope.json" 2>&1 | tee "$OUT/bench_rope.log" | tail -70 ;;
     normuon) python3 benchmarks/bench_normuon.py --out "$OUT/bench_normuon.json" 2>&1 | tee "$OUT/bench_normuon.log" | tail -16 ;;
-    adamw_8bit) python3 benchmarks/bench_adamw_8bit.py --out "$OUT/bench_adamw_8bit.json" 2>&1 | tee "$OUT/bench_adamw_8bit.log" | tail -22 ;;
+    adamw_8bit) python3 benchmarks/bench_adamw_8bit.py --out "$OUT/bench_adamw_8bit.json" 2>&1 | tee "$OUT/bench_adamw_8bit.log" | tail -48 ;;
     nvfp4_quantize) python3 benchmarks/bench_nvfp4_quantize.py --out "$OUT/bench_nvfp4_quantize.json" 2>&1 | tee "$OUT/bench_nvfp4_quantize.log" | tail -16 ;;
     forward) for s in 0.6b 8b; do python3 benchmarks/bench_forward.py --size $s --out "$OUT/forward_$s.json" 2>&1 | tail -30; done ;;
     sft:*) sizes=${b#sft:}   # e.g. "sft:0.6b,1.7b": one fresh process per size

@@ -20,7 +20,8 @@
 //                      bits of the single midpoint (1 << 16 when none)
 //   variant  0: the first kernel (bucket guess + scan over shared midpoints, kept for A/B
 //              measurements); 1: branch-free one-probe lookup; 2: as 1 with the next block's
-//              loads issued before the current block's math (software pipelining).
+//              loads issued before the current block's math (software pipelining); 3: as 1 with
+//              straight-line div/sqrt fast paths and one exact fallback branch; 4: 2 + 3.
 // Per element (float32, one IEEE rounding per operation, in this order):
 //   gs = g * gscale; skip (keep p, m, v) unless gs is finite
 //   m = b1 * (code_s[qm] * am) + (1 - b1) * gs;  v = b2 * (code_u[qv] * av) + ((1 - b2) * gs) * gs

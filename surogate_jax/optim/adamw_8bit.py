@@ -82,7 +82,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
 from jax.sharding import PartitionSpec as P
 
 from ..ops._loader import resolve_impl
@@ -508,7 +507,10 @@ def shard_specs(path, shape: tuple[int, ...], n: int, block_size: int = BLOCK_SI
     The codes (and g, p) follow parallel.zero_spec: the largest dim d divisible by n. The absmax,
     shaped S[:j] + (R,), splits along d when d < j, along its last dim when d == j and n divides R
     (each shard then holds whole blocks); otherwise blocks straddle shards."""
-    from ..parallel import DATA, zero_spec  # late import: parallel imports the config only
+    from ..parallel import (  # late import: parallel imports the config only
+        DATA,
+        zero_spec,
+    )
 
     spec = zero_spec(path, tuple(shape), n)
     if spec == P():
@@ -660,8 +662,26 @@ def adamw_8bit(
 
 
 __all__ = [
-    "Adam8bitState", "CODE_S", "CODE_U", "FusedGradientTransformation", "KERNEL_AUX", "QuantizedMoment",
-    "absmax_shape", "adamw_8bit", "apply_fused", "chain_clip", "dequantize", "dynamic_map", "global_norm",
-    "lookup_np", "resolve_variant", "midpoints", "quantize", "shard_specs", "state_bytes", "update_8bit",
-    "update_8bit_ref", "update_fp32_ref",
+    "CODE_S",
+    "CODE_U",
+    "KERNEL_AUX",
+    "Adam8bitState",
+    "FusedGradientTransformation",
+    "QuantizedMoment",
+    "absmax_shape",
+    "adamw_8bit",
+    "apply_fused",
+    "chain_clip",
+    "dequantize",
+    "dynamic_map",
+    "global_norm",
+    "lookup_np",
+    "midpoints",
+    "quantize",
+    "resolve_variant",
+    "shard_specs",
+    "state_bytes",
+    "update_8bit",
+    "update_8bit_ref",
+    "update_fp32_ref",
 ]

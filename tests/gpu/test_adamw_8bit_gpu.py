@@ -8,7 +8,10 @@ runtime flushes and the kernel keeps. Against the same reference compiled by XLA
 test reports the differences and allows one code step on a tiny fraction (XLA GPU's own rounding
 of division/sqrt is not pinned). Also: f32/bf16/f16 params and grads, odd sizes (4096, 4097,
 1000003: last partial block), NaN/Inf gradients, all-zero blocks, in-place donation, unwritten
-outputs (every parameter changes each step, so an unwritten element shows), the whole transform."""
+outputs (every parameter changes each step, so an unwritten element shows), the whole transform.
+Every kernel variant (0 the first kernel, 1-4 the lookup kernels, see kernels/adamw_8bit.h) must
+give the same bits; one case runs tiny/zero/huge moments through the div/sqrt fast-path checks of
+variants 3-4 (their exact fallback), and absmax arrays take their state shape (absmax_shape)."""
 
 from __future__ import annotations
 
@@ -21,12 +24,29 @@ import pytest
 
 from surogate_jax.ops import ffi_available
 from surogate_jax.optim import adamw_8bit, apply_fused, chain_clip
-from surogate_jax.optim.adamw_8bit import (B1, B2, DECAY, EPS_HAT, GSCALE, N_SCALARS, OMB1, OMB2, STEP, T, ZERO_S,
-                                           ZERO_U, update_8bit, update_8bit_ref)
+from surogate_jax.optim.adamw_8bit import (
+    B1,
+    B2,
+    DECAY,
+    EPS_HAT,
+    GSCALE,
+    N_SCALARS,
+    N_VARIANTS,
+    OMB1,
+    OMB2,
+    STEP,
+    ZERO_S,
+    ZERO_U,
+    T,
+    absmax_shape,
+    update_8bit,
+    update_8bit_ref,
+)
 
 pytestmark = pytest.mark.gpu
 
-SIZES = [(4096,), (4097,), (1000003,), (37, 1001), (3, 256, 130)]
+SIZES = [(4096,), (4097,), (1000003,), (37, 1001), (3, 256, 130), (5, 512, 768)]
+VARIANTS = list(range(N_VARIANTS))
 DTYPES = [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16),
           (jnp.float16, jnp.float32)]
 STEPS = 4
@@ -66,22 +86,22 @@ def _bits(x):
     return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32) if x.dtype.itemsize == 4 else x
 
 
-def _ffi(*args):
-    return jax.jit(lambda *a: update_8bit(*a, impl="ffi"))(*args)
+def _ffi(*args, variant=None):
+    return jax.jit(lambda *a: update_8bit(*a, impl="ffi", variant=variant))(*args)
 
 
 @pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: f"p{jnp.dtype(d[0]).name}-g{jnp.dtype(d[1]).name}")
 @pytest.mark.parametrize("shape", SIZES, ids=str)
 def test_kernel_matches_reference_bit_for_bit(shape, dtypes):
+    """Every variant, step by step from the same inputs (variant 0's state, so all see one
+    trajectory); the XLA GPU build of the reference within one code."""
     pdt, gdt = dtypes
     rng = np.random.default_rng(next(_seed))
-    n = int(np.prod(shape))
-    nb = -(-n // 256)
     p = jnp.asarray(0.1 * rng.standard_normal(shape).astype(np.float32), pdt)  # updates exceed an ulp
     qm = jnp.full(shape, ZERO_S, jnp.uint8)
     qv = jnp.full(shape, ZERO_U, jnp.uint8)
-    am = jnp.zeros((nb,), jnp.float32)
-    av = jnp.zeros((nb,), jnp.float32)
+    am = jnp.zeros(absmax_shape(shape), jnp.float32)
+    av = jnp.zeros(absmax_shape(shape), jnp.float32)
     ref_cpu = jax.jit(update_8bit_ref)
     ref_gpu = jax.jit(update_8bit_ref)
     for step in range(STEPS):
@@ -90,19 +110,54 @@ def test_kernel_matches_reference_bit_for_bit(shape, dtypes):
         args = (g, p, qm, qv, am, av, s)
         want = jax.device_get(ref_cpu(*(_cpu(a) for a in args)))
         xla_gpu = jax.device_get(ref_gpu(*args))
-        got = jax.device_get(_ffi(*args))
-        for name, a, b, c in zip(("p", "qm", "qv", "am", "av"), got, want, xla_gpu, strict=True):
-            assert a.shape == b.shape and a.dtype == b.dtype, name
-            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{name} at step {step + 1} (vs CPU reference)")
-            if a.dtype == np.uint8:  # XLA's GPU build of the reference: within one code, rarely off
-                d = np.abs(a.astype(int) - c.astype(int))
-                assert d.max() <= 1 and d.mean() < 1e-3, (name, step, d.max(), d.mean())
+        first = None
+        for variant in VARIANTS:
+            got = jax.device_get(_ffi(*args, variant=variant))
+            for name, a, b, c in zip(("p", "qm", "qv", "am", "av"), got, want, xla_gpu, strict=True):
+                assert a.shape == b.shape and a.dtype == b.dtype, name
+                np.testing.assert_array_equal(_bits(a), _bits(b),
+                                              err_msg=f"variant {variant}: {name} at step {step + 1} (vs CPU reference)")
+                if a.dtype == np.uint8:  # XLA's GPU build of the reference: within one code, rarely off
+                    d = np.abs(a.astype(int) - c.astype(int))
+                    assert d.max() <= 1 and d.mean() < 1e-3, (name, step, d.max(), d.mean())
+            first = got if first is None else first
         # the check can see unwritten outputs: the reference changes almost every parameter
         gf = np.asarray(g, np.float32).reshape(-1)
         moved = np.asarray(want[0], np.float32).reshape(-1) != np.asarray(p, np.float32).reshape(-1)
         assert moved[np.isfinite(gf) & (gf != 0)].mean() > 0.9
-        p, qm, qv, am, av = (jnp.asarray(x) for x in got)
+        p, qm, qv, am, av = (jnp.asarray(x) for x in first)
     assert float(jnp.max(am)) > 0 and float(jnp.max(av)) > 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fast_path_edges_bit_for_bit(variant):
+    """Moments at the edges of the straight-line div/sqrt ranges (variants 3, 4 fall back to the
+    exact ops there): zero and -0 gradients and parameters, tiny gradients (v below 2^-101, m below
+    2^-60), huge ones (v near overflow). Outputs the CPU reference cannot give (it flushes
+    denormals) are skipped for that step."""
+    rng = np.random.default_rng(next(_seed))
+    n = 256 * 64
+    scale = np.repeat(np.float32([0.0, 1e-16, 1e-19, 1e-12, 3e-17, 1.0, 1e15, 1e18]), n // 8)
+    g = (rng.standard_normal(n).astype(np.float32) * scale).astype(np.float32)
+    g[::97] = -0.0
+    p = rng.standard_normal(n).astype(np.float32)
+    p[::89] = -0.0
+    p[::83] = 0.0
+    state = (jnp.asarray(p), jnp.full((n,), ZERO_S, jnp.uint8), jnp.full((n,), ZERO_U, jnp.uint8),
+             jnp.zeros((n // 256,), jnp.float32), jnp.zeros((n // 256,), jnp.float32))
+    for step in range(3):
+        s = jnp.asarray(_scalars(step + 1, gscale=1.0))
+        args = (jnp.asarray(g * np.float32(0.5**step)), *state, s)
+        want = jax.device_get(jax.jit(update_8bit_ref)(*(_cpu(a) for a in args)))
+        got = jax.device_get(_ffi(*args, variant=variant))
+        ref0 = jax.device_get(_ffi(*args, variant=0))  # the first kernel: __fdiv_rn / __fsqrt_rn throughout
+        for name, a, b, c in zip(("p", "qm", "qv", "am", "av"), got, want, ref0, strict=True):
+            np.testing.assert_array_equal(_bits(a), _bits(c), err_msg=f"variant {variant} vs 0: {name} at step {step + 1}")
+            bf = np.asarray(b, np.float32) if b.dtype != np.uint8 else None
+            if bf is not None and np.any((np.abs(bf) < 2.0**-126) & (bf != 0) | ~np.isfinite(bf)):
+                continue
+            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"variant {variant}: {name} at step {step + 1}")
+        state = tuple(jnp.asarray(x) for x in got)
 
 
 def test_in_place_with_donation():
@@ -110,8 +165,8 @@ def test_in_place_with_donation():
     shape = (4099, 257)
     p = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     g = _grad(rng, shape, jnp.float32, 1)
-    nb = -(-p.size // 256)
-    st = [jnp.full(shape, ZERO_S, jnp.uint8), jnp.zeros(shape, jnp.uint8), jnp.zeros(nb), jnp.zeros(nb)]
+    ams = absmax_shape(shape)
+    st = [jnp.full(shape, ZERO_S, jnp.uint8), jnp.zeros(shape, jnp.uint8), jnp.zeros(ams), jnp.zeros(ams)]
     s = jnp.asarray(_scalars(1))
     want = jax.device_get(jax.jit(update_8bit_ref)(*(_cpu(a) for a in (g, p, *st, s))))
     step = jax.jit(lambda g, p, qm, qv, am, av, s: update_8bit(g, p, qm, qv, am, av, s, impl="ffi"),

@@ -17,14 +17,41 @@ import optax
 import pytest
 
 from surogate_jax.config import OptimConfig
-from surogate_jax.optim import adamw_8bit, apply_fused, chain_clip, decay_mask, fp32_state_mask, make_optimizer
+from surogate_jax.optim import (
+    adamw_8bit,
+    apply_fused,
+    chain_clip,
+    decay_mask,
+    fp32_state_mask,
+    make_optimizer,
+)
 from surogate_jax.optim import adamw_8bit as _module  # noqa: F401  (the function shadows the module)
 from surogate_jax.optim.adamw_8bit import (
-    B1, B2, CODE_S, CODE_U, DECAY, EPS_HAT, GSCALE, MID_S, MID_U, N_SCALARS, OMB1, OMB2, STEP, T, ZERO_S,
-    Adam8bitState, QuantizedMoment, dequantize, quantize, state_bytes, update_8bit, update_8bit_ref)
+    B1,
+    B2,
+    CODE_S,
+    CODE_U,
+    DECAY,
+    EPS_HAT,
+    GSCALE,
+    MID_S,
+    MID_U,
+    N_SCALARS,
+    OMB1,
+    OMB2,
+    STEP,
+    ZERO_S,
+    Adam8bitState,
+    QuantizedMoment,
+    T,
+    dequantize,
+    quantize,
+    state_bytes,
+    update_8bit_ref,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
-from tiny import CFG, random_batch  # noqa: E402  (tests/train/tiny.py)
+from tiny import CFG, random_batch
 
 f32 = np.float32
 
@@ -80,7 +107,7 @@ def np_step_f32(g, p, qm, qv, am, av, s, block=256):
     qm1 = np.searchsorted(MID_S, xm, side="left")
     qm1 = np.where((xm < 0) & (qm1 >= ZERO_S), qm1 - 1, qm1)
     qv1 = np.searchsorted(MID_U, xv, side="left")
-    cut = lambda x: x.reshape(-1)[:n].reshape(p.shape)  # noqa: E731
+    cut = lambda x: x.reshape(-1)[:n].reshape(p.shape)
     return (cut(p1).astype(p.dtype), cut(qm1).astype(np.uint8), cut(qv1).astype(np.uint8), am1, av1)
 
 
@@ -195,7 +222,7 @@ def test_one_step_against_float64():
     p1, qm1, qv1, am1, av1 = (np.asarray(x) for x in jax.jit(update_8bit_ref)(
         *(jnp.asarray(x) for x in (g, p, qm, qv, am, av, s))))
     nb = am.size
-    blk = lambda x: np.concatenate([x.reshape(-1), np.zeros(nb * 256 - x.size)]).reshape(nb, 256)  # noqa: E731
+    blk = lambda x: np.concatenate([x.reshape(-1), np.zeros(nb * 256 - x.size)]).reshape(nb, 256)
     m0 = blk(CODE_S[qm].astype(np.float64)) * am[:, None]
     v0 = blk(CODE_U[qv].astype(np.float64)) * av[:, None]
     pe, me, ve = np_step_f64(blk(g.astype(np.float64)), blk(p.astype(np.float64)), m0, v0, t, lr, 0.9, 0.999, 1e-8, wd)
@@ -262,9 +289,9 @@ def test_small_tensors_are_fp32_adam():
 def test_weight_decay_mask_and_schedule():
     rng = np.random.default_rng(2)
     params = _tree(rng)
-    sched = lambda c: 1e-2 / (1.0 + c)  # noqa: E731
+    sched = lambda c: 1e-2 / (1.0 + c)
     wd = 0.5
-    mask = lambda p: {"w": True, "emb": False, "norm": {"scale": True}}  # noqa: E731
+    mask = lambda p: {"w": True, "emb": False, "norm": {"scale": True}}
     tx = adamw_8bit(sched, weight_decay=wd, mask=mask, min_8bit_size=1000)
     st = tx.init(params)
     p = params
@@ -385,14 +412,15 @@ def test_make_optimizer_adamw_8bit_keeps_norms_fp32():
 def _trainer(tx_ref, tx, batches, steps):
     """One jitted program (the model compiled once): params [3, ...] -> losses [3, steps]; rows 0
     and 1 train with tx_ref (two init seeds), row 2 with tx, all in one lax.scan."""
-    from surogate_jax import train as T
     from surogate_jax.models import Decoder
+
+    from surogate_jax import train as T
 
     model = Decoder(CFG)
     nb = batches["input_ids"].shape[0]
     grad = jax.vmap(jax.value_and_grad(lambda p, b: T.batch_loss(model, {}, p, b, None), has_aux=True),
                     in_axes=(0, None))
-    split = lambda t: (jax.tree.map(lambda x: x[:2], t), jax.tree.map(lambda x: x[2], t))  # noqa: E731
+    split = lambda t: (jax.tree.map(lambda x: x[:2], t), jax.tree.map(lambda x: x[2], t))
 
     def one(carry, i):
         p, s_ref, s = carry
@@ -438,7 +466,7 @@ def test_500_step_loss_trajectory_matches_fp32_adamw():
 
     seeds = jax.tree.map(lambda *x: jnp.asarray(np.stack(x)), fill(0), fill(1), fill(0))
     ref, ref2, q8 = np.asarray(jax.jit(_trainer(adamw, tx, batches, steps))(seeds))
-    smooth = lambda x: np.convolve(x, np.ones(25) / 25, mode="valid")  # noqa: E731
+    smooth = lambda x: np.convolve(x, np.ones(25) / 25, mode="valid")
     a, b, c = smooth(ref), smooth(ref2), smooth(q8)
     noise = np.abs(a - b)[-100:].mean()
     print(f"final losses: fp32 {a[-1]:.4f} (other seed {b[-1]:.4f}), 8-bit {c[-1]:.4f}; noise {noise:.4f}")
@@ -475,7 +503,13 @@ def test_kernel_lookup_equals_searchsorted_and_the_reference(signed):
 
 def test_kernel_aux_layout():
     """The offsets the .cu reads (kernels/adamw_8bit.h) hold what the .py file built."""
-    from surogate_jax.optim.adamw_8bit import GUESS, KERNEL_AUX, LOOKUP_S, LOOKUP_U, TABLES
+    from surogate_jax.optim.adamw_8bit import (
+        GUESS,
+        KERNEL_AUX,
+        LOOKUP_S,
+        LOOKUP_U,
+        TABLES,
+    )
     header = (Path(__file__).resolve().parents[2] / "kernels/adamw_8bit.h").read_text()
     assert "kAdamw8bitAuxWords = kAdamw8bitAuxLookupU + kAdamw8bitBucketsU;         // 6848" in header
     assert KERNEL_AUX.dtype == np.uint32 and KERNEL_AUX.shape == (6848,)
@@ -514,13 +548,17 @@ def test_eager_init_has_distinct_buffers_and_can_be_donated():
     ptrs = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state)]
     assert len(set(ptrs)) == len(ptrs)
     step = jax.jit(lambda p, s, g: apply_fused(tx, g, s, p), donate_argnums=(0, 1))
-    p2, s2 = step(jax.tree.map(jnp.copy, params), state, jax.tree.map(lambda x: 0.1 * x, params))
+    _, s2 = step(jax.tree.map(jnp.copy, params), state, jax.tree.map(lambda x: 0.1 * x, params))
     assert all(x.is_deleted() for x in jax.tree.leaves(state))
     assert int(s2.count) == 1 and float(jnp.max(jnp.abs(s2.mu["n"]))) > 0
 
 
 def test_variant_selection(monkeypatch):
-    from surogate_jax.optim.adamw_8bit import DEFAULT_VARIANT, N_VARIANTS, resolve_variant
+    from surogate_jax.optim.adamw_8bit import (
+        DEFAULT_VARIANT,
+        N_VARIANTS,
+        resolve_variant,
+    )
     assert resolve_variant() == DEFAULT_VARIANT
     monkeypatch.setenv("SUROGATE_ADAMW8_VARIANT", "3")
     assert resolve_variant() == 3 and resolve_variant(0) == 0
