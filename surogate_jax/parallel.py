@@ -230,13 +230,25 @@ class Layout:
             check_memory_kind(mesh, HOST)
 
     def _tree(self, tree, shard: bool, host: bool = False, device_kind: bool = False):
+        from .optim.adamw_8bit import QuantizedMoment, shard_specs  # late: optim imports parallel lazily
+
         kind = HOST if host else (DEVICE if device_kind else None)
 
         def one(path, x):
             spec = zero_spec(path, tuple(x.shape), self.n) if shard else P()
             return NamedSharding(self.mesh, spec, memory_kind=kind)
 
-        return jax.tree_util.tree_map_with_path(one, tree)
+        def moment(path, q):
+            # an 8-bit moment's absmax [S[:j] + (R,)] splits where its codes split, so each shard
+            # holds whole blocks and the per-shard update needs no collective (adamw_8bit.shard_specs)
+            specs = shard_specs(path, tuple(q.codes.shape), self.n) if shard else None
+            if not isinstance(specs, tuple):  # replicated, or blocks straddling shards
+                return QuantizedMoment(one(path, q.codes), one(path, q.absmax))
+            return QuantizedMoment(*(NamedSharding(self.mesh, s, memory_kind=kind) for s in specs))
+
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: moment(path, x) if isinstance(x, QuantizedMoment) else one(path, x), tree,
+            is_leaf=lambda x: isinstance(x, QuantizedMoment))
 
     def state_shardings(self, state):
         """Like `state` (arrays or ShapeDtypeStructs): a NamedSharding per leaf."""

@@ -31,11 +31,14 @@ def fp32_state_mask(params):
     return jax.tree.map(lambda d: not d, decay_mask(params))
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int):
+def make_optimizer(cfg: OptimConfig, total_steps: int, shard_update: bool | None = None):
+    """shard_update: whether the 8-bit update runs per ZeRO shard (True where the optimizer state is
+    sharded, False for DDP's replicated state; None: whenever a data mesh has several devices)."""
     schedule = make_schedule(cfg, total_steps)
     if cfg.optimizer == "adamw_8bit":  # norms and biases keep fp32 moments (bitsandbytes' small tensors)
         tx = adamw_8bit(schedule, b1=cfg.adamw_beta1, b2=cfg.adamw_beta2, eps=cfg.adamw_epsilon,
-                        weight_decay=cfg.weight_decay, mask=decay_mask, fp32_mask=fp32_state_mask)
+                        weight_decay=cfg.weight_decay, mask=decay_mask, fp32_mask=fp32_state_mask,
+                        shard_update=shard_update)
         return (chain_clip(cfg.max_grad_norm, tx) if cfg.max_grad_norm > 0 else tx), schedule
     parts = []
     if cfg.max_grad_norm > 0:
@@ -43,7 +46,8 @@ def make_optimizer(cfg: OptimConfig, total_steps: int):
     if cfg.optimizer == "normuon":
         parts.append(normuon(schedule, momentum=cfg.normuon_momentum, beta2=cfg.normuon_beta2,
                              weight_decay=cfg.weight_decay, cautious_wd=cfg.normuon_cautious_wd,
-                             adam_b1=cfg.adamw_beta1, adam_b2=cfg.adamw_beta2, adam_eps=cfg.adamw_epsilon))
+                             adam_b1=cfg.adamw_beta1, adam_b2=cfg.adamw_beta2, adam_eps=cfg.adamw_epsilon,
+                             shard_update=shard_update))
     else:
         parts.append(optax.adamw(schedule, b1=cfg.adamw_beta1, b2=cfg.adamw_beta2, eps=cfg.adamw_epsilon,
                                  weight_decay=cfg.weight_decay, mask=decay_mask))

@@ -1,7 +1,7 @@
 """adamw_8bit under ZeRO on 4 CPU devices: each 8-bit leaf is updated per shard (jax.shard_map on
 parallel.zero_spec's dim), the result equals 1 device bit for bit, and the compiled step moves no
-8-bit codes: with absmax shardings paired to their codes (`shard_specs`) there is no collective at
-all; with parallel.zero_spec applied to every leaf as it stands, only the absmax of leaves sharded
+8-bit codes: with absmax shardings paired to their codes (`shard_specs`, as parallel.Layout places the
+optimizer state) there is no collective at all; with parallel.zero_spec applied to every leaf as it stands, only the absmax of leaves sharded
 along their block dim is resharded (an f32 all-to-all, 1/64 of the codes' bytes). Leaves whose
 blocks would straddle shards are updated unsharded with a logged line, still equal."""
 
@@ -19,7 +19,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from surogate_jax.optim import adamw_8bit, apply_fused
 from surogate_jax.optim.adamw_8bit import QuantizedMoment, shard_specs
-from surogate_jax.parallel import zero_spec
+from surogate_jax.parallel import Layout, Plan, zero_spec
 assert len(jax.devices()) == 4, jax.devices()
 mode, straddle = sys.argv[1], sys.argv[2] == "1"
 # embed: dim 0 sharded, blocks within rows; q: [L, D, H, K] sharded on D, 2 heads per block;
@@ -50,6 +50,8 @@ def run(devs):  # ZeRO-3 placement: params, grads and state sharded by the rule
     mesh = Mesh(np.array(devs), ("data",))
     ns = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t, is_leaf=lambda x: isinstance(x, P))
     st_sh, p_sh = ns(specs(jax.eval_shape(tx.init, params), len(devs))), ns(specs(params, len(devs)))
+    if mode == "paired":  # the trainer's own placement (parallel.Layout pairs absmax with codes)
+        st_sh = Layout(mesh, Plan(shard_optimizer=True))._tree(jax.eval_shape(tx.init, params), True)
     p = jax.device_put(jax.tree.map(jnp.copy, params), p_sh)
     st = jax.jit(tx.init, out_shardings=st_sh)(p)
     def step(p, s, g):
