@@ -29,6 +29,9 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from surogate_jax.ops import add_rms_norm, rms_norm, rope, swiglu
+from surogate_jax.precision import fp8 as fp8_lib
+from surogate_jax.precision import recipe as recipe_lib
+from surogate_jax.precision.recipe import QuantRecipe
 
 Dtype = Any
 
@@ -101,6 +104,8 @@ class DecoderConfig:
     remat_policy: str = "none"  # one of REMAT_POLICIES
     kernels: tuple[str, ...] = DEFAULT_KERNELS  # ops of MODEL_KERNELS that run our CUDA kernels on GPU
     lora: LoraSpec | None = None
+    # Precision recipe of the seven projections (precision/recipe.py); None = plain model dtype (bf16).
+    recipe: QuantRecipe | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -115,6 +120,8 @@ class DecoderConfig:
             raise ValueError(f"kernels={self.kernels!r}: choose among {MODEL_KERNELS}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}")
+        if self.recipe is not None:
+            self.recipe.check_model(self)
 
     def impl(self, op: str) -> str | None:
         """impl argument for op: None (kernel on GPU, reference elsewhere) or "ref" (XLA fusion)."""
@@ -229,13 +236,17 @@ class Linear(nn.Module):
     in_dims: int = 1  # how many trailing dims of x are contracted
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, layer=None):
+        """layer: this decoder layer's index (traced; the recipe's skip_quant_* layers need it)."""
         cfg = self.cfg
         in_shape = x.shape[x.ndim - self.in_dims :]
         init = nn.initializers.normal(cfg.initializer_range)
         kernel = _param(self, "kernel", init, (*in_shape, *self.out_shape), self.axes, cfg.param_dtype)
         contract = (tuple(range(x.ndim - self.in_dims, x.ndim)), tuple(range(self.in_dims)))
-        y = jax.lax.dot_general(x.astype(cfg.dtype), kernel.astype(cfg.dtype), (contract, ((), ())))
+        if cfg.recipe is not None and self.name in recipe_lib.QUANT_PROJECTIONS:
+            y = self._recipe_matmul(x, kernel, layer)
+        else:
+            y = jax.lax.dot_general(x.astype(cfg.dtype), kernel.astype(cfg.dtype), (contract, ((), ())))
         if self.use_bias:
             bias_axes = self.axes[self.in_dims :]
             bias = _param(self, "bias", nn.initializers.zeros, self.out_shape, bias_axes, cfg.param_dtype)
@@ -243,6 +254,23 @@ class Linear(nn.Module):
         if cfg.lora is not None and self.name in cfg.lora.targets:
             y = y + self._lora(x, in_shape, contract)
         return y
+
+    def _recipe_matmul(self, x, kernel, layer):
+        """The projection's GEMM under cfg.recipe: fetches its fp8 state ("fp8" collection), the
+        frozen cache's kernel_scale and an rng for NVFP4 stochastic rounding, then calls the pure
+        recipe_lib.linear."""
+        cfg, r = self.cfg, self.cfg.recipe
+        state = None
+        if r.has_state:
+            state = self.variable(recipe_lib.FP8_COLLECTION, "state", fp8_lib.init_matmul_state, r.amax_history).value
+        key = None
+        if r.name == "nvfp4":  # only the backward uses it; eval without the rng gets a fixed key
+            key = self.make_rng(recipe_lib.QUANT_RNG) if self.has_rng(recipe_lib.QUANT_RNG) else jax.random.key(0)
+        scale = None
+        if self.has_variable("params", recipe_lib.KERNEL_SCALE):
+            scale = self.get_variable("params", recipe_lib.KERNEL_SCALE)
+        return recipe_lib.linear(r, x, kernel, in_dims=self.in_dims, dtype=cfg.dtype, fp8_state=state,
+                                 kernel_scale=scale, key=key, layer=layer, num_layers=cfg.num_layers)
 
     def _lora(self, x, in_shape, contract):
         cfg, spec = self.cfg, self.cfg.lora
@@ -279,12 +307,12 @@ class Attention(nn.Module):
     cfg: DecoderConfig
 
     @nn.compact
-    def __call__(self, x_BTD, cos_BTK, sin_BTK, segment_ids_BT):
+    def __call__(self, x_BTD, cos_BTK, sin_BTK, segment_ids_BT, layer=None):
         cfg = self.cfg
         H, KV, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q = Linear((H, K), ("embed", "q_heads", "head_dim"), cfg, cfg.qkv_bias, name="q_proj")(x_BTD)
-        k = Linear((KV, K), ("embed", "kv_heads", "head_dim"), cfg, cfg.qkv_bias, name="k_proj")(x_BTD)
-        v = Linear((KV, K), ("embed", "kv_heads", "head_dim"), cfg, cfg.qkv_bias, name="v_proj")(x_BTD)
+        q = Linear((H, K), ("embed", "q_heads", "head_dim"), cfg, cfg.qkv_bias, name="q_proj")(x_BTD, layer)
+        k = Linear((KV, K), ("embed", "kv_heads", "head_dim"), cfg, cfg.qkv_bias, name="k_proj")(x_BTD, layer)
+        v = Linear((KV, K), ("embed", "kv_heads", "head_dim"), cfg, cfg.qkv_bias, name="v_proj")(x_BTD, layer)
         if cfg.qk_norm:  # per-head RMSNorm fused with RoPE (one kernel each for q and k)
             norm = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, impl=cfg.impl("rope"))
             q = NormRope(**norm, name="q_norm")(q, cos_BTK, sin_BTK)
@@ -301,38 +329,38 @@ class Attention(nn.Module):
             same_BTT = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
             mask_B1TT = (same_BTT & causal_TT)[:, None]
             o = jax.nn.dot_product_attention(q, k, v, mask=mask_B1TT, implementation=impl)
-        return Linear((cfg.hidden_size,), ("q_heads", "head_dim", "embed"), cfg, in_dims=2, name="o_proj")(o)
+        return Linear((cfg.hidden_size,), ("q_heads", "head_dim", "embed"), cfg, in_dims=2, name="o_proj")(o, layer)
 
 
 class MLP(nn.Module):
     cfg: DecoderConfig
 
     @nn.compact
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD, layer=None):
         cfg = self.cfg
         F = cfg.intermediate_size
-        gate = Linear((F,), ("embed", "mlp"), cfg, name="gate_proj")(x_BTD)
-        up = Linear((F,), ("embed", "mlp"), cfg, name="up_proj")(x_BTD)
+        gate = Linear((F,), ("embed", "mlp"), cfg, name="gate_proj")(x_BTD, layer)
+        up = Linear((F,), ("embed", "mlp"), cfg, name="up_proj")(x_BTD, layer)
         h = swiglu(gate.astype(cfg.dtype), up.astype(cfg.dtype), impl=cfg.impl("swiglu"))  # silu(gate) * up, fp32 math, one rounding
-        return Linear((cfg.hidden_size,), ("mlp", "embed"), cfg, name="down_proj")(h)
+        return Linear((cfg.hidden_size,), ("mlp", "embed"), cfg, name="down_proj")(h, layer)
 
 
 class DecoderLayer(nn.Module):
     cfg: DecoderConfig
 
     @nn.compact
-    def __call__(self, x_BTD, cos_BTK, sin_BTK, segment_ids_BT):
+    def __call__(self, x_BTD, cos_BTK, sin_BTK, segment_ids_BT, layer=None):
         cfg = self.cfg
         norm = dict(eps=cfg.rms_norm_eps, axis_name="embed", dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         x_BTD = checkpoint_name(x_BTD, "decoder_layer_input")  # what "offload_residual" sends to host
         h = RMSNorm(**norm, impl=cfg.impl("rms_norm"), name="input_layernorm")(x_BTD)
-        attn_BTD = Attention(cfg, name="self_attn")(h, cos_BTK, sin_BTK, segment_ids_BT)
+        attn_BTD = Attention(cfg, name="self_attn")(h, cos_BTK, sin_BTK, segment_ids_BT, layer)
         # One kernel reads attn_out and x and writes the new x and its norm. The closing
         # `x + mlp(h)` stays a plain add: fusing it with the next layer's input_layernorm would
         # need the un-added MLP output carried across the nn.scan boundary, i.e. two [B, T, D]
         # carries per layer that remat keeps, for saving one element-wise pass.
         h, x_BTD = AddRMSNorm(**norm, impl=cfg.impl("add_rms_norm"), name="post_attention_layernorm")(attn_BTD, x_BTD)
-        x_BTD = x_BTD + MLP(cfg, name="mlp")(h)
+        x_BTD = x_BTD + MLP(cfg, name="mlp")(h, layer)
         return x_BTD, None
 
 
@@ -372,15 +400,18 @@ class Decoder(nn.Module):
         layer_cls = DecoderLayer
         if cfg.remat_policy != "none":
             layer_cls = nn.remat(DecoderLayer, policy=_remat_policy(cfg.remat_policy), prevent_cse=False)
+        # The layer index is a scanned input only when the recipe skips edge layers (lax.cond per layer).
+        skips = cfg.recipe is not None and cfg.recipe.skips
         stack = nn.scan(
             layer_cls,
-            variable_axes={"params": 0, "lora": 0},
-            split_rngs={"params": True, "lora": True, "dropout": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+            variable_axes={"params": 0, "lora": 0, recipe_lib.FP8_COLLECTION: 0},
+            split_rngs={"params": True, "lora": True, "dropout": True, recipe_lib.QUANT_RNG: True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast) + ((0,) if skips else ()),
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x_BTD, _ = stack(cfg, name="layers")(x_BTD, cos_BTK, sin_BTK, segment_ids)
+        layer_ids = (jnp.arange(cfg.num_layers, dtype=jnp.int32),) if skips else ()
+        x_BTD, _ = stack(cfg, name="layers")(x_BTD, cos_BTK, sin_BTK, segment_ids, *layer_ids)
         x_BTD = RMSNorm(cfg.rms_norm_eps, "embed", cfg.dtype, cfg.param_dtype, cfg.impl("rms_norm"), name="norm")(x_BTD)
         if return_hidden:
             return x_BTD

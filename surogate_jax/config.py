@@ -205,22 +205,63 @@ class OptimConfig:
 
 
 DTYPES = ("bf16", "fp32", "fp16")
+RECIPES = ("bf16", "fp8-hybrid", "nvfp4")
+RECIPE_ALIASES = {"fp8_hybrid": "fp8-hybrid"}
+# The seed's mixed-precision tables (002 "Precision & Recipes"): the values each knob takes and, per
+# recipe, what the GEMMs use. Only the bf16 recipe respects matmul_dtype / gradient_dtype.
+MATMUL_DTYPES = ("fp32", "bf16", "e4m3")
+GRADIENT_DTYPES = ("fp32", "bf16", "e5m2")
+FORCED = {"fp8-hybrid": ("e4m3", "e5m2"), "nvfp4": ("e2m1", "e2m1")}  # (forward, backward) GEMM formats
+# Allowed GEMM dispatches (A, B, C): fp32 x fp32 -> fp32, bf16 x bf16 -> fp32 | bf16, e4m3 x e4m3 -> fp32 |
+# bf16 (FP8 forward), e4m3 x e5m2 -> bf16 (FP8 backward; the fp8-hybrid recipe).
+FP4_BACKENDS = ("cutlass", "cudnn")
 
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    recipe: str = "bf16"
+    recipe: str = "bf16"  # bf16 | fp8-hybrid (alias fp8_hybrid) | nvfp4
     model_dtype: str = "bf16"  # parameter + activation dtype of the base model
     lora_dtype: str = "fp32"  # adapter master weights
     master_dtype: str | None = None  # full fine-tuning master weights (default fp32)
+    matmul_dtype: str | None = None  # bf16 recipe: GEMM operand dtype (default model_dtype)
+    gradient_dtype: str | None = None  # bf16 recipe: backward GEMM dtype (default matmul_dtype)
+    fp8_amax_history: int = 1024  # fp8-hybrid delayed scaling history length
+    skip_quant_first_layers: int = 0  # decoder layers kept in the model dtype (fp8-hybrid, nvfp4)
+    skip_quant_last_layers: int = 0
+    fp4_backend: str = "cutlass"  # nvfp4: recorded; the GEMMs are emulated (no native FP4 path here)
+    fp4_four_over_six: bool = True
+    no_fp4_stochastic_rounding: bool = False
 
     def __post_init__(self):
-        recipe = {"fp8_hybrid": "fp8-hybrid"}.get(self.recipe, self.recipe)
-        _check(recipe in ("bf16", "fp8-hybrid", "nvfp4"), f"recipe={self.recipe!r}: use bf16, fp8-hybrid or nvfp4")
-        _check(recipe == "bf16", f"recipe={self.recipe!r}: not supported yet (only bf16 for now)")
+        recipe = RECIPE_ALIASES.get(self.recipe, self.recipe)
+        _check(recipe in RECIPES, f"recipe={self.recipe!r}: use bf16, fp8-hybrid (alias fp8_hybrid) or nvfp4")
+        object.__setattr__(self, "recipe", recipe)
         for k in ("model_dtype", "lora_dtype"):
             _check(getattr(self, k) in DTYPES, f"{k}={getattr(self, k)!r}: use one of {DTYPES}")
         _check(self.master_dtype in (None, *DTYPES), f"master_dtype={self.master_dtype!r}: use one of {DTYPES}")
+        _check(self.matmul_dtype in (None, *MATMUL_DTYPES),
+               f"matmul_dtype={self.matmul_dtype!r}: use one of {MATMUL_DTYPES} (e5m2 / fp16 / e2m1 are not "
+               "forward GEMM formats)")
+        _check(self.gradient_dtype in (None, *GRADIENT_DTYPES),
+               f"gradient_dtype={self.gradient_dtype!r}: use one of {GRADIENT_DTYPES} (fp16 / e4m3 / e2m1 are not "
+               "gradient formats)")
+        if recipe in FORCED:
+            fwd, bwd = FORCED[recipe]
+            _check(self.matmul_dtype in (None, fwd if fwd in MATMUL_DTYPES else None)
+                   and self.gradient_dtype in (None, bwd if bwd in GRADIENT_DTYPES else None),
+                   f"recipe {recipe} forces its GEMM formats ({fwd} forward, {bwd} backward): "
+                   f"matmul_dtype={self.matmul_dtype!r} / gradient_dtype={self.gradient_dtype!r} are not allowed with it; "
+                   f"leave them unset{f' (or {fwd} / {bwd})' if recipe == 'fp8-hybrid' else ''}, or use recipe: bf16 "
+                   "with matmul_dtype / gradient_dtype in fp32 or bf16")
+        else:
+            _check(self.matmul_dtype != "e4m3" and self.gradient_dtype != "e5m2",
+                   f"matmul_dtype={self.matmul_dtype!r} / gradient_dtype={self.gradient_dtype!r} under recipe bf16: "
+                   "the only FP8 dispatches (e4m3 x e4m3 forward, e4m3 x e5m2 backward) are the fp8-hybrid recipe; "
+                   "set recipe: fp8-hybrid, or use fp32 / bf16 for matmul_dtype and gradient_dtype")
+        _check(self.fp8_amax_history >= 1, f"fp8_amax_history={self.fp8_amax_history}: must be >= 1")
+        for k in ("skip_quant_first_layers", "skip_quant_last_layers"):
+            _check(getattr(self, k) >= 0, f"{k}={getattr(self, k)}: must be >= 0")
+        _check(self.fp4_backend in FP4_BACKENDS, f"fp4_backend={self.fp4_backend!r}: use cutlass or cudnn")
 
 
 @dataclass(frozen=True)
@@ -299,8 +340,7 @@ ALIASES = {"torch_dtype": "model_dtype"}
 
 # Surogate keys we recognize but whose feature is another issue's work.
 NOT_YET = frozenset(
-    """fp8_amax_history skip_quant_first_layers skip_quant_last_layers fp4_backend fp4_four_over_six
-    no_fp4_stochastic_rounding matmul_dtype gradient_dtype use_fused_rope qlora_bnb
+    """use_fused_rope qlora_bnb
     qlora_bnb_block_size qlora_bnb_double_quant qlora_fp8 qlora_block_size qlora_fp4
     qlora_four_over_six qlora_selective_expert_dequant qlora_offload_experts adapter_path
     adapter_init_mode train_router

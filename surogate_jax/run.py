@@ -30,6 +30,7 @@ from .lora import DTYPES, count, init_adapters, lora_spec, merge, save_peft
 from .metrics import RunLogger, check_backends
 from .models import Decoder, config_from_hf, config_to_hf
 from .optim import make_optimizer
+from .precision import recipe as recipe_lib
 
 log = logging.getLogger("surogate_jax")
 EXPORTS = ("adapter", "merged", "model")
@@ -72,10 +73,28 @@ def prepare_output(cfg: SFTConfig) -> tuple[Path, Checkpointer]:
     return out, ckpt
 
 
+def quant_recipe(cfg: SFTConfig) -> recipe_lib.QuantRecipe | None:
+    """The precision recipe of the config (None: plain bf16 / model dtype GEMMs)."""
+    return recipe_lib.QuantRecipe.from_config(cfg.precision)
+
+
+def with_recipe(model: Decoder, recipe: recipe_lib.QuantRecipe | None) -> Decoder:
+    try:
+        return Decoder(model.config.replace(recipe=recipe))
+    except ValueError as e:  # e.g. nvfp4 on dims that are not multiples of 16
+        raise ConfigError(str(e)) from None
+
+
 def build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout | None = None):
     """(model, frozen params, trainable) per the config: LoRA, full fine-tuning or from scratch.
     With a layout, pretrained weights stream from disk straight into their final sharding (ZeRO-3:
-    no device ever holds the whole model)."""
+    no device ever holds the whole model). The model carries the config's precision recipe (for
+    LoRA, train.init_state quantizes the frozen base once)."""
+    model, params, trainable = _build_model(cfg, model_dir, mode, layout)
+    return with_recipe(model, quant_recipe(cfg)), params, trainable
+
+
+def _build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout | None = None):
     model_dtype = DTYPES[cfg.precision.model_dtype]
     master = DTYPES[cfg.precision.master_dtype or "fp32"]
     remat = par.remat_policy(cfg.run.recompute, cfg.parallel.offload_residual)
@@ -115,9 +134,13 @@ def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
     """What a checkpoint must match to be resumed (known before any weight or data is loaded)."""
     arch = config_to_hf(config_from_hf(read_hf_config(model_dir)))
     spec = lora_spec(cfg.lora, cfg.precision.lora_dtype)
-    return {"mode": mode, "model": json.dumps(arch, sort_keys=True),
+    meta = {"mode": mode, "model": json.dumps(arch, sort_keys=True),
             "lora": None if spec is None else f"r={spec.rank},alpha={spec.alpha},targets={sorted(spec.targets)}",
             "sequence_len": cfg.model.sequence_len}
+    r = quant_recipe(cfg)
+    if r is not None and r.quantizes:  # its state / cached base are part of the checkpoint (bf16: key absent)
+        meta["recipe"] = f"{r.name},amax_history={r.amax_history},skip={r.skip_first}/{r.skip_last}"
+    return meta
 
 
 def run(cfg: SFTConfig, mode: str = "sft") -> dict:
@@ -126,6 +149,7 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
     par.initialize_distributed()  # before anything touches a device
     check_launch(cfg)
     check_backends(cfg.run)
+    recipe_lib.check_device(quant_recipe(cfg))  # fp8 below SM89: error naming the GPU; nvfp4: "emulated"
     out, ckpt = prepare_output(cfg)
     model_dir = resolve_model(cfg.model.model)
     meta = run_meta(cfg, model_dir, mode)
@@ -151,7 +175,7 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
                          seed=cfg.run.train_seed, process_index=jax.process_index(), process_count=jax.process_count())
     steps_per_epoch = max(loader.batches_per_epoch() // accum, 1)
     total = cfg.run.max_steps if cfg.run.max_steps > 0 else cfg.run.num_epochs * steps_per_epoch
-    tx, schedule = make_optimizer(cfg.optim, total)
+    tx, schedule = make_optimizer(cfg.optim, total, shard_update=layout.plan.shard_optimizer)
     state = T.init_state(model, tx, params, trainable, cfg.run.train_seed, mesh, layout)
     del params, trainable
     start = 0
@@ -165,6 +189,8 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
              model.config.model_type, f"{count(state.trainable):,}", "LoRA" if model.config.lora else "full",
              total, steps_per_epoch, accum, cfg.run.per_device_train_batch_size * n_dev, seq, n_dev)
     log.info("parallel: %s; %d process(es); remat %s", layout.describe(), jax.process_count(), model.config.remat_policy)
+    if model.config.recipe is not None:
+        log.info("precision: %s", model.config.recipe.describe())
 
     step_fn = T.jit_train_step(model, tx, schedule, mesh, state, layout)
     eval_fn = T.jit_eval_step(model, mesh, state, layout) if val_docs is not None else None
@@ -250,14 +276,28 @@ def evaluate(eval_fn, state, docs, *, rows: int, seq: int, mesh) -> float:
     return total / max(n, 1.0)
 
 
+def unquantized_base(cfg: SFTConfig, model_dir: Path, params, model: Decoder):
+    """The frozen base as loaded (for merging / generation) when the state holds the recipe's
+    quantized cache: re-read from model_dir (a random from-scratch base cannot be re-read: its
+    dequantized cache is used, with a warning)."""
+    if not recipe_lib.is_cached(params):
+        return params
+    if cfg.model.from_scratch:
+        log.warning("merging into the recipe's quantized copy of the random base (from_scratch): the merged "
+                    "weights carry its quantization error")
+        return recipe_lib.dequantize_cache(params, model.config.recipe, model.config.num_layers)
+    _, base = load_pretrained(model_dir, dtype=DTYPES[cfg.precision.model_dtype])
+    return base
+
+
 def export(cfg: SFTConfig, model: Decoder, model_dir: Path, state, out: Path) -> dict:
     spec = model.config.lora
-    base = dataclasses.replace(model.config, lora=None)
+    base = dataclasses.replace(model.config, lora=None, recipe=None)
     if spec is not None:
         adapter = save_peft(out / "adapter", model, state.trainable, base_model=cfg.model.model, overwrite=True)
         res = {"adapter": str(adapter)}
         if cfg.lora.merge_adapter:
-            merged = merge(state.params, state.trainable, spec)
+            merged = merge(unquantized_base(cfg, model_dir, state.params, model), state.trainable, spec)
             res["merged"] = str(save_pretrained(out / "merged", Decoder(base), merged, overwrite=True,
                                                 copy_side_files_from=model_dir))
         return res
@@ -275,8 +315,9 @@ def exact_match_report(cfg: SFTConfig, model: Decoder, state, tokenizer) -> floa
         raise ConfigError(f"exact_match_file={str(path)!r}: file not found")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     spec = model.config.lora
-    plain = Decoder(dataclasses.replace(model.config, lora=None))
-    params = merge(state.params, state.trainable, spec) if spec is not None else T.variables(model, {}, state.trainable)["params"]
+    plain = Decoder(dataclasses.replace(model.config, lora=None, recipe=None))  # generation runs unquantized
+    params = (merge(unquantized_base(cfg, resolve_model(cfg.model.model), state.params, model), state.trainable, spec)
+              if spec is not None else T.variables(model, {}, state.trainable)["params"])
     acc, examples = exact_match(plain, params, tokenizer, rows, max_samples=cfg.run.exact_match_samples)
     log.info("exact match on %d held-out prompts from %s: %.1f%%", min(len(rows), cfg.run.exact_match_samples),
              path.name, 100 * acc)

@@ -8,6 +8,13 @@ accumulation runs inside it as a `lax.scan` over the micro-batches; the summed t
 micro-batch is divided by the supervised-token count of the whole step, so accumulating equals one
 big batch. Data parallelism comes from the batch sharding over the mesh's "data" axis (one
 device by default); XLA inserts the gradient all-reduce.
+
+Precision recipes (precision/recipe.py): `quant` holds the fp8-hybrid delayed-scaling state (the
+model's "fp8" collection; {} otherwise). The step differentiates w.r.t. (trainable, quant): the
+quant "gradient" carries each GEMM's observed amaxes (already max-reduced over data shards by the
+op), micro-batches combine them with a max (fp8.combine_observations, not a sum), and fp8.update
+rolls the histories and recomputes the scales once per optimizer step. For LoRA under a recipe
+the frozen base kernels are quantized once in `init_state` (recipe.cache_frozen_weights).
 """
 
 from __future__ import annotations
@@ -21,12 +28,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .loss import cross_entropy_sum
 from .models import Decoder, DecoderConfig
 from .optim.adamw_8bit import apply_fused
 from .parallel import Layout, make_mesh  # noqa: F401  (make_mesh: re-exported)
+from .precision import fp8 as fp8_lib
+from .precision import recipe as recipe_lib
 
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "positions", "segment_ids")
 H100_BF16_PEAK = 989e12
@@ -39,25 +49,34 @@ class TrainState:
     trainable: Any
     opt_state: Any
     rng: jax.Array  # raw key data (uint32), so Orbax can save it
+    quant: Any = flax.struct.field(default_factory=dict)  # fp8 delayed-scaling state ({} without)
 
 
-def variables(model: Decoder, params: Any, trainable: Any) -> dict:
-    """The forward's variables: base + adapters (LoRA), or masters cast to the model dtype."""
+def variables(model: Decoder, params: Any, trainable: Any, quant: Any = None) -> dict:
+    """The forward's variables: base + adapters (LoRA), or masters cast to the model dtype; plus
+    the recipe's fp8 state when there is one."""
     if model.config.lora is not None:
-        return {"params": params, "lora": trainable}
-    dtype = model.config.param_dtype
-    return {"params": jax.tree.map(lambda x: x.astype(dtype), trainable)}
+        v = {"params": params, "lora": trainable}
+    else:
+        dtype = model.config.param_dtype
+        v = {"params": jax.tree.map(lambda x: x.astype(dtype), trainable)}
+    if quant:
+        v[recipe_lib.FP8_COLLECTION] = quant
+    return v
 
 
 def lm_head(cfg: DecoderConfig, params: dict) -> jax.Array:
     return params["embedding"].T if cfg.tie_word_embeddings else params["lm_head"]
 
 
-def batch_loss(model: Decoder, params, trainable, batch: dict, rng) -> tuple[jax.Array, jax.Array]:
+def batch_loss(model: Decoder, params, trainable, batch: dict, rng, quant: Any = None) -> tuple[jax.Array, jax.Array]:
     """(sum of token CE over supervised targets, their count) for one micro-batch."""
-    v = variables(model, params, trainable)
+    v = variables(model, params, trainable, quant)
     spec = model.config.lora
     rngs = {"dropout": rng} if spec is not None and spec.dropout > 0 and rng is not None else None
+    recipe = model.config.recipe
+    if recipe is not None and recipe.name == "nvfp4" and rng is not None:  # stochastic rounding of dY
+        rngs = {**(rngs or {}), recipe_lib.QUANT_RNG: jax.random.fold_in(rng, 0x5A17)}
     hidden = model.apply(v, batch["input_ids"], batch["positions"], batch["segment_ids"], return_hidden=True, rngs=rngs)
     return cross_entropy_sum(hidden, lm_head(model.config, v["params"]), batch["targets"], batch["loss_mask"])
 
@@ -68,22 +87,30 @@ def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: 
     `layout` (parallel.Layout): ZeRO-2 gradient sharding and host-offload placement in the step."""
     layout = layout or Layout(None)
 
+    recipe = model.config.recipe
+    margin = recipe.margin if recipe is not None else 0.0
+
     def step(state: TrainState, batch: dict):
         state = layout.fetch_state(state)  # offloaded trainable / optimizer state -> device
         rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
         n_accum = batch["input_ids"].shape[0]
-        grad_fn = jax.value_and_grad(lambda t, mb, r: batch_loss(model, state.params, t, mb, r), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda t, q, mb, r: batch_loss(model, state.params, t, mb, r, q),
+                                     argnums=(0, 1), has_aux=True)
 
         def micro(carry, xs):
-            grads, loss = carry
+            grads, obs, loss = carry
             mb, i = xs
-            (l, _), g = grad_fn(state.trainable, mb, jax.random.fold_in(step_rng, i))
+            (l, _), (g, o) = grad_fn(state.trainable, state.quant, mb, jax.random.fold_in(step_rng, i))
             grads = layout.constrain_grads(jax.tree.map(jnp.add, layout.grads_to_device(grads), g))
-            return (layout.grads_to_host(grads), loss + l), None
+            obs = fp8_lib.combine_observations(obs, o)  # amaxes: max over micro-batches, not a sum
+            return (layout.grads_to_host(grads), obs, loss + l), None
 
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), state.trainable)
         zeros = layout.grads_to_host(layout.constrain_grads(zeros))
-        (grads, loss_sum), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (batch, jnp.arange(n_accum)))
+        no_obs = jax.tree.map(jnp.zeros_like, state.quant)
+        (grads, obs, loss_sum), _ = jax.lax.scan(micro, (zeros, no_obs, jnp.zeros((), jnp.float32)),
+                                                 (batch, jnp.arange(n_accum)))
+        quant = fp8_lib.update(state.quant, obs, margin) if state.quant else state.quant
         grads = layout.grads_to_device(grads)
         n_tokens = jnp.sum(batch["loss_mask"])
         denom = jnp.maximum(n_tokens, 1.0)
@@ -94,7 +121,8 @@ def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: 
         trainable, opt_state = apply_fused(tx, grads, state.opt_state, state.trainable)
         metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "supervised_tokens": n_tokens}
-        new = state.replace(step=state.step + 1, trainable=trainable, opt_state=opt_state, rng=jax.random.key_data(rng))
+        new = state.replace(step=state.step + 1, trainable=trainable, opt_state=opt_state, rng=jax.random.key_data(rng),
+                            quant=quant)
         return new, metrics
 
     return step
@@ -105,7 +133,7 @@ def make_eval_step(model: Decoder, layout: Layout | None = None) -> Callable:
 
     def step(state: TrainState, batch: dict):
         state = state.replace(trainable=layout.fetch_trainable(state.trainable))
-        return batch_loss(model, state.params, state.trainable, batch, None)
+        return batch_loss(model, state.params, state.trainable, batch, None, state.quant)
     return step
 
 
@@ -127,12 +155,23 @@ def global_batch(mesh: Mesh, local: dict, accum_axis: bool) -> dict:
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k])) for k in BATCH_KEYS}
 
 
-def abstract_state(tx, params: Any, trainable: Any) -> TrainState:
+def abstract_state(tx, params: Any, trainable: Any, quant: Any = None) -> TrainState:
     """ShapeDtypeStructs of the TrainState that init_state builds (no computation)."""
     sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=jax.tree.map(sds, params),
                       trainable=jax.tree.map(sds, trainable), opt_state=jax.eval_shape(tx.init, trainable),
-                      rng=jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))))
+                      rng=jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))),
+                      quant=jax.tree.map(sds, quant or {}))
+
+
+def prepare_frozen(model: Decoder, params: Any) -> Any:
+    """LoRA under a quantizing recipe: the frozen base with the seven projections' kernels
+    quantized once (recipe.cache_frozen_weights; jitted, the input donated). Else `params`."""
+    cfg = model.config
+    if cfg.lora is None or cfg.recipe is None or not cfg.recipe.quantizes or recipe_lib.is_cached(params):
+        return params
+    cache = jax.jit(lambda p: recipe_lib.cache_frozen_weights(p, cfg.recipe, cfg.num_layers), donate_argnums=(0,))
+    return cache(params)
 
 
 def init_state(model: Decoder, tx, params: Any, trainable: Any, seed: int, mesh: Mesh,
@@ -141,14 +180,19 @@ def init_state(model: Decoder, tx, params: Any, trainable: Any, seed: int, mesh:
     donates the state, so arrays passed in here may be consumed (device_put onto the same device
     does not copy). The optimizer state is built where it will live (sharded, or in host memory)."""
     layout = layout or Layout(mesh)
-    sh = layout.state_shardings(abstract_state(tx, params, trainable))
+    params = prepare_frozen(model, params)
+    quant = recipe_lib.init_quant_state(model)
+    abstract = abstract_state(tx, params, trainable, quant)
+    sh = layout.state_shardings(abstract)
+    sh = sh.replace(quant=jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract.quant))  # replicated
     params = jax.device_put(params, sh.params)
     on_device = jax.tree.map(lambda s: s.with_memory_kind("device") if s.memory_kind else s, sh.trainable)
     trainable = jax.device_put(trainable, on_device)
     opt_state = jax.jit(tx.init, out_shardings=sh.opt_state)(trainable)
     trainable = jax.device_put(trainable, sh.trainable)  # to pinned_host when offload_master
     return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), sh.step), params=params, trainable=trainable,
-                      opt_state=opt_state, rng=jax.device_put(jax.random.key_data(jax.random.key(seed)), sh.rng))
+                      opt_state=opt_state, rng=jax.device_put(jax.random.key_data(jax.random.key(seed)), sh.rng),
+                      quant=jax.device_put(quant, sh.quant))
 
 
 def _in_mesh(fn: Callable, mesh: Mesh) -> Callable:

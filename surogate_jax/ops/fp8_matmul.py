@@ -32,6 +32,11 @@ Implementations (`impl`):
          from jax.default_backend()).
 `SUROGATE_JAX_OPS=ref` forces the reference.
 
+Frozen weights (`fp8_matmul_frozen`, used for the LoRA base by precision/recipe.py): w arrives
+already in E4M3 with its own fixed scale (quantized once, current scaling), so the forward skips
+the weight cast (the ffi path only transposes the f8 copy to the K-major layout cuBLASLt wants),
+and the backward computes dx only: no wgrad GEMM and, on the ffi path, no transposed copy of x.
+
 Known issues (H100 run of 2026-11-22, jax 0.11.2; see precision/fp8.quantize):
   * XLA's GPU compiler folds convert chains (f32 -> f8 -> f32 / bf16 becomes one convert,
     SimplifyFPConversions under the default xla_allow_excess_precision), so before the fix in
@@ -88,6 +93,7 @@ class _Cfg(NamedTuple):
     out_dtype: jnp.dtype
     x_dtype: jnp.dtype
     w_dtype: jnp.dtype
+    frozen: bool = False  # w is already E4M3 (fp8_matmul_frozen): no weight cast, no dw
 
 
 def _round_up(v: int, m: int) -> int:
@@ -129,8 +135,16 @@ def fp8_matmul_grads_ref(x, w, dy, state: Fp8MatmulState):
     return dx, dw, {"x": amax(x), "w": amax(w), "g": amax(dy)}
 
 
+def _w_q(w, scales, cfg):
+    """(E4M3 weight, its observed amax): cast with the delayed scale, or the frozen cache as is
+    (whose amax is not observed: the cache has its own fixed scale)."""
+    if cfg.frozen:
+        return w, jnp.zeros((), jnp.float32)
+    return quantize(w, scales[1], E4M3), amax(w)
+
+
 def _fwd_ref(x2, w, scales, cfg):
-    wq = quantize(w, scales[1], E4M3)
+    wq, amax_w = _w_q(w, scales, cfg)
     inv = inverse_scale(scales)
 
     def local(x2, wq, inv, scales):
@@ -140,13 +154,21 @@ def _fwd_ref(x2, w, scales, cfg):
 
     y, xq, ax = on_shards(local, x2, wq, inv, scales, batched=(True, False, False, False),
                           out_batched=(True, True, True))
-    return y, (xq, wq, scales, jnp.stack([_max_of(ax), amax(w)]))
+    return y, (xq, wq, scales, jnp.stack([_max_of(ax), amax_w]))
 
 
 def _bwd_ref(res, dy, cfg):
     xq, wq, scales, amax_xw = res
     inv = inverse_scale(scales)
     dw_dtype = jnp.float32  # per-shard partial sums stay fp32 until the psum
+    if cfg.frozen:
+        def local_dx(dy, wq, inv, scales):
+            gq = quantize(dy, scales[2], E5M2)
+            return _scaled_dot_f32(gq, wq, ((1,), (1,)), inv[2] * inv[1], cfg.x_dtype), amax(dy)[None]
+
+        dx, ag = on_shards(local_dx, dy, wq, inv, scales, batched=(True, False, False, False),
+                           out_batched=(True, True))
+        return dx, None, jnp.concatenate([amax_xw, _max_of(ag)[None]])
 
     def local(dy, xq, wq, inv, scales):
         gq = quantize(dy, scales[2], E5M2)
@@ -170,10 +192,10 @@ def _dequant_bf16(q, scale):
 
 def _fwd_xla(x2, w, scales, cfg):
     xq = quantize(x2, scales[0], E4M3)
-    wq = quantize(w, scales[1], E4M3)
+    wq, amax_w = _w_q(w, scales, cfg)
     y = jax.lax.dot_general(_dequant_bf16(xq, scales[0]), _dequant_bf16(wq, scales[1]),
                             (((1,), (0,)), ((), ())), preferred_element_type=cfg.out_dtype)
-    return y, (xq, wq, scales, jnp.stack([amax(x2), amax(w)]))
+    return y, (xq, wq, scales, jnp.stack([amax(x2), amax_w]))
 
 
 def _bwd_xla(res, dy, cfg):
@@ -182,6 +204,8 @@ def _bwd_xla(res, dy, cfg):
     g = _dequant_bf16(gq, scales[2])
     dx = jax.lax.dot_general(g, _dequant_bf16(wq, scales[1]), (((1,), (1,)), ((), ())),
                              preferred_element_type=cfg.x_dtype)
+    if cfg.frozen:
+        return dx, None, jnp.concatenate([amax_xw, amax(dy)[None]])
     dw = jax.lax.dot_general(_dequant_bf16(xq, scales[0]), g, (((0,), (0,)), ((), ())),
                              preferred_element_type=cfg.w_dtype)
     return dx, dw, jnp.concatenate([amax_xw, amax(dy)[None]])
@@ -217,10 +241,17 @@ def _gemm_ffi(a, b, a_inv, b_inv, out_dtype, fast_accum: bool):
 
 def _fwd_ffi(x2, w, scales, cfg):
     inv = inverse_scale(scales)
-    wq, wq_t, amax_w = _quantize_ffi(w, scales[1], E4M3, transposed=True)  # wq_t [N, K]
+    if cfg.frozen:  # the cached E4M3 weight [K, N]; the forward GEMM wants it K-major: one f8 transpose
+        wq, wq_t, amax_w = w, jnp.transpose(w), jnp.zeros((), jnp.float32)
+    else:
+        wq, wq_t, amax_w = _quantize_ffi(w, scales[1], E4M3, transposed=True)  # wq_t [N, K]
 
     def local(x2, wq_t, inv, scales):
-        xq, xq_t, ax = _quantize_ffi(x2, scales[0], E4M3, transposed=True)  # xq_t [K, Mp]
+        if cfg.frozen:  # no wgrad: the transposed copy of x is not needed
+            xq, _, ax = _quantize_ffi(x2, scales[0], E4M3, transposed=False)
+            xq_t = jnp.zeros((1, 1), E4M3)
+        else:
+            xq, xq_t, ax = _quantize_ffi(x2, scales[0], E4M3, transposed=True)  # xq_t [K, Mp]
         y = _gemm_ffi(xq, wq_t, inv[0], inv[1], cfg.out_dtype, fast_accum=True)
         return y, xq_t[None], ax[None]
 
@@ -233,6 +264,14 @@ def _bwd_ffi(res, dy, cfg):
     xq_t, wq, scales, amax_xw = res
     inv = inverse_scale(scales)
     dw_dtype = jnp.float32 if data_axes() else cfg.w_dtype  # fp32 partials when psum-ed
+    if cfg.frozen:
+        def local_dx(dy, wq, inv, scales):
+            gq, _, ag = _quantize_ffi(dy, scales[2], E5M2, transposed=False)
+            return _gemm_ffi(gq, wq, inv[2], inv[1], cfg.x_dtype, fast_accum=False), ag[None]
+
+        dx, ag = on_shards(local_dx, dy, wq, inv, scales, batched=(True, False, False, False),
+                           out_batched=(True, True))
+        return dx, None, jnp.concatenate([amax_xw, jnp.max(ag)[None]])
 
     def local(dy, xq_t, wq, inv, scales):
         gq, gq_t, ag = _quantize_ffi(dy, scales[2], E5M2, transposed=True)  # gq_t [N, Mp]
@@ -324,4 +363,37 @@ def fp8_matmul(x: jax.Array, w: jax.Array, state: Fp8MatmulState, *, impl: str |
     scales = jnp.stack([state.x.scale, state.w.scale, state.g.scale]).astype(jnp.float32)
     cfg = _Cfg(resolved, out_dtype, jnp.dtype(x.dtype), jnp.dtype(w.dtype))
     y = _fp8_mm(x2, w, scales, cfg).reshape(*x.shape[:-1], n)
+    return checkpoint_name(y, "fp8_matmul")
+
+
+def fp8_matmul_frozen(x: jax.Array, wq: jax.Array, w_scale: jax.Array, state: Fp8MatmulState, *,
+                      impl: str | None = None, out_dtype=None) -> jax.Array:
+    """y [..., N] = x [..., K] @ (wq / w_scale) for a FROZEN weight cached in E4M3.
+
+    wq: float8_e4m3fn [K, N] quantized once (q = saturate(w * w_scale), e.g. current scaling
+    w_scale = 448 / max|w|, precision.recipe.cache_frozen_weights); w_scale: f32 scalar. The
+    activation x and the gradient dY use the delayed scales of `state` exactly as in
+    `fp8_matmul`; the weight is neither cast (its state.w is unused, its observed amax reported
+    as 0) nor differentiated: the backward computes dx only (no wgrad GEMM, and on the ffi path no
+    transposed copy of x). dx comes back in x.dtype."""
+    if wq.ndim != 2 or x.ndim < 1 or x.shape[-1] != wq.shape[0]:
+        raise ValueError(f"fp8_matmul_frozen: need x [..., K] and wq [K, N], got x {x.shape} and wq {wq.shape}")
+    if jnp.dtype(wq.dtype) != jnp.dtype(E4M3):
+        raise TypeError(f"fp8_matmul_frozen: wq must be float8_e4m3fn (pre-quantized), got {wq.dtype}")
+    if jnp.dtype(x.dtype) not in KERNEL_DTYPES:
+        raise TypeError(f"fp8_matmul_frozen: x must be float32, bfloat16 or float16, got {x.dtype}")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if out_dtype not in KERNEL_DTYPES:
+        raise TypeError(f"fp8_matmul_frozen: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    if jnp.shape(w_scale) != ():
+        raise ValueError(f"fp8_matmul_frozen: w_scale must be a scalar, got shape {jnp.shape(w_scale)}")
+    k, n = wq.shape
+    resolved = resolve_fp8_impl(impl, k, n)
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0 or n == 0 or k == 0:
+        resolved = "ref"
+    scales = jnp.stack([jnp.asarray(state.x.scale, jnp.float32), jnp.asarray(w_scale, jnp.float32),
+                        jnp.asarray(state.g.scale, jnp.float32)])
+    cfg = _Cfg(resolved, out_dtype, jnp.dtype(x.dtype), jnp.dtype(E4M3), frozen=True)
+    y = _fp8_mm(x2, wq, scales, cfg).reshape(*x.shape[:-1], n)
     return checkpoint_name(y, "fp8_matmul")

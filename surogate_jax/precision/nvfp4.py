@@ -557,8 +557,14 @@ def fake_quantize(x, *, tile_2d=False, four_over_six=True, stochastic=False, key
 
 
 @functools.cache
-def _log_emulation() -> None:
-    _log.info("NVFP4 GEMMs are emulated: operands quantized to NVFP4, dequantized to bf16, bf16 GEMM")
+def log_emulation() -> None:
+    """The one log line (once per process) saying that NVFP4 GEMMs run emulated."""
+    _log.info("nvfp4: GEMMs are emulated (operands quantized to NVFP4, dequantized to bf16, bf16 GEMM): "
+              "Hopper and CPU have no FP4 tensor cores, and the native SM100+ block-scaled cuBLASLt path "
+              "is not implemented yet")
+
+
+_log_emulation = log_emulation
 
 
 def nvfp4_matmul_emulated(x: jax.Array, w: jax.Array, *, four_over_six: bool = True,
@@ -640,3 +646,50 @@ def nvfp4_linear_emulated(x: jax.Array, w: jax.Array, key: jax.Array, *, four_ov
     _log_emulation()
     mask = None if rht_sign_mask is None else int(rht_sign_mask)
     return _linear_emulated(x, w, key, bool(four_over_six), bool(stochastic_grad), mask, impl)
+
+
+# --------------------------------------------------------------------------------------------
+# Frozen weights (LoRA base): quantized once, cached, no weight gradient
+
+
+def fake_quantize_weight(w: jax.Array, *, four_over_six: bool = True, impl: str | None = None) -> jax.Array:
+    """The bf16 operand the recipe's forward uses for a weight w [K, N]: 16x16 tiles, round to
+    nearest, dequantized to bfloat16 (what `nvfp4_linear_emulated` computes every step). Caching
+    it once for a frozen weight gives bit-identical results (`nvfp4_linear_frozen`)."""
+    return fake_quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _linear_frozen(x, wq, key, four_over_six, stochastic_grad, impl):
+    return _linear_frozen_fwd(x, wq, key, four_over_six, stochastic_grad, impl)[0]
+
+
+def _linear_frozen_fwd(x, wq, key, four_over_six, stochastic_grad, impl):
+    xq = fake_quantize(x, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
+    y = jnp.matmul(xq, wq.astype(jnp.bfloat16), preferred_element_type=jnp.float32).astype(x.dtype)
+    return y, (wq, key, jnp.zeros((0,), x.dtype))
+
+
+def _linear_frozen_bwd(four_over_six, stochastic_grad, impl, res, dy):
+    wq, key, x_like = res
+    k_dgrad, _ = jax.random.split(key)  # the same dgrad key as nvfp4_linear_emulated
+    sr = {"stochastic": True, "key": k_dgrad} if stochastic_grad else {}
+    dyq = fake_quantize(dy, four_over_six=four_over_six, impl=impl, **sr).astype(jnp.bfloat16)
+    dx = jnp.matmul(dyq, wq.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32).astype(x_like.dtype)
+    return dx, None, None
+
+
+_linear_frozen.defvjp(_linear_frozen_fwd, _linear_frozen_bwd)
+
+
+def nvfp4_linear_frozen(x: jax.Array, wq: jax.Array, key: jax.Array, *, four_over_six: bool = True,
+                        stochastic_grad: bool = True, impl: str | None = None) -> jax.Array:
+    """`nvfp4_linear_emulated` for a frozen weight cached by `fake_quantize_weight` (wq [K, N],
+    bf16 values; stored in any float dtype that holds them exactly). Forward and dX are identical
+    to `nvfp4_linear_emulated(x, w, key)`; there is no weight gradient (no wgrad GEMM, no RHT)."""
+    if wq.ndim != 2 or x.shape[-1] != wq.shape[0]:
+        raise ValueError(f"nvfp4_linear_frozen: need x [..., K] and wq [K, N], got {x.shape} and {wq.shape}")
+    if wq.shape[0] % BLOCK or wq.shape[1] % BLOCK:
+        raise ValueError(f"nvfp4_linear_frozen: K and N must be multiples of {BLOCK}, got wq {wq.shape}")
+    _log_emulation()
+    return _linear_frozen(x, wq, key, bool(four_over_six), bool(stochastic_grad), impl)
