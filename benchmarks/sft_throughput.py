@@ -126,8 +126,12 @@ def compiled_memory_gb(compiled) -> dict:
 
 def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int, gpus: int = 1,
         zero_level: int = 1, offload: tuple[str, ...] = (), full_ft: bool = False, optimizer: str = "adamw",
-        baseline_tps: float | None = None) -> dict:
+        baseline_tps: float | None = None, recipe: str = "bf16") -> dict:
     cfg = qwen3(size, recompute, full_ft, "residual" in offload)
+    if recipe != "bf16":  # precision recipe of the seven projections (LoRA: frozen base quantized once)
+        from surogate_jax.precision.recipe import QuantRecipe
+
+        cfg = cfg.replace(recipe=QuantRecipe(recipe))
     model = Decoder(cfg)
     devices = par.run_devices(gpus)
     mesh = T.make_mesh(devices)
@@ -168,7 +172,7 @@ def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int
                mfu=mfu, peak_gb=max(known) if known else 0.0, compile_s=compile_s, losses=losses,
                seed_surogate_bf16=SEED_H100[size][0], seed_unsloth_bf16=SEED_H100[size][1],
                gpus=len(devices), tokens_per_s_per_gpu=tps / len(devices), peak_gb_per_gpu=peaks,
-               mode="full" if full_ft else "lora", zero_level=zero_level, offload=list(offload), optimizer=optimizer,
+               mode="full" if full_ft else "lora", recipe=recipe, zero_level=zero_level, offload=list(offload), optimizer=optimizer,
                init_peak_gb_per_gpu=init_peaks, compiled_gb=mem,
                parallel=layout.describe(), remat=cfg.remat_policy, baseline_tps=baseline_tps,
                scaling_efficiency=(tps / len(devices) / baseline_tps) if baseline_tps else None)
@@ -204,11 +208,13 @@ def main():
     ap.add_argument("--full-ft", action="store_true", help="full fine-tuning (fp32 masters), no LoRA")
     ap.add_argument("--optimizer", choices=("adamw", "adamw_8bit"), default="adamw")
     ap.add_argument("--baseline-tps", type=float, help="1-GPU tokens/s: report the scaling efficiency")
+    ap.add_argument("--recipe", choices=("bf16", "fp8-hybrid", "nvfp4"), default="bf16", help="precision recipe")
     ap.add_argument("--out")
     a = ap.parse_args()
     offload = tuple(o for o in OFFLOADS if getattr(a, f"offload_{o}"))
     res = run(a.size, a.steps, a.recompute, a.batch, a.accum, a.seq, gpus=a.gpus, zero_level=a.zero_level,
-              offload=offload, full_ft=a.full_ft, optimizer=a.optimizer, baseline_tps=a.baseline_tps)
+              offload=offload, full_ft=a.full_ft, optimizer=a.optimizer, baseline_tps=a.baseline_tps,
+              recipe=a.recipe)
     plain = res["gpus"] == 1 and not (offload or a.full_ft or a.optimizer != "adamw" or a.baseline_tps)
     print(json.dumps(res))
     print(table_line(res, plain))

@@ -9,6 +9,7 @@ Run: `.venv/bin/python -m pytest -q tests/gpu/test_recipe_gpu.py` (or python3 on
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -59,11 +60,25 @@ def _loss(model, variables, ids):
     return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, ids[..., None], -1)[..., 0])
 
 
+def _check_grads(g, g_ref, g_bf16):
+    """Every gradient leaf finite and about as close to the reference as the bf16 model's is (the
+    FP8 tolerance measured in place: on a random-init model the gradients are sums that largely
+    cancel, so FP8 vs bf16 differ by ~20% norm-wise; a wiring error (transposed or mis-scaled
+    operand) gives ~100%). Dry-run on CPU with impl=xla (bf16 dots there): ratios up to 1.09."""
+    flat = jax.tree_util.tree_flatten_with_path(g)[0]
+    for (path, a), b, c in zip(flat, jax.tree.leaves(g_ref), jax.tree.leaves(g_bf16), strict=True):
+        name = jax.tree_util.keystr(path)
+        assert bool(jnp.all(jnp.isfinite(a))), name
+        got, fp8_err = _rel(a, b), _rel(c, b)
+        print(f"  {name}: rel to ref {got:.4f} (bf16 vs ref {fp8_err:.4f})")
+        assert got < max(0.05, 1.5 * fp8_err), (name, got, fp8_err)
+
+
 def _calibrated_state(model, params, ids):
     """The fp8 state after one observation (scale-1 states would flush the small dY to zero in E5M2,
     making every gradient comparison vacuous)."""
     quant = init_quant_state(model)
-    obs = jax.grad(lambda q: _loss(model, {"params": params, "fp8": q}, ids))(quant)
+    obs = jax.jit(jax.grad(lambda q: _loss(model, {"params": params, "fp8": q}, ids)))(quant)
     return fp8.update(quant, obs)
 
 
@@ -71,6 +86,40 @@ def test_ffi_is_what_auto_picks():
     assert ffi_available(), "the FFI extension is not built: build it before the GPU session"
     for k, n in ((256, 512), (256, 704), (704, 256), (512, 256)):
         assert resolve_fp8_impl(None, k, n) == "ffi"
+
+
+@pytest.mark.parametrize("m,k,n", [(1000, 256, 704), (512, 704, 256), (37, 128, 48)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_fp8_matmul_frozen_ffi_matches_reference(m, k, n, dtype, assert_close):
+    from surogate_jax.ops.fp8_matmul import fp8_matmul_frozen
+
+    rng = np.random.default_rng(m + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32)
+    s_w = jnp.float32(fp8.E4M3_MAX / float(jnp.max(jnp.abs(w))))
+    wq = fp8.quantize(w, s_w, fp8.E4M3)
+    st = fp8.init_matmul_state(4)
+    st = fp8.Fp8MatmulState(fp8.Fp8TensorState(jnp.float32(100.0), st.x.amax_history), st.w,
+                            fp8.Fp8TensorState(jnp.float32(2.0 ** 12), st.g.amax_history))
+    dy = jnp.asarray(rng.standard_normal((m, n)) * 1e-3, dtype)
+
+    def run(impl, x, wq, s_w, st, dy):  # arguments, not closures: closed-over arrays get constant-folded
+        y, vjp = jax.vjp(lambda x, s: fp8_matmul_frozen(x, wq, s_w, s, impl=impl), x, st)
+        dx, ds = vjp(dy)
+        return y, dx, ds
+
+    y, dx, ds = jax.jit(functools.partial(run, "ffi"))(x, wq, s_w, st, dy)
+    y_ref, dx_ref, ds_ref = jax.jit(functools.partial(run, "ref"))(x, wq, s_w, st, dy)
+    assert y.dtype == dtype and dx.dtype == dtype
+    assert bool(jnp.all(jnp.isfinite(y))) and bool(jnp.all(jnp.isfinite(dx)))
+    # identical quantized operands; the FP8 tensor cores' accumulator keeps fewer mantissa bits than
+    # fp32 between promotions (none with the forward's fast accumulation): bf16's tolerance for every
+    # dtype, as tests/gpu/test_fp8_matmul_gpu.py
+    assert_close(y, y_ref, jnp.bfloat16)
+    assert_close(dx, dx_ref, jnp.bfloat16)
+    np.testing.assert_allclose(float(ds.x.scale), float(ds_ref.x.scale))
+    np.testing.assert_allclose(float(ds.g.scale), float(ds_ref.g.scale))
+    assert float(ds.w.scale) == 0.0
 
 
 @pytest.mark.parametrize("impl", ["ffi", "xla"])
@@ -85,19 +134,19 @@ def test_fp8_model_matches_reference_loss_and_grads(impl):
 
     (l_ref, (g_ref, o_ref)) = jax.jit(jax.value_and_grad(lambda p, q: f(ref_model, p, q), argnums=(0, 1)))(params, quant)
     (l, (g, o)) = jax.jit(jax.value_and_grad(lambda p, q: f(model, p, q), argnums=(0, 1)))(params, quant)
-    l_bf16 = jax.jit(lambda p: _loss(Decoder(CFG), {"params": p}, ids))(params)
+    l_bf16, g_bf16 = jax.jit(jax.value_and_grad(lambda p: _loss(Decoder(CFG), {"params": p}, ids)))(params)
     print(f"{impl}: loss {float(l):.6f} ref {float(l_ref):.6f} bf16 {float(l_bf16):.6f}")
     assert np.isfinite(float(l))
     assert abs(float(l) - float(l_ref)) < 2e-3 * abs(float(l_ref))  # same quantized operands, GEMM accumulation differs
     assert abs(float(l) - float(l_bf16)) < 2e-2 * abs(float(l_bf16))  # FP8 vs bf16
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g_ref), strict=True):
-        assert bool(jnp.all(jnp.isfinite(a))), path
-        # bf16 rounding differences may flip an E5M2 rounding of dY in an earlier layer (25% steps)
-        assert _rel(a, b) < 5e-2, (jax.tree_util.keystr(path), _rel(a, b))
-    # the observed amaxes agree (max|x|, max|w| exactly; max|dY| up to accumulation differences)
+    _check_grads(g, g_ref, g_bf16)
+    # the observed amaxes agree: max|w| exactly, max|x| up to bf16 roundings of earlier layers, max|dY|
+    # (a max over noisy sums after E5M2 roundings in every later layer) loosely
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(o)[0], jax.tree.leaves(o_ref), strict=True):
-        if "scale" in jax.tree_util.keystr(path):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=5e-2, err_msg=jax.tree_util.keystr(path))
+        name = jax.tree_util.keystr(path)
+        if "scale" in name:
+            rtol = 0.0 if ".w." in name else 5e-2 if ".x." in name else 0.25
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, err_msg=name)
 
 
 def test_fp8_lora_cache_through_ffi_matches_reference():
@@ -118,10 +167,11 @@ def test_fp8_lora_cache_through_ffi_matches_reference():
 
     l_ref, g_ref = jax.jit(jax.value_and_grad(lambda a: f(ref_model, a)))(adapters)
     l, g = jax.jit(jax.value_and_grad(lambda a: f(model, a)))(adapters)
+    plain = Decoder(CFG.replace(lora=SPEC))
+    g_bf16 = jax.jit(jax.grad(lambda a: _loss(plain, {"params": base, "lora": a}, ids)))(adapters)
     print(f"lora cache: loss {float(l):.6f} ref {float(l_ref):.6f}")
     assert abs(float(l) - float(l_ref)) < 2e-3 * abs(float(l_ref))
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g_ref), strict=True):
-        assert _rel(a, b) < 5e-2, (jax.tree_util.keystr(path), _rel(a, b))
+    _check_grads(g, g_ref, g_bf16)
 
 
 def _train(recipe, lora=False, steps=6):
