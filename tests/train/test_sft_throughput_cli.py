@@ -62,7 +62,7 @@ def test_multi_gpu_session_plans_the_matrix_and_skips_what_does_not_fit(tmp_path
     run = "python3 benchmarks/sft_throughput.py "
     assert skipped[:4] == [run + "--size 0.6b --gpus 1 --steps 6", run + "--size 0.6b --gpus 2 --steps 6",
                            run + "--size 8b --gpus 1 --steps 4", run + "--size 8b --gpus 2 --steps 4"], skipped
-    full = run + "--size 8b --gpus 2 --full-ft --zero-level 3 --accum 2 --steps 2"
+    full = run + "--size 8b --gpus 2 --full-ft --zero-level 3 --accum 2 --steps 2 --optimizer adamw_8bit"
     assert skipped[4:] == [full + " --offload-optimizer", full, full + " --offload-master", full + " --offload-grads",
                            full + " --offload-residual",
                            full + " --offload-optimizer --offload-master --offload-grads --offload-residual"], skipped
