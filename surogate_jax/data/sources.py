@@ -106,7 +106,13 @@ def resolve(cfg: DatasetConfig) -> Source:
 
 
 def _load_local(src: Source) -> Rows:
-    import datasets
+    try:
+        import datasets
+    except ImportError:  # JSON needs only the json module (e.g. a GPU image without `datasets`)
+        if src.builder == "json":
+            return _read_json(src.files)
+        raise DataError(f"{src.name}: reading {src.builder} files needs the `datasets` package "
+                        "(pip install datasets)") from None
 
     files = [str(f) for f in src.files]
     try:
