@@ -7,6 +7,10 @@
 // with R = the product of x's leading dims, qt viewed as [C, L] (L = its last dim, L >= R):
 // qt[c, r] = q[r, c] and qt[c, r] = 0 for R <= r < L. The fp8 format is the dtype of q (and qt).
 // x is float32, bfloat16 or float16; scale is the quantization scale (q = x * scale, saturated).
+//
+//   surogate_fp8_transpose(x [..., C] (f8e4m3fn | f8e5m2)) -> qt [C, L] (x's dtype), L >= R:
+// qt[c, r] = x[r, c], 0 for R <= r < L; a byte copy (the transposed operand of an fp8 tensor that
+// is already quantized, e.g. a frozen E4M3 weight; see ops/fp8_matmul.py "Frozen weights").
 #include "ffi/ffi_common.h"
 #include "kernels/fp8_quantize.h"
 
@@ -15,6 +19,7 @@ namespace {
 
 constexpr std::string_view kQuant = "surogate_fp8_quantize";
 constexpr std::string_view kQuantT = "surogate_fp8_quantize_t";
+constexpr std::string_view kTranspose = "surogate_fp8_transpose";
 
 ffi::Error Fp8FormatOf(std::string_view op, const char* name, const ffi::AnyBuffer& b,
                        Fp8Format* fmt) {
@@ -83,6 +88,26 @@ ffi::Error QuantizeTImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s
   return Quantize(kQuantT, stream, x, scale, &*q, &*qt, &*amax);
 }
 
+ffi::Error TransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> qt) {
+  const std::string_view op = kTranspose;
+  int64_t rows = 0, cols = 0;
+  if (auto e = RowsAndDim(op, "x", x, &rows, &cols); e.failure()) return e;
+  Fp8Format fmt;
+  if (auto e = Fp8FormatOf(op, "x", x, &fmt); e.failure()) return e;
+  if (qt->element_type() != x.element_type()) {
+    return InvalidArg(op, "qt has dtype " + DtypeName(qt->element_type()) + " but x has " +
+                              DtypeName(x.element_type()) + "; the transpose keeps the fp8 type");
+  }
+  const auto d = qt->dimensions();
+  if (d.size() != 2 || d[0] != cols || d[1] < rows) {
+    return InvalidArg(op, "qt has shape " + ShapeStr(*qt) + ", expected [" + std::to_string(cols) +
+                              ", L] with L >= " + std::to_string(rows) + " for x of shape " +
+                              ShapeStr(x));
+  }
+  return CudaError(op, fp8_transpose(static_cast<const uint8_t*>(x.untyped_data()), rows, cols,
+                                     static_cast<uint8_t*>(qt->untyped_data()), d[1], stream));
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kFp8QuantizeHandler, QuantizeImpl,
@@ -102,8 +127,16 @@ XLA_FFI_DEFINE_HANDLER(kFp8QuantizeTHandler, QuantizeTImpl,
                            .Ret<ffi::AnyBuffer>()   // qt
                            .Ret<ffi::AnyBuffer>());  // amax
 
+XLA_FFI_DEFINE_HANDLER(kFp8TransposeHandler, TransposeImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Arg<ffi::AnyBuffer>()   // x
+                           .Ret<ffi::AnyBuffer>());  // qt
+
 Targets Fp8QuantizeTargets() {
-  return {{kQuant.data(), kFp8QuantizeHandler}, {kQuantT.data(), kFp8QuantizeTHandler}};
+  return {{kQuant.data(), kFp8QuantizeHandler},
+          {kQuantT.data(), kFp8QuantizeTHandler},
+          {kTranspose.data(), kFp8TransposeHandler}};
 }
 
 }  // namespace surogate::ffi_bind

@@ -15,6 +15,12 @@
 // Launchers enqueue on `stream` (amax is zeroed there first), never synchronize, and return the
 // first CUDA error. The amax is combined with atomicMax on the float bits: max is exact and
 // order-independent, so results are deterministic.
+//
+// fp8_transpose: the same transposed layout for data that is ALREADY fp8 (e.g. a frozen weight
+// cached in E4M3): x [rows, cols] bytes -> qt [cols, ld_t], qt[c, r] = x[r, c] for r < rows, 0 for
+// rows <= r < ld_t. Bytes are copied as they are (either fp8 format, NaN payloads kept); no
+// scale, no amax. Done in our own kernel so that XLA cannot hoist or re-lay-out the transpose
+// (see surogate_jax/ops/fp8_matmul.py, "Frozen weights").
 #pragma once
 
 #include <cstdint>
@@ -31,5 +37,8 @@ template <typename T>
 cudaError_t fp8_quantize(const T* x, const float* scale, int64_t rows, int64_t cols,
                          Fp8Format format, uint8_t* q, uint8_t* qt, int64_t ld_t, float* amax,
                          cudaStream_t stream);
+
+cudaError_t fp8_transpose(const uint8_t* x, int64_t rows, int64_t cols, uint8_t* qt,
+                          int64_t ld_t, cudaStream_t stream);
 
 }  // namespace surogate

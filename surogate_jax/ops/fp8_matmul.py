@@ -36,6 +36,10 @@ Frozen weights (`fp8_matmul_frozen`, used for the LoRA base by precision/recipe.
 already in E4M3 with its own fixed scale (quantized once, current scaling), so the forward skips
 the weight cast (the ffi path only transposes the f8 copy to the K-major layout cuBLASLt wants),
 and the backward computes dx only: no wgrad GEMM and, on the ffi path, no transposed copy of x.
+The ffi path transposes with our own byte-transpose kernel (`surogate_fp8_transpose`) rather than
+jnp.transpose: on the H100 (Qwen3-8B LoRA, 2026-11-22) XLA's layout assignment turned the
+per-layer jnp.transpose into transposed copies of the WHOLE stacked [L, K, N] cache hoisted out of
+the layer scan (12 GB of temporaries at 8B), which a custom call on the per-layer slice prevents.
 
 Known issues (H100 run of 2026-11-22, jax 0.11.2; see precision/fp8.quantize):
   * XLA's GPU compiler folds convert chains (f32 -> f8 -> f32 / bf16 becomes one convert,
@@ -80,6 +84,7 @@ from surogate_jax.precision.fp8 import (
 
 QUANT_TARGET = "surogate_fp8_quantize"
 QUANT_T_TARGET = "surogate_fp8_quantize_t"
+TRANSPOSE_TARGET = "surogate_fp8_transpose"
 GEMM_TARGET = "surogate_fp8_gemm"
 IMPLS = ("auto", "ffi", "xla", "ref")
 DEFAULT_GPU_IMPL = "ffi"  # the faster backend on H100 (benchmarks/bench_fp8_matmul.py decides)
@@ -228,6 +233,18 @@ def _quantize_ffi(x2, scale, dtype, transposed: bool):
     return jax.ffi.ffi_call(QUANT_T_TARGET, (q, qt, a), vmap_method="sequential")(x2, scale)
 
 
+def _transpose_ffi(x2, ld_t: int | None = None):
+    """qt [C, ld_t] with qt[c, r] = x2[r, c] and zeros for r >= R, for an fp8 x2 [R, C] (either
+    format; bytes copied as they are). ld_t defaults to R. Our kernel, not jnp.transpose, so that
+    XLA cannot hoist the transpose out of a layer scan (module docstring, "Frozen weights")."""
+    rows, cols = x2.shape
+    ld_t = rows if ld_t is None else int(ld_t)
+    if ld_t < rows:
+        raise ValueError(f"_transpose_ffi: ld_t={ld_t} < rows={rows}")
+    out = jax.ShapeDtypeStruct((cols, ld_t), x2.dtype)
+    return jax.ffi.ffi_call(TRANSPOSE_TARGET, out, vmap_method="sequential")(x2)
+
+
 def _gemm_ffi(a, b, a_inv, b_inv, out_dtype, fast_accum: bool):
     """d [M, N] = (a [M, K] a_inv) (b [N, K] b_inv)^T through cuBLASLt (fp32 accumulation)."""
     m = math.prod(a.shape[:-1])
@@ -242,7 +259,7 @@ def _gemm_ffi(a, b, a_inv, b_inv, out_dtype, fast_accum: bool):
 def _fwd_ffi(x2, w, scales, cfg):
     inv = inverse_scale(scales)
     if cfg.frozen:  # the cached E4M3 weight [K, N]; the forward GEMM wants it K-major: one f8 transpose
-        wq, wq_t, amax_w = w, jnp.transpose(w), jnp.zeros((), jnp.float32)
+        wq, wq_t, amax_w = w, _transpose_ffi(w), jnp.zeros((), jnp.float32)  # wq_t [N, K]
     else:
         wq, wq_t, amax_w = _quantize_ffi(w, scales[1], E4M3, transposed=True)  # wq_t [N, K]
 
