@@ -220,9 +220,12 @@ def zero_spec(path, shape: tuple[int, ...], n: int) -> P:
 class Layout:
     """Shardings of a TrainState on a mesh per a Plan, and the in-step device placement."""
 
-    def __init__(self, mesh: Mesh | None, plan: Plan | None = None):
-        """mesh None: no mesh known (a bare make_train_step): every placement is a no-op."""
+    def __init__(self, mesh: Mesh | None, plan: Plan | None = None, stream: bool | None = None):
+        """mesh None: no mesh known (a bare make_train_step): every placement is a no-op.
+        stream: move state through the step layer by layer (surogate_jax/offload.py); default:
+        whenever the plan offloads (True without offload runs the same code on device memory)."""
         self.mesh, self.plan = mesh, plan or Plan()
+        self.stream = (self.plan.offloads if stream is None else stream) and mesh is not None
         self.n = mesh.shape[DATA] if mesh is not None else 1
         if mesh is None and self.plan != Plan():
             raise ValueError("a Layout with a sharding/offload plan needs a mesh")

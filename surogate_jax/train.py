@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from .loss import cross_entropy_sum
 from .models import Decoder, DecoderConfig
 from .optim.adamw_8bit import apply_fused
+from .offload import Streamer, num_layers
 from .parallel import Layout, make_mesh  # noqa: F401  (make_mesh: re-exported)
 from .precision import fp8 as fp8_lib
 from .precision import recipe as recipe_lib
@@ -91,7 +92,13 @@ def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: 
     margin = recipe.margin if recipe is not None else 0.0
 
     def step(state: TrainState, batch: dict):
-        state = layout.fetch_state(state)  # offloaded trainable / optimizer state -> device
+        st = streamer(layout, state.trainable)
+        if st is None:
+            state = layout.fetch_state(state)  # offloaded trainable / optimizer state -> device (whole)
+            work = state.trainable
+        else:  # layer-streamed offload (offload.py): the forward's weights on the device only
+            work = forward_weights(model, layout, state.trainable, st)
+        plan = layout.plan
         rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
         n_accum = batch["input_ids"].shape[0]
         grad_fn = jax.value_and_grad(lambda t, q, mb, r: batch_loss(model, state.params, t, mb, r, q),
@@ -100,10 +107,15 @@ def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: 
         def micro(carry, xs):
             grads, obs, loss = carry
             mb, i = xs
-            (l, _), (g, o) = grad_fn(state.trainable, state.quant, mb, jax.random.fold_in(step_rng, i))
-            grads = layout.constrain_grads(jax.tree.map(jnp.add, layout.grads_to_device(grads), g))
+            (l, _), (g, o) = grad_fn(work, state.quant, mb, jax.random.fold_in(step_rng, i))
+            if st is None:
+                grads = layout.constrain_grads(jax.tree.map(jnp.add, layout.grads_to_device(grads), g))
+                grads = layout.grads_to_host(grads)
+            else:
+                grads = st.accumulate(grads, layout.constrain_grads(g), host=plan.offload_grads,
+                                      shard=plan.shard_gradients)
             obs = fp8_lib.combine_observations(obs, o)  # amaxes: max over micro-batches, not a sum
-            return (layout.grads_to_host(grads), obs, loss + l), None
+            return (grads, obs, loss + l), None
 
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), state.trainable)
         zeros = layout.grads_to_host(layout.constrain_grads(zeros))
@@ -111,14 +123,23 @@ def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: 
         (grads, obs, loss_sum), _ = jax.lax.scan(micro, (zeros, no_obs, jnp.zeros((), jnp.float32)),
                                                  (batch, jnp.arange(n_accum)))
         quant = fp8_lib.update(state.quant, obs, margin) if state.quant else state.quant
-        grads = layout.grads_to_device(grads)
         n_tokens = jnp.sum(batch["loss_mask"])
         denom = jnp.maximum(n_tokens, 1.0)
-        grads = jax.tree.map(lambda g, t: (g / denom).astype(t.dtype), grads, state.trainable)
-        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
-        # tx's fused path when it has one (adamw_8bit: the kernel writes the parameters in place,
-        # the clip folded in as a gradient scale), else tx.update + optax.apply_updates
-        trainable, opt_state = apply_fused(tx, grads, state.opt_state, state.trainable)
+        prep = lambda g, dtype: (g / denom).astype(dtype)
+        dtypes = jax.tree.map(lambda t: t.dtype, state.trainable)
+        if st is None:
+            grads = jax.tree.map(prep, layout.grads_to_device(grads), dtypes)
+            grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+            # tx's fused path when it has one (adamw_8bit: the kernel writes the parameters in place,
+            # the clip folded in as a gradient scale), else tx.update + optax.apply_updates
+            trainable, opt_state = apply_fused(tx, grads, state.opt_state, state.trainable)
+        else:  # gradients, masters and optimizer state of one layer at a time on the device
+            grad_norm = jnp.sqrt(st.sum_squares(grads, prep, dtypes, host=plan.offload_grads,
+                                                shard=plan.shard_gradients))
+            trainable, opt_state = st.update(
+                lambda g, s, t: apply_fused(tx, g, s, t, norm=grad_norm), tx.init, grads, state.opt_state,
+                state.trainable, prep=prep, grads_host=plan.offload_grads, opt_host=plan.offload_optimizer,
+                params_host=plan.offload_master)
         metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "supervised_tokens": n_tokens}
         new = state.replace(step=state.step + 1, trainable=trainable, opt_state=opt_state, rng=jax.random.key_data(rng),
@@ -128,11 +149,30 @@ def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: 
     return step
 
 
+def streamer(layout: Layout, trainable) -> Streamer | None:
+    """The layer streamer when `layout` streams and the trainable tree has a layer stack."""
+    L = num_layers(trainable) if layout.stream else None
+    return Streamer(layout, L) if L else None
+
+
+def forward_weights(model: Decoder, layout: Layout, trainable, st: Streamer):
+    """What the forward differentiates: full fine-tuning's masters as their model-dtype copy on
+    the device (streamed from the host under offload_master; the cast's cotangent is the same
+    value, so the accumulated fp32 gradients are unchanged), LoRA adapters as they are."""
+    full_ft = model.config.lora is None
+    dtype = model.config.param_dtype if full_ft else None
+    if not layout.plan.offload_master:
+        return trainable
+    return st.working_copy(trainable, dtype, host=True, shard=layout.plan.shard_weights)
+
+
 def make_eval_step(model: Decoder, layout: Layout | None = None) -> Callable:
     layout = layout or Layout(None)
 
     def step(state: TrainState, batch: dict):
-        state = state.replace(trainable=layout.fetch_trainable(state.trainable))
+        st = streamer(layout, state.trainable)
+        work = layout.fetch_trainable(state.trainable) if st is None else forward_weights(model, layout, state.trainable, st)
+        state = state.replace(trainable=work)
         return batch_loss(model, state.params, state.trainable, batch, None, state.quant)
     return step
 

@@ -40,18 +40,17 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, shard_update: bool | None
                         weight_decay=cfg.weight_decay, mask=decay_mask, fp32_mask=fp32_state_mask,
                         shard_update=shard_update)
         return (chain_clip(cfg.max_grad_norm, tx) if cfg.max_grad_norm > 0 else tx), schedule
-    parts = []
-    if cfg.max_grad_norm > 0:
-        parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
     if cfg.optimizer == "normuon":
-        parts.append(normuon(schedule, momentum=cfg.normuon_momentum, beta2=cfg.normuon_beta2,
-                             weight_decay=cfg.weight_decay, cautious_wd=cfg.normuon_cautious_wd,
-                             adam_b1=cfg.adamw_beta1, adam_b2=cfg.adamw_beta2, adam_eps=cfg.adamw_epsilon,
-                             shard_update=shard_update))
+        tx = normuon(schedule, momentum=cfg.normuon_momentum, beta2=cfg.normuon_beta2,
+                     weight_decay=cfg.weight_decay, cautious_wd=cfg.normuon_cautious_wd,
+                     adam_b1=cfg.adamw_beta1, adam_b2=cfg.adamw_beta2, adam_eps=cfg.adamw_epsilon,
+                     shard_update=shard_update)
     else:
-        parts.append(optax.adamw(schedule, b1=cfg.adamw_beta1, b2=cfg.adamw_beta2, eps=cfg.adamw_epsilon,
-                                 weight_decay=cfg.weight_decay, mask=decay_mask))
-    return optax.chain(*parts), schedule
+        tx = optax.adamw(schedule, b1=cfg.adamw_beta1, b2=cfg.adamw_beta2, eps=cfg.adamw_epsilon,
+                         weight_decay=cfg.weight_decay, mask=decay_mask)
+    # chain_clip = optax.chain(clip_by_global_norm, tx) (same state) that can also clip by a norm
+    # computed elsewhere (the layer-streamed update of offloaded state, surogate_jax/offload.py)
+    return (chain_clip(cfg.max_grad_norm, tx) if cfg.max_grad_norm > 0 else tx), schedule
 
 
 __all__ = ["FusedGradientTransformation", "adamw_8bit", "apply_fused", "chain_clip", "decay_mask",

@@ -421,12 +421,14 @@ class FusedGradientTransformation(optax.GradientTransformation):
         return self
 
 
-def apply_fused(tx: optax.GradientTransformation, grads, opt_state, params):
+def apply_fused(tx: optax.GradientTransformation, grads, opt_state, params, norm: jax.Array | None = None):
     """(new_params, new_opt_state): tx's fused path when it has one, else
-    `tx.update` + `optax.apply_updates` (the same result, one more pass over memory)."""
+    `tx.update` + `optax.apply_updates` (the same result, one more pass over memory).
+    norm: the gradients' global norm when the caller knows it (a clipping chain then uses it
+    instead of the norm of `grads`: the layer-streamed update passes one layer's gradients)."""
     fused = getattr(tx, "fused_update", None)
     if fused is not None:
-        return fused(grads, opt_state, params)
+        return fused(grads, opt_state, params, norm=norm) if isinstance(tx, ClipChain) else fused(grads, opt_state, params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -436,25 +438,37 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
+class ClipChain(FusedGradientTransformation):
+    """optax.chain(optax.clip_by_global_norm(max_norm), inner) with a fused_update that also
+    takes the global norm from the caller (see `chain_clip`)."""
+
+
 def chain_clip(max_norm: float, tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """optax.chain(optax.clip_by_global_norm(max_norm), tx) (same init, update and state). When tx
-    is fused, the chain is too: its fused path scales the gradients inside tx's kernel by
-    min(1, max_norm / ||g||) instead of writing clipped gradients first (equal to the optax clip up
-    to one float32 rounding of the scale)."""
+    """optax.chain(optax.clip_by_global_norm(max_norm), tx) (same init, update and state), as a
+    ClipChain whose `fused_update(grads, state, params, grad_scale=None, norm=None)` clips by
+    `norm` when given (else the norm of `grads`). When tx is fused, its kernel scales the
+    gradients by min(1, max_norm / norm) instead of writing clipped gradients first (equal to the
+    optax clip up to one float32 rounding of the scale); otherwise the clip is optax's formula,
+    then tx.update and optax.apply_updates."""
     chained = optax.chain(optax.clip_by_global_norm(max_norm), tx)
     inner = getattr(tx, "fused_update", None)
-    if inner is None:
-        return chained
 
-    def fused_update(grads, state, params, grad_scale=None):
-        norm = global_norm(grads)
-        scale = jnp.where(norm < max_norm, jnp.float32(1.0), jnp.float32(max_norm) / norm)
+    def fused_update(grads, state, params, grad_scale=None, norm=None):
+        norm = global_norm(grads) if norm is None else norm
+        if inner is not None:
+            scale = jnp.where(norm < max_norm, jnp.float32(1.0), jnp.float32(max_norm) / norm)
+            if grad_scale is not None:
+                scale = scale * grad_scale
+            new_params, inner_state = inner(grads, state[1], params, scale)
+            return new_params, (state[0], inner_state)
         if grad_scale is not None:
-            scale = scale * grad_scale
-        new_params, inner_state = inner(grads, state[1], params, scale)
-        return new_params, (state[0], inner_state)
+            raise ValueError("chain_clip: grad_scale needs a fused inner transformation")
+        trigger = norm < max_norm  # optax.clip_by_global_norm's formula, with the given norm
+        grads = jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), grads)
+        updates, inner_state = tx.update(grads, state[1], params)
+        return optax.apply_updates(params, updates), (state[0], inner_state)
 
-    return FusedGradientTransformation(chained.init, chained.update, fused_update)
+    return ClipChain(chained.init, chained.update, fused_update)
 
 
 # ---------------------------------------------------------------------------------------------
