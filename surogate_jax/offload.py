@@ -210,6 +210,14 @@ class Streamer:
             out_o[j] = o
         return jax.tree_util.tree_unflatten(p_def, out_p), jax.tree_util.tree_unflatten(o_def, out_o)
 
+    def streamed_params(self, init_fn: Callable, params, opt_state) -> list[str]:
+        """The parameter leaves (keystr paths) that `update` moves one layer at a time."""
+        p_flat, p_def = jax.tree_util.tree_flatten_with_path(params)
+        o_flat, o_def = jax.tree_util.tree_flatten_with_path(opt_state)
+        owner = {_keys(p): k for k, (p, _) in enumerate(p_flat)}
+        ks = self._streamable(init_fn, p_flat, p_def, o_flat, o_def, [owner.get(_keys(p)) for p, _ in o_flat])
+        return [jax.tree_util.keystr(p_flat[k][0]) for k in sorted(ks)]
+
     def _streamable(self, init_fn, p_flat, p_def, o_flat, o_def, o_owner) -> set[int]:
         """Indices of the parameter leaves updated per layer: stacked, and every optimizer-state
         leaf they own is stacked too and is exactly the state tx.init gives one layer's slice."""

@@ -206,12 +206,21 @@ def abstract_state(tx, params: Any, trainable: Any, quant: Any = None) -> TrainS
 
 def prepare_frozen(model: Decoder, params: Any) -> Any:
     """LoRA under a quantizing recipe: the frozen base with the seven projections' kernels
-    quantized once (recipe.cache_frozen_weights; jitted, the input donated). Else `params`."""
+    quantized once (recipe.cache_frozen_weights). Else `params`. One stacked kernel at a time
+    (jitted, its input donated): the device holds the remaining base plus one kernel's cache, not
+    the whole base and the whole cache (at 8B that was the run's peak: 24 GB vs a 12 GB step)."""
     cfg = model.config
     if cfg.lora is None or cfg.recipe is None or not cfg.recipe.quantizes or recipe_lib.is_cached(params):
         return params
-    cache = jax.jit(lambda p: recipe_lib.cache_frozen_weights(p, cfg.recipe, cfg.num_layers), donate_argnums=(0,))
-    return cache(params)
+    jitted = {}
+
+    def cache_one(proj, w):
+        if proj not in jitted:
+            jitted[proj] = jax.jit(lambda w: recipe_lib.cache_kernel(cfg.recipe, proj, w, cfg.num_layers),
+                                   donate_argnums=(0,))
+        return jitted[proj](w)
+
+    return recipe_lib.cache_frozen_weights(params, cfg.recipe, cfg.num_layers, cache_one)
 
 
 def init_state(model: Decoder, tx, params: Any, trainable: Any, seed: int, mesh: Mesh,

@@ -45,7 +45,7 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -298,7 +298,7 @@ def is_cached(params: Any) -> bool:
     return any(_path_keys(p)[-1] == KERNEL_SCALE for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
 
 
-def _cache_one(recipe: QuantRecipe, proj: str, w: jax.Array, num_layers: int):
+def cache_kernel(recipe: QuantRecipe, proj: str, w: jax.Array, num_layers: int):
     """(cached kernel, kernel_scale [L]) of one stacked kernel w [L, in..., out...]."""
     L = w.shape[0]
     in_dims = IN_DIMS.get(proj, 1)
@@ -325,11 +325,13 @@ def _cache_one(recipe: QuantRecipe, proj: str, w: jax.Array, num_layers: int):
     return jnp.where(layers_q.reshape(bshape), q, w), s_dec.astype(jnp.float32)
 
 
-def cache_frozen_weights(params: Any, recipe: QuantRecipe | None, num_layers: int) -> Any:
+def cache_frozen_weights(params: Any, recipe: QuantRecipe | None, num_layers: int,
+                         cache_one: Callable | None = None) -> Any:
     """Frozen base params with the seven projections' kernels quantized once (see the module
     docstring); each cached kernel gets a sibling `kernel_scale` f32 [L]. Returns `params`
-    unchanged for recipes without quantization or when already cached. Jit it (and donate) to
-    avoid holding both copies."""
+    unchanged for recipes without quantization or when already cached. cache_one(proj, w) ->
+    (cached, scale) replaces the per-kernel quantization (train.prepare_frozen passes a jitted,
+    input-donating one, so only one kernel's two copies exist at a time)."""
     if recipe is None or not recipe.quantizes or is_cached(params):
         return params
 
@@ -340,7 +342,8 @@ def cache_frozen_weights(params: Any, recipe: QuantRecipe | None, num_layers: in
         for key, v in node.items():
             if (key == "kernel" and path and path[-1] in QUANT_PROJECTIONS and "layers" in path
                     and hasattr(v, "ndim")):
-                out["kernel"], out[KERNEL_SCALE] = _cache_one(recipe, path[-1], v, num_layers)
+                out["kernel"], out[KERNEL_SCALE] = (cache_one(path[-1], v) if cache_one is not None
+                                                    else cache_kernel(recipe, path[-1], v, num_layers))
             else:
                 out[key] = walk(v, (*path, key))
         return out
