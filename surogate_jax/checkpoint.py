@@ -28,6 +28,8 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state: Any, data_state: dict, meta: dict) -> None:
+        if getattr(state, "grad_buf", None):  # scratch accumulator (train.TrainState): not saved
+            state = state.replace(grad_buf={})
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
 

@@ -113,8 +113,10 @@ class Streamer:
             out[k] = b
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    def accumulate(self, acc, g, *, host: bool, shard: bool):
-        """acc + g (g on the device; acc on the host when `host`), layer by layer."""
+    def accumulate(self, acc, g, *, host: bool, shard: bool, first=None):
+        """acc + g (g on the device; acc on the host when `host`), layer by layer; where the
+        traced bool `first` is true, g alone (acc is then a scratch buffer being reused)."""
+        add = (lambda a, b: b + a) if first is None else (lambda a, b: jnp.where(first, b, b + a))
         acc_l, stacked, treedef = self._split(acc)
         g_l = treedef.flatten_up_to(g)
         dev, hst = jax.tree.leaves(self._dev(acc, shard)), jax.tree.leaves(self._host(acc, shard)) if host else None
@@ -122,10 +124,10 @@ class Streamer:
         idx = [k for k, s in enumerate(stacked) if s]
         for k in range(len(acc_l)):
             if not stacked[k]:
-                out[k] = self._put(self._put(acc_l[k], dev[k], host) + g_l[k], hst[k] if host else None, host)
+                out[k] = self._put(add(self._put(acc_l[k], dev[k], host), g_l[k]), hst[k] if host else None, host)
 
         def body(i, bufs):
-            return [_set_row(a, i, self._put(self._put(_row(a, i), dev[k], host) + _row(g_l[k], i),
+            return [_set_row(a, i, self._put(add(self._put(_row(a, i), dev[k], host), _row(g_l[k], i)),
                                              hst[k] if host else None, host))
                     for a, k in zip(bufs, idx)]
 

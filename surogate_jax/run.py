@@ -180,7 +180,9 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
     del params, trainable
     start = 0
     if ckpt.latest_step() is not None:
-        state, data_state = ckpt.restore(abstract_like(state))
+        buf = state.grad_buf  # not in checkpoints (scratch): keep the fresh one
+        state, data_state = ckpt.restore(abstract_like(state.replace(grad_buf={})))
+        state = state.replace(grad_buf=buf)
         loader.restore(data_state)
         start = int(state.step)
         log.info("resumed from %s at step %d", ckpt.dir, start)
