@@ -15,9 +15,10 @@ device temporaries instead of 4.3 GB for the whole-tree copy, in the same time (
 
 What streams (train.make_train_step uses these when a Layout streams):
   * `working_copy`: the forward's weights. With offload_master in full fine-tuning the fp32
-    masters live on the host; the device gets their model-dtype copy, built layer by layer, so
-    it never holds the 4-byte masters. Gradients are taken with respect to that copy (the
-    cotangent of the cast is the same value, so the accumulated fp32 gradients are identical).
+    masters live on the host; the device gets the layer stack in the compute dtype (bf16), built
+    layer by layer, so it never holds the 4-byte masters of the stack. Every use of a layer
+    weight in the model casts it to the compute dtype first, so the forward is unchanged and the
+    gradients are the same values (the cast's cotangent), accumulated in fp32 as before.
   * `accumulate`: offload_grads' accumulator (host) += a micro-batch's gradients, per layer.
   * `sum_squares`: the global gradient norm over host-resident gradients, per layer.
   * `update`: the optimizer over (gradients, optimizer state, masters), per layer: layer i's
@@ -93,15 +94,16 @@ class Streamer:
     # -- streamed operations ----------------------------------------------------------------------
 
     def working_copy(self, tree, dtype=None, *, host: bool, shard: bool):
-        """tree (host when `host`) -> the same tree on the device in `dtype` (None: each leaf's
-        own), layer by layer."""
+        """tree (host when `host`) -> the same tree on the device, its stacked leaves cast to
+        `dtype` (None: kept) layer by layer; the other leaves keep their dtype (the embedding's
+        gradient is a scatter-add, which must not run in a narrower dtype than its table's)."""
         leaves, stacked, treedef = self._split(tree)
         dev = jax.tree.leaves(self._dev(tree, shard))
         out = [None] * len(leaves)
         idx = [k for k, s in enumerate(stacked) if s]
         for k, x in enumerate(leaves):
             if not stacked[k]:
-                out[k] = self._put(x, dev[k], host).astype(dtype or x.dtype)
+                out[k] = self._put(x, dev[k], host)
 
         def body(i, bufs):
             return [_set_row(b, i, self._put(_row(leaves[k], i), dev[k], host).astype(b.dtype))

@@ -165,11 +165,12 @@ def streamer(layout: Layout, trainable) -> Streamer | None:
 
 
 def forward_weights(model: Decoder, layout: Layout, trainable, st: Streamer):
-    """What the forward differentiates: full fine-tuning's masters as their model-dtype copy on
-    the device (streamed from the host under offload_master; the cast's cotangent is the same
-    value, so the accumulated fp32 gradients are unchanged), LoRA adapters as they are."""
+    """What the forward differentiates under offload_master: full fine-tuning's masters with the
+    layer stack as its compute-dtype copy on the device (streamed from the host; the model casts
+    every layer weight to that dtype before use, so values and gradients are unchanged; see
+    offload.Streamer.working_copy), LoRA adapters as they are."""
     full_ft = model.config.lora is None
-    dtype = model.config.param_dtype if full_ft else None
+    dtype = model.config.dtype if full_ft else None
     if not layout.plan.offload_master:
         return trainable
     return st.working_copy(trainable, dtype, host=True, shard=layout.plan.shard_weights)

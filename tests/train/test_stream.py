@@ -141,3 +141,12 @@ def test_streamed_zero3_on_4_devices_keeps_the_losses():
     r = subprocess.run([sys.executable, "-c", SCRIPT], check=False, cwd=HERE, env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+def test_working_copy_casts_the_layer_stack_only():
+    params = {"layers": {"w": jnp.linspace(-1, 1, 3 * 8 * 4).reshape(3, 8, 4)}, "embedding": jnp.ones((5, 4))}
+    st = Streamer(par.Layout(T.make_mesh(jax.devices()[:1]), stream=True), 3)
+    work = jax.jit(lambda p: st.working_copy(p, jnp.bfloat16, host=False, shard=False))(params)
+    assert work["layers"]["w"].dtype == jnp.bfloat16 and work["embedding"].dtype == jnp.float32
+    np.testing.assert_array_equal(work["layers"]["w"], params["layers"]["w"].astype(jnp.bfloat16))
+    np.testing.assert_array_equal(work["embedding"], params["embedding"])
