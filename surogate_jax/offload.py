@@ -34,12 +34,11 @@ are discarded and XLA removes that dead work (the compiled memory shows it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .parallel import HOST, Layout
+from .parallel import Layout
 
 LAYERS = "layers"
 
@@ -147,8 +146,8 @@ class Streamer:
         parts = []
         for k, x in enumerate(leaves):
             if stacked[k]:
-                def body(i, s, k=k):
-                    return s + sq(self._put(_row(leaves[k], i), dev[k], host), dts[k])
+                def body(i, s, k=k, x=x):
+                    return s + sq(self._put(_row(x, i), dev[k], host), dts[k])
                 parts.append(jax.lax.fori_loop(0, self.L, body, jnp.zeros((), jnp.float32)))
             else:
                 parts.append(sq(self._put(x, dev[k], host), dts[k]))

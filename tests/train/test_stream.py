@@ -17,16 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from surogate_jax.models import Decoder
+from tiny import CFG, SPEC, base_params, random_batch
 
 from surogate_jax import lora as L
 from surogate_jax import parallel as par
 from surogate_jax import train as T
 from surogate_jax.config import OptimConfig, ParallelConfig
-from surogate_jax.models import Decoder
 from surogate_jax.offload import Streamer, num_layers
 from surogate_jax.optim import adamw_8bit, apply_fused, make_optimizer
-
-from tiny import CFG, SPEC, base_params, random_batch
 
 HERE = Path(__file__).parent
 CFG3 = CFG.replace(num_layers=3, hidden_size=64, intermediate_size=256)
