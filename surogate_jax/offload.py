@@ -19,8 +19,10 @@ What streams (train.make_train_step uses these when a Layout streams):
     layer by layer, so it never holds the 4-byte masters of the stack. Every use of a layer
     weight in the model casts it to the compute dtype first, so the forward is unchanged and the
     gradients are the same values (the cast's cotangent), accumulated in fp32 as before.
-  * `accumulate`: offload_grads' accumulator (host) += a micro-batch's gradients, per layer.
-  * `sum_squares`: the global gradient norm over host-resident gradients, per layer.
+  * `accumulate`: offload_grads' accumulator (host) += a micro-batch's gradients, per layer
+    (gradients kept on the device are added whole).
+  * `sum_squares`: the global gradient norm over host-resident gradients, per layer (whole on
+    the device).
   * `update`: the optimizer over (gradients, optimizer state, masters), per layer: layer i's
     slices ([1, ...], rank kept so shardings and block layouts carry over) go through the
     optimizer and come back. The leaves outside the stack (embedding, lm_head, final norm) and
@@ -76,18 +78,20 @@ class Streamer:
     # -- placement helpers ------------------------------------------------------------------------
 
     def _dev(self, tree, shard: bool):
-        return self.layout._tree(tree, shard, device_kind=self.layout.plan.offloads)
+        return self.layout.shardings(tree, shard, device_kind=self.layout.plan.offloads)
 
     def _host(self, tree, shard: bool):
-        return self.layout._tree(tree, shard, host=True)
+        return self.layout.shardings(tree, shard, host=True)
 
     @staticmethod
     def _put(x, sh, on: bool):
         return jax.device_put(x, sh) if on else x
 
-    def _split(self, tree):
+    def _split(self, tree, host: bool = True):
+        """(leaves, which go layer by layer, treedef). Nothing loops when the tree is on the device
+        (host False): one whole-tree op there is cheaper than L slices and needs no more memory."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        stacked = [_stacked(p, x, self.L) for p, x in flat]
+        stacked = [host and _stacked(p, x, self.L) for p, x in flat]
         return [x for _, x in flat], stacked, treedef
 
     # -- streamed operations ----------------------------------------------------------------------
@@ -118,7 +122,7 @@ class Streamer:
         """acc + g (g on the device; acc on the host when `host`), layer by layer; where the
         traced bool `first` is true, g alone (acc is then a scratch buffer being reused)."""
         add = (lambda a, b: b + a) if first is None else (lambda a, b: jnp.where(first, b, b + a))
-        acc_l, stacked, treedef = self._split(acc)
+        acc_l, stacked, treedef = self._split(acc, host)
         g_l = treedef.flatten_up_to(g)
         dev, hst = jax.tree.leaves(self._dev(acc, shard)), jax.tree.leaves(self._host(acc, shard)) if host else None
         out = list(acc_l)
@@ -139,7 +143,7 @@ class Streamer:
     def sum_squares(self, tree, prep: Callable, dtypes, *, host: bool, shard: bool) -> jax.Array:
         """sum over leaves of sum(prep(x, dtype)^2) in float32 (`dtypes`: a dtype per leaf),
         layer by layer; the leaves are summed in tree order, as the unstreamed step does."""
-        leaves, stacked, treedef = self._split(tree)
+        leaves, stacked, treedef = self._split(tree, host)
         dts = treedef.flatten_up_to(dtypes)
         dev = jax.tree.leaves(self._dev(tree, shard))
         sq = lambda x, t: jnp.sum(jnp.square(prep(x, t).astype(jnp.float32)))
@@ -243,7 +247,7 @@ class Streamer:
                     bad.add(o_owner[j])
             if not bad:
                 return cand
-            if bad & cand == set():  # a mismatch not caused by slicing: stream nothing
+            if not bad & cand:  # a mismatch not caused by slicing: stream nothing
                 return set()
             cand -= bad
         return cand

@@ -232,7 +232,9 @@ class Layout:
         if self.plan.offloads:
             check_memory_kind(mesh, HOST)
 
-    def _tree(self, tree, shard: bool, host: bool = False, device_kind: bool = False):
+    def shardings(self, tree, shard: bool, host: bool = False, device_kind: bool = False):
+        """A NamedSharding per leaf of `tree`: ZeRO-sharded when `shard`, in pinned_host when `host`
+        (else explicitly in device memory when `device_kind`); 8-bit moments keep codes and absmax together."""
         from .optim.adamw_8bit import QuantizedMoment, shard_specs  # late: optim imports parallel lazily
 
         kind = HOST if host else (DEVICE if device_kind else None)
@@ -259,23 +261,23 @@ class Layout:
         return state.replace(
             step=NamedSharding(self.mesh, P()),
             rng=NamedSharding(self.mesh, P()),
-            params=self._tree(state.params, p.shard_weights),
-            trainable=self._tree(state.trainable, p.shard_weights, host=p.offload_master),
-            opt_state=self._tree(state.opt_state, p.shard_optimizer, host=p.offload_optimizer),
+            params=self.shardings(state.params, p.shard_weights),
+            trainable=self.shardings(state.trainable, p.shard_weights, host=p.offload_master),
+            opt_state=self.shardings(state.opt_state, p.shard_optimizer, host=p.offload_optimizer),
         )
 
     def weight_shardings(self, weights, *, trainable: bool):
         """Where loaded weights go: the frozen base (trainable False) or the trainable masters."""
-        return self._tree(weights, self.plan.shard_weights, host=trainable and self.plan.offload_master)
+        return self.shardings(weights, self.plan.shard_weights, host=trainable and self.plan.offload_master)
 
     def grad_shardings(self, trainable, host: bool = False):
-        return self._tree(trainable, self.plan.shard_gradients, host=host, device_kind=self.plan.offloads)
+        return self.shardings(trainable, self.plan.shard_gradients, host=host, device_kind=self.plan.offloads)
 
     # -- inside the traced step ----------------------------------------------------------------
 
     def fetch(self, tree, shard: bool):
         """device_put a pinned-host tree onto the device (same layout) inside the step."""
-        return jax.tree.map(jax.device_put, tree, self._tree(tree, shard, device_kind=True))
+        return jax.tree.map(jax.device_put, tree, self.shardings(tree, shard, device_kind=True))
 
     def fetch_trainable(self, trainable):
         return self.fetch(trainable, self.plan.shard_weights) if self.plan.offload_master else trainable
@@ -300,7 +302,7 @@ class Layout:
     def grads_to_device(self, grads):
         if not self.plan.offload_grads:
             return grads
-        return jax.tree.map(jax.device_put, grads, self._tree(grads, self.plan.shard_gradients, device_kind=True))
+        return jax.tree.map(jax.device_put, grads, self.shardings(grads, self.plan.shard_gradients, device_kind=True))
 
     def describe(self) -> str:
         p = self.plan

@@ -53,8 +53,10 @@ class TrainState:
     quant: Any = flax.struct.field(default_factory=dict)  # fp8 delayed-scaling state ({} without)
     # offload_grads with streaming: the fp32 gradient accumulator, a pinned_host buffer that the
     # step overwrites (first micro-batch) and adds into. Not checkpointed (its content is scratch);
-    # {} otherwise. XLA would otherwise build the zero-initialized accumulator of the largest
-    # leaves in device memory first (seen on the H100 at 8B: 7.2 GB f32 per MLP leaf).
+    # {} otherwise. Why: a zero-initialized accumulator made inside the step was materialized in
+    # device memory by XLA for the largest leaves (H100, 8B full FT: f32 [36, ...] broadcasts in the
+    # buffer assignment). This buffer took 2 GiB off that step's temporaries, not all of it: the
+    # 8B all-offload step still does not fit one H100 (benchmarks/RESULTS.md, fourth session).
     grad_buf: Any = flax.struct.field(default_factory=dict)
 
 

@@ -424,11 +424,9 @@ def _old_frozen_matmul():
 
 
 def test_frozen_scan_budget_catches_the_old_transpose():
-    """Does the budget above discriminate? With the old jnp.transpose XLA hoisted whole-stack
-    copies in the 8B model; if it does not at this size, the regression test cannot catch it
-    (reported as xfail with the numbers, not as a failure of the code under test)."""
+    """The budget above discriminates: with the old jnp.transpose XLA hoists whole-stack copies
+    at this size too (H100, 2026-11-22), so the regression test would catch their return."""
     _, budget = _scan_budget()
     temp, lines = _frozen_scan_temp_bytes(_old_frozen_matmul())
-    if temp < budget:
-        pytest.xfail(f"old jnp.transpose path: temp {temp / 2**20:.1f} MiB < budget "
-                     f"{budget / 2**20:.1f} MiB: XLA did not hoist at this size\n{lines}")
+    assert temp >= budget, (f"old jnp.transpose path: temp {temp / 2**20:.1f} MiB < budget "
+                            f"{budget / 2**20:.1f} MiB: the budget no longer tells the two apart\n{lines}")

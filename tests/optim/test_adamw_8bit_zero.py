@@ -51,7 +51,7 @@ def run(devs):  # ZeRO-3 placement: params, grads and state sharded by the rule
     ns = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t, is_leaf=lambda x: isinstance(x, P))
     st_sh, p_sh = ns(specs(jax.eval_shape(tx.init, params), len(devs))), ns(specs(params, len(devs)))
     if mode == "paired":  # the trainer's own placement (parallel.Layout pairs absmax with codes)
-        st_sh = Layout(mesh, Plan(shard_optimizer=True))._tree(jax.eval_shape(tx.init, params), True)
+        st_sh = Layout(mesh, Plan(shard_optimizer=True)).shardings(jax.eval_shape(tx.init, params), True)
     p = jax.device_put(jax.tree.map(jnp.copy, params), p_sh)
     st = jax.jit(tx.init, out_shardings=st_sh)(p)
     def step(p, s, g):
