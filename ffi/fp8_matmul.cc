@@ -18,28 +18,17 @@
 // col-major [K, N] (transa = T) and B := a viewed col-major [K, M] (transb = N), lda = ldb = K,
 // ldd = N. So cuBLASLt's A scale is our b_scale and its B scale our a_scale.
 //
-// cuBLASLt is not linked: it is dlopen()ed at first use as libcublasLt.so.<major of the header>,
-// which finds the copy jax's CUDA plugin already loaded into the process (the environment
-// variable SUROGATE_JAX_CUBLASLT may name another file). That keeps `import surogate_jax._ffi`
-// free of a libcublasLt dependency and avoids a ~0.5 GB static library. Descriptors, layouts and
+// cuBLASLt is not linked: it is dlopen()ed at first use (ffi/cublaslt_api.h, shared with the
+// NVFP4 GEMM in ffi/nvfp4_matmul.cc; SUROGATE_JAX_CUBLASLT may name the file). Descriptors, layouts and
 // the heuristic's algorithm are cached per (device, shape, dtypes, fast_accum, alignments,
 // workspace size); only the scale pointers change per call (under the plan's mutex).
-#include <dlfcn.h>
-
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <tuple>
 
+#include "ffi/cublaslt_api.h"
 #include "ffi/ffi_common.h"
-
-#if __has_include(<cublasLt.h>)
-#include <cublasLt.h>
-#define SUROGATE_HAVE_CUBLASLT 1
-#else
-#define SUROGATE_HAVE_CUBLASLT 0
-#endif
 
 namespace surogate::ffi_bind {
 namespace {
@@ -52,101 +41,13 @@ std::string Dims(int64_t m, int64_t n, int64_t k) {
 
 #if SUROGATE_HAVE_CUBLASLT
 
-#define SUROGATE_STR2(x) #x
-#define SUROGATE_STR(x) SUROGATE_STR2(x)
+const lt::Api& Lt() { return lt::Get(); }
 
-struct LtApi {
-  decltype(&cublasLtCreate) Create = nullptr;
-  decltype(&cublasLtGetVersion) GetVersion = nullptr;
-  decltype(&cublasLtGetStatusString) GetStatusString = nullptr;
-  decltype(&cublasLtMatmulDescCreate) DescCreate = nullptr;
-  decltype(&cublasLtMatmulDescDestroy) DescDestroy = nullptr;
-  decltype(&cublasLtMatmulDescSetAttribute) DescSetAttribute = nullptr;
-  decltype(&cublasLtMatrixLayoutCreate) LayoutCreate = nullptr;
-  decltype(&cublasLtMatrixLayoutDestroy) LayoutDestroy = nullptr;
-  decltype(&cublasLtMatmulPreferenceCreate) PrefCreate = nullptr;
-  decltype(&cublasLtMatmulPreferenceDestroy) PrefDestroy = nullptr;
-  decltype(&cublasLtMatmulPreferenceSetAttribute) PrefSetAttribute = nullptr;
-  decltype(&cublasLtMatmulAlgoGetHeuristic) AlgoGetHeuristic = nullptr;
-  decltype(&cublasLtMatmul) Matmul = nullptr;
-  std::string error;  // non-empty: unusable, and why
-};
-
-template <typename F>
-bool Resolve(void* lib, const char* name, F* out, std::string* error) {
-  *out = reinterpret_cast<F>(dlsym(lib, name));
-  if (*out == nullptr && error->empty()) *error = std::string("symbol ") + name + " not found";
-  return *out != nullptr;
-}
-
-LtApi LoadLt() {
-  LtApi api;
-  std::string tried;
-  void* lib = nullptr;
-  const char* env = std::getenv("SUROGATE_JAX_CUBLASLT");
-  for (const char* name : {env, "libcublasLt.so." SUROGATE_STR(CUBLAS_VER_MAJOR), "libcublasLt.so"}) {
-    if (name == nullptr || *name == '\0') continue;
-    lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
-    if (lib != nullptr) break;
-    const char* why = dlerror();
-    tried += std::string(tried.empty() ? "" : "; ") + (why ? why : name);
-  }
-  if (lib == nullptr) {
-    api.error = "cannot load cuBLASLt (" + tried + "); set SUROGATE_JAX_CUBLASLT to the path of "
-                "libcublasLt.so." SUROGATE_STR(CUBLAS_VER_MAJOR);
-    return api;
-  }
-  std::string& e = api.error;
-  Resolve(lib, "cublasLtCreate", &api.Create, &e);
-  Resolve(lib, "cublasLtGetVersion", &api.GetVersion, &e);
-  Resolve(lib, "cublasLtGetStatusString", &api.GetStatusString, &e);
-  Resolve(lib, "cublasLtMatmulDescCreate", &api.DescCreate, &e);
-  Resolve(lib, "cublasLtMatmulDescDestroy", &api.DescDestroy, &e);
-  Resolve(lib, "cublasLtMatmulDescSetAttribute", &api.DescSetAttribute, &e);
-  Resolve(lib, "cublasLtMatrixLayoutCreate", &api.LayoutCreate, &e);
-  Resolve(lib, "cublasLtMatrixLayoutDestroy", &api.LayoutDestroy, &e);
-  Resolve(lib, "cublasLtMatmulPreferenceCreate", &api.PrefCreate, &e);
-  Resolve(lib, "cublasLtMatmulPreferenceDestroy", &api.PrefDestroy, &e);
-  Resolve(lib, "cublasLtMatmulPreferenceSetAttribute", &api.PrefSetAttribute, &e);
-  Resolve(lib, "cublasLtMatmulAlgoGetHeuristic", &api.AlgoGetHeuristic, &e);
-  Resolve(lib, "cublasLtMatmul", &api.Matmul, &e);
-  if (e.empty() && api.GetVersion() / 10000 != CUBLAS_VER_MAJOR) {
-    e = "loaded cuBLASLt version " + std::to_string(api.GetVersion()) + " but was built against " +
-        "major version " SUROGATE_STR(CUBLAS_VER_MAJOR);
-  }
-  return api;
-}
-
-const LtApi& Lt() {
-  static const LtApi api = LoadLt();
-  return api;
-}
-
-ffi::Error LtError(const char* what, cublasStatus_t s) {
-  const char* msg = Lt().GetStatusString != nullptr ? Lt().GetStatusString(s) : "?";
-  return ffi::Error::Internal(std::string(kGemm) + ": " + what + " failed: " + msg + " (status " +
-                              std::to_string(static_cast<int>(s)) + ")");
-}
-
-#define SUROGATE_LT_TRY(what, expr)                                \
-  do {                                                             \
-    const cublasStatus_t st_ = (expr);                             \
-    if (st_ != CUBLAS_STATUS_SUCCESS) return LtError(what, st_);   \
+#define SUROGATE_LT_TRY(what, expr)                                      \
+  do {                                                                   \
+    const cublasStatus_t st_ = (expr);                                   \
+    if (st_ != CUBLAS_STATUS_SUCCESS) return lt::Error(kGemm, what, st_); \
   } while (0)
-
-ffi::Error Handle(int device, cublasLtHandle_t* out) {
-  static std::mutex mu;
-  static std::map<int, cublasLtHandle_t> handles;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = handles.find(device);
-  if (it == handles.end()) {
-    cublasLtHandle_t h = nullptr;
-    SUROGATE_LT_TRY("cublasLtCreate", Lt().Create(&h));
-    it = handles.emplace(device, h).first;
-  }
-  *out = it->second;
-  return ffi::Error::Success();
-}
 
 // One cached GEMM configuration. Never destroyed (a handful per model, for the process lifetime).
 struct Plan {
@@ -166,13 +67,6 @@ cudaDataType_t LtType(ffi::DataType t) {
     case ffi::DataType::F16: return CUDA_R_16F;
     default: return CUDA_R_32F;
   }
-}
-
-int Alignment(const void* p) {
-  const auto v = reinterpret_cast<uintptr_t>(p);
-  int a = 1;
-  while (a < 256 && v % (2 * a) == 0) a *= 2;
-  return a;
 }
 
 // Builds the plan for key (under the caller's lock): descriptors + the heuristic's best algorithm.
@@ -294,12 +188,12 @@ ffi::Error Fp8Gemm(cudaStream_t stream, int32_t fast_accum, ffi::AnyBuffer a, ff
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return CudaError(kGemm, err);
   cublasLtHandle_t handle = nullptr;
-  if (auto e = Handle(device, &handle); e.failure()) return e;
+  if (auto e = lt::Handle(kGemm, device, &handle); e.failure()) return e;
   const size_t ws_bytes = ws->size_bytes();
   const PlanKey key{device, m, n, k, static_cast<int>(LtType(a.element_type())),
                     static_cast<int>(LtType(b.element_type())), static_cast<int>(LtType(td)),
-                    fast_accum != 0 ? 1 : 0, Alignment(a.untyped_data()),
-                    Alignment(b.untyped_data()), Alignment(d->untyped_data()), ws_bytes};
+                    fast_accum != 0 ? 1 : 0, lt::Alignment(a.untyped_data()),
+                    lt::Alignment(b.untyped_data()), lt::Alignment(d->untyped_data()), ws_bytes};
   Plan* plan = nullptr;
   if (auto e = GetPlan(handle, key, &plan); e.failure()) return e;
   std::lock_guard<std::mutex> lock(plan->mu);

@@ -17,6 +17,7 @@ Targets RopeTargets();
 Targets Fp8QuantizeTargets();
 Targets Fp8GemmTargets();
 Targets Nvfp4QuantizeTargets();
+Targets Nvfp4MatmulTargets();
 Targets Adamw8bitTargets();
 }  // namespace surogate::ffi_bind
 
@@ -31,6 +32,7 @@ constexpr Targets (*kOps[])() = {&surogate::ffi_bind::RmsNormTargets,
                                  &surogate::ffi_bind::Fp8QuantizeTargets,
                                  &surogate::ffi_bind::Fp8GemmTargets,
                                  &surogate::ffi_bind::Nvfp4QuantizeTargets,
+                                 &surogate::ffi_bind::Nvfp4MatmulTargets,
                                  &surogate::ffi_bind::Adamw8bitTargets};
 
 }  // namespace
