@@ -61,13 +61,16 @@ class TrainState:
 
 
 def variables(model: Decoder, params: Any, trainable: Any, quant: Any = None) -> dict:
-    """The forward's variables: base + adapters (LoRA), or masters cast to the model dtype; plus
-    the recipe's fp8 state when there is one."""
+    """The forward's variables: base + adapters (LoRA), or masters cast to the model's param dtype;
+    plus the recipe's fp8 state when there is one. Leaves already in the compute dtype (the
+    streamed bf16 working copy of offload_master) stay as they are: the model casts every weight
+    to that dtype on use, and an up-cast here made XLA keep fp32 copies of the whole layer stack
+    and its gradient on the device (found in the buffer assignment of the 8B step)."""
     if model.config.lora is not None:
         v = {"params": params, "lora": trainable}
     else:
-        dtype = model.config.param_dtype
-        v = {"params": jax.tree.map(lambda x: x.astype(dtype), trainable)}
+        dtype, compute = model.config.param_dtype, jnp.dtype(model.config.dtype)
+        v = {"params": jax.tree.map(lambda x: x if x.dtype == compute else x.astype(dtype), trainable)}
     if quant:
         v[recipe_lib.FP8_COLLECTION] = quant
     return v
