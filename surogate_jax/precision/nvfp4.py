@@ -58,8 +58,10 @@ when the extension is built, the pure-JAX reference elsewhere; SUROGATE_JAX_OPS=
 forces the reference), `quantize_ref` / `fake_quantize_ref` (always the reference), `global_amax`,
 `nvfp4_matmul_emulated` (quantize both GEMM operands, dequantize to bf16, bf16 GEMM; forward
 only) and `nvfp4_linear_emulated` (the same with the recipe's custom backward: stochastically
-rounded dY for dgrad, RHT + NVFP4 operands along tokens for wgrad). The native SM100 block-scaled
-GEMM is not here; on Hopper and CPU NVFP4 GEMMs can only be emulated.
+rounded dY for dgrad, RHT + NVFP4 operands along tokens for wgrad). Despite its name,
+`nvfp4_linear_emulated` (and `nvfp4_linear_frozen`) run their three GEMMs natively on SM100+ GPUs
+(cuBLASLt block-scaled FP4, precision/nvfp4_gemm.py; written, not run on hardware in this project)
+and emulated everywhere else; the emulated path's numbers are unchanged by that option.
 """
 
 from __future__ import annotations
@@ -558,10 +560,15 @@ def fake_quantize(x, *, tile_2d=False, four_over_six=True, stochastic=False, key
 
 @functools.cache
 def log_emulation() -> None:
-    """The one log line (once per process) saying that NVFP4 GEMMs run emulated."""
-    _log.info("nvfp4: GEMMs are emulated (operands quantized to NVFP4, dequantized to bf16, bf16 GEMM): "
-              "Hopper and CPU have no FP4 tensor cores, and the native SM100+ block-scaled cuBLASLt path "
-              "is not implemented yet")
+    """The one log line (once per process) saying whether NVFP4 GEMMs run natively (SM100+ GPU)
+    or emulated (elsewhere; the line says the native path exists for SM100+ and has not run on
+    hardware in this project). Text: precision/nvfp4_gemm.py `log_backend`."""
+    from surogate_jax.precision import nvfp4_gemm
+
+    nvfp4_gemm.log_backend(nvfp4_gemm.native_available())
+
+
+log_gemm_backend = log_emulation
 
 
 _log_emulation = log_emulation
@@ -583,26 +590,85 @@ def nvfp4_matmul_emulated(x: jax.Array, w: jax.Array, *, four_over_six: bool = T
     return y.astype(out_dtype or x.dtype)
 
 
-def _flat_tokens(a):
-    """[..., D] -> [T, D] with T padded with zero rows to a multiple of 16 (leaves sums over T unchanged)."""
+def _flat_tokens(a, multiple=BLOCK):
+    """[..., D] -> [T, D] with T padded with zero rows to a multiple of `multiple` (16; 32 for the
+    native GEMM) (leaves sums over T unchanged)."""
     a2 = a.reshape(-1, a.shape[-1])
-    pad = (-a2.shape[0]) % BLOCK
+    pad = (-a2.shape[0]) % multiple
     return jnp.pad(a2, ((0, pad), (0, 0))) if pad else a2
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _linear_emulated(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl):
-    return _linear_fwd(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl)[0]
+def _use_native(k: int, n: int, impl) -> bool:
+    """Trace-time choice of the native (SM100+ cuBLASLt) GEMMs for a linear x [.., K] @ w [K, N]:
+    the device has them and the three GEMMs' shapes fit (K and N multiples of 32)."""
+    from surogate_jax.precision import nvfp4_gemm
+
+    m = nvfp4_gemm.K_MULTIPLE
+    return k % m == 0 and n % m == 0 and nvfp4_gemm.resolve_backend("auto", impl) == "native"
 
 
-def _linear_fwd(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl):
+def _gemm_dtype(dtype):
+    """The native GEMM's output dtype for a wanted dtype (it writes bf16, f16 or f32)."""
+    d = jnp.dtype(dtype)
+    return d if d in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(jnp.float32)
+
+
+def _native_gemm(a, b, dtype):
+    from surogate_jax.precision import nvfp4_gemm
+
+    return nvfp4_gemm.nvfp4_gemm_native(a, b, _gemm_dtype(dtype)).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _linear_emulated(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl, native=False):
+    return _linear_fwd(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl, native)[0]
+
+
+def _linear_fwd_native(x, w, key, four_over_six, impl):
+    """y = Q(x) Q(w) on the FP4 tensor cores: X [M, K] 1x16 along K, W^T [N, K] the exact
+    transpose of W's 16x16 tiles (the same quantized W serves dgrad)."""
+    from surogate_jax.precision import nvfp4_gemm
+
+    k = x.shape[-1]
+    xq = quantize(x.reshape(-1, k), four_over_six=four_over_six, impl=impl)
+    wq = quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl)
+    y = _native_gemm(xq, nvfp4_gemm.transpose(wq, impl=impl), x.dtype)
+    return y.reshape(*x.shape[:-1], w.shape[1]), wq
+
+
+def _linear_fwd(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl, native=False):
+    if native:
+        y, wq = _linear_fwd_native(x, w, key, four_over_six, impl)
+        return y, (x, wq, key, w)
     wq = fake_quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
     xq = fake_quantize(x, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
     y = jnp.matmul(xq, wq, preferred_element_type=jnp.float32).astype(x.dtype)
     return y, (x, wq, key, w)  # w only for its dtype (a parameter: no extra memory)
 
 
-def _linear_bwd(four_over_six, stochastic_grad, rht_sign_mask, impl, res, dy):
+def _linear_bwd_native(four_over_six, stochastic_grad, rht_sign_mask, impl, res, dy):
+    """dX = Q(dY) Q(W)^T with W's stored tiles as the [K, N] operand (already N-major);
+    dW = Q(X^T) Q(dY^T)^T with both along tokens (padded to a multiple of 32, RHT)."""
+    x, wq, key, w = res
+    k_dgrad, k_wgrad = jax.random.split(key)
+    n = dy.shape[-1]
+    sr = {"stochastic": True, "key": k_dgrad} if stochastic_grad else {}
+    dyq = quantize(dy.reshape(-1, n), four_over_six=four_over_six, impl=impl, **sr)
+    dx = _native_gemm(dyq, wq, x.dtype).reshape(x.shape)
+    from surogate_jax.precision import nvfp4_gemm
+
+    xt = _flat_tokens(x, nvfp4_gemm.K_MULTIPLE).T
+    dyt = _flat_tokens(dy, nvfp4_gemm.K_MULTIPLE).T
+    sr = {"stochastic": True, "key": k_wgrad} if stochastic_grad else {}
+    xtq = quantize(xt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask, impl=impl)
+    dytq = quantize(dyt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask, impl=impl, **sr)
+    dw = _native_gemm(xtq, dytq, w.dtype)
+    return dx, dw, None
+
+
+def _linear_bwd(four_over_six, stochastic_grad, rht_sign_mask, impl, native, res, dy):
+    if native:
+        return _linear_bwd_native(four_over_six, stochastic_grad, rht_sign_mask, impl, res, dy)
     x, wq, key, w = res
     k_dgrad, k_wgrad = jax.random.split(key)
     sr = {"stochastic": True, "key": k_dgrad} if stochastic_grad else {}
@@ -645,7 +711,8 @@ def nvfp4_linear_emulated(x: jax.Array, w: jax.Array, key: jax.Array, *, four_ov
     _check_flags(False, None, rht_sign_mask)
     _log_emulation()
     mask = None if rht_sign_mask is None else int(rht_sign_mask)
-    return _linear_emulated(x, w, key, bool(four_over_six), bool(stochastic_grad), mask, impl)
+    native = _use_native(w.shape[0], w.shape[1], impl)
+    return _linear_emulated(x, w, key, bool(four_over_six), bool(stochastic_grad), mask, impl, native)
 
 
 # --------------------------------------------------------------------------------------------
@@ -659,21 +726,31 @@ def fake_quantize_weight(w: jax.Array, *, four_over_six: bool = True, impl: str 
     return fake_quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _linear_frozen(x, wq, key, four_over_six, stochastic_grad, impl):
-    return _linear_frozen_fwd(x, wq, key, four_over_six, stochastic_grad, impl)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _linear_frozen(x, wq, key, four_over_six, stochastic_grad, impl, native=False):
+    return _linear_frozen_fwd(x, wq, key, four_over_six, stochastic_grad, impl, native)[0]
 
 
-def _linear_frozen_fwd(x, wq, key, four_over_six, stochastic_grad, impl):
+def _linear_frozen_fwd(x, wq, key, four_over_six, stochastic_grad, impl, native=False):
+    if native:
+        # The cache holds bf16 values on the NVFP4 grid; quantizing them again (16x16 tiles)
+        # recovers the codes and block scales (tests/precision/test_nvfp4_gemm.py checks it on
+        # random weights) with a global scale from max|wq| (within bf16 rounding of the original).
+        y, wq4 = _linear_fwd_native(x, wq.astype(jnp.bfloat16), key, four_over_six, impl)
+        return y, (wq4, key, jnp.zeros((0,), x.dtype))
     xq = fake_quantize(x, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
     y = jnp.matmul(xq, wq.astype(jnp.bfloat16), preferred_element_type=jnp.float32).astype(x.dtype)
     return y, (wq, key, jnp.zeros((0,), x.dtype))
 
 
-def _linear_frozen_bwd(four_over_six, stochastic_grad, impl, res, dy):
+def _linear_frozen_bwd(four_over_six, stochastic_grad, impl, native, res, dy):
     wq, key, x_like = res
     k_dgrad, _ = jax.random.split(key)  # the same dgrad key as nvfp4_linear_emulated
     sr = {"stochastic": True, "key": k_dgrad} if stochastic_grad else {}
+    if native:
+        dyq = quantize(dy.reshape(-1, dy.shape[-1]), four_over_six=four_over_six, impl=impl, **sr)
+        dx = _native_gemm(dyq, wq, x_like.dtype).reshape(*dy.shape[:-1], wq.shape[0])
+        return dx, None, None
     dyq = fake_quantize(dy, four_over_six=four_over_six, impl=impl, **sr).astype(jnp.bfloat16)
     dx = jnp.matmul(dyq, wq.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32).astype(x_like.dtype)
     return dx, None, None
@@ -692,4 +769,5 @@ def nvfp4_linear_frozen(x: jax.Array, wq: jax.Array, key: jax.Array, *, four_ove
     if wq.shape[0] % BLOCK or wq.shape[1] % BLOCK:
         raise ValueError(f"nvfp4_linear_frozen: K and N must be multiples of {BLOCK}, got wq {wq.shape}")
     _log_emulation()
-    return _linear_frozen(x, wq, key, bool(four_over_six), bool(stochastic_grad), impl)
+    native = _use_native(wq.shape[0], wq.shape[1], impl)
+    return _linear_frozen(x, wq, key, bool(four_over_six), bool(stochastic_grad), impl, native)

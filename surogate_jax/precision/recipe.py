@@ -8,9 +8,10 @@ Recipes (Surogate's `recipe:` key; seed 002 "Precision & Recipes"):
   fp8-hybrid  E4M3 activations and weights forward, E5M2 dY backward, per-tensor delayed scaling
               (`surogate_jax.ops.fp8_matmul`, state in precision/fp8.py).
   nvfp4       NVFP4 operands (1x16 blocks for x and dY, 16x16 tiles for W, stochastic rounding for
-              dY, 16-point RHT on the wgrad inputs, 4/6 block scales), emulated: quantize, dequantize
-              to bf16, bf16 GEMM (precision/nvfp4.py). No native FP4 GEMM here: Hopper and CPU have no
-              FP4 tensor cores and the SM100+ block-scaled cuBLASLt path is not implemented.
+              dY, 16-point RHT on the wgrad inputs, 4/6 block scales) (precision/nvfp4.py). GEMMs:
+              native cuBLASLt block-scaled FP4 on SM100+ GPUs (precision/nvfp4_gemm.py; compiled,
+              not run on hardware in this project), emulated elsewhere (Hopper and CPU have no FP4
+              tensor cores): quantize, dequantize to bf16, bf16 GEMM.
 
 What is quantized: only the seven projections inside the decoder layers (q, k, v, o, gate, up,
 down). The embedding, lm_head, attention, norms and the LoRA branch stay in the model dtype, as in
@@ -75,9 +76,11 @@ class QuantRecipe:
     fp8_impl: fp8_matmul backend, None = auto (ffi on GPU, reference elsewhere), "ffi", "xla", "ref".
     amax_history / margin: delayed scaling (fp8_amax_history; new scale = 448 / max(hist) / 2^margin).
     skip_first / skip_last: decoder layers kept plain at each end (skip_quant_*_layers).
-    fp4_four_over_six / fp4_stochastic / fp4_backend / fp4_impl: NVFP4 knobs (fp4_backend is
-      recorded only: the native GEMM is not implemented, every NVFP4 GEMM is emulated);
-      fp4_impl is the quantizer backend (None = CUDA kernels on GPU, reference elsewhere).
+    fp4_four_over_six / fp4_stochastic / fp4_backend / fp4_impl: NVFP4 knobs. fp4_backend names
+      Surogate's CUTLASS or cuDNN FP4 kernels, which we do not have: both values select the
+      native cuBLASLt FP4 GEMM on SM100+ GPUs and the emulated GEMM elsewhere (nvfp4_gemm.py);
+      fp4_impl is the quantizer backend (None = CUDA kernels on GPU, reference elsewhere; "ref"
+      also forces the emulated GEMM).
     matmul_dtype / gradient_dtype: "fp32" | "bf16" GEMM dtypes under the bf16 recipe (None = the
       model dtype / matmul_dtype); the fp8 and nvfp4 recipes force their own formats.
     """
@@ -166,8 +169,12 @@ class QuantRecipe:
         if self.name == "fp8-hybrid":
             parts.append(f"amax history {self.amax_history}, impl {self.fp8_impl or 'auto'}")
         if self.name == "nvfp4":
+            from surogate_jax.precision import nvfp4_gemm
+
+            gemm = ("native FP4 GEMMs (cuBLASLt, SM100+)" if nvfp4_gemm.native_available(impl=self.fp4_impl)
+                    else "emulated GEMMs (native FP4 needs SM100+, not run on hardware here)")
             parts.append(f"4/6 {'on' if self.fp4_four_over_six else 'off'}, stochastic rounding "
-                         f"{'on' if self.fp4_stochastic else 'off'}, emulated")
+                         f"{'on' if self.fp4_stochastic else 'off'}, {gemm}")
         if self.skips:
             parts.append(f"first {self.skip_first} / last {self.skip_last} layers plain")
         if self.matmul_dtype or self.gradient_dtype:
@@ -177,7 +184,8 @@ class QuantRecipe:
 
 def check_device(recipe: QuantRecipe | None, device: Any = None) -> None:
     """At run start: fp8-hybrid on an NVIDIA GPU below SM89 raises fp8.Fp8UnsupportedError
-    (naming the GPU and `recipe: bf16`); nvfp4 logs its one line saying the GEMMs are emulated."""
+    (naming the GPU and `recipe: bf16`); nvfp4 logs its one line saying whether the GEMMs run
+    natively (SM100+) or emulated."""
     if recipe is None:
         return
     if recipe.name == "fp8-hybrid":
