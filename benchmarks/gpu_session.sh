@@ -2,7 +2,7 @@
 # One device-machine call: build the CUDA extension, run the GPU tests (plus the op and model
 # suites), then the benchmarks; full logs land in $OUT (at most 8 files come back).
 #   run: [SKIP_TESTS=1] bash benchmarks/gpu_session.sh [bench ...]
-#   benches: rms_norm, fp8_matmul, nvfp4_quantize, swiglu, add_rms_norm, lm_head_ce, rope, normuon, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
+#   benches: rms_norm, fp8_matmul, nvfp4_quantize, nvfp4_matmul, swiglu, add_rms_norm, lm_head_ce, rope, normuon, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
 # The GPU image has jax + CUDA 13, nanobind, scikit-build-core, cmake and nvcc, and no network:
 # we install with --no-deps --no-build-isolation into its python3 and build only sm_90a (Hopper).
 set -uo pipefail
@@ -35,6 +35,7 @@ for b in "${benches[@]}"; do
     normuon) python3 benchmarks/bench_normuon.py --out "$OUT/bench_normuon.json" 2>&1 | tee "$OUT/bench_normuon.log" | tail -16 ;;
     adamw_8bit) python3 benchmarks/bench_adamw_8bit.py --out "$OUT/bench_adamw_8bit.json" 2>&1 | tee "$OUT/bench_adamw_8bit.log" | tail -48 ;;
     nvfp4_quantize) python3 benchmarks/bench_nvfp4_quantize.py --out "$OUT/bench_nvfp4_quantize.json" 2>&1 | tee "$OUT/bench_nvfp4_quantize.log" | tail -16 ;;
+    nvfp4_matmul) python3 benchmarks/bench_nvfp4_matmul.py --out "$OUT/bench_nvfp4_matmul.json" 2>&1 | tee "$OUT/bench_nvfp4_matmul.log" | tail -20 ;;
     forward) for s in 0.6b 8b; do python3 benchmarks/bench_forward.py --size $s --out "$OUT/forward_$s.json" 2>&1 | tail -30; done ;;
     sft:*) sizes=${b#sft:}   # e.g. "sft:0.6b,1.7b": one fresh process per size
            for s in ${sizes//,/ }; do
