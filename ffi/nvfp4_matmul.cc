@@ -18,7 +18,8 @@
 // kernel into the first 8 bytes of `ws` (with beta = 0 next to it), and the descriptor uses
 // CUBLASLT_POINTER_MODE_DEVICE, which Transformer Engine uses for its NVFP4 GEMMs
 // (NVIDIA/TransformerEngine transformer_engine/common/gemm/cublaslt_gemm.cu): the scales never
-// leave the GPU and the call stays capturable. The rest of ws (from byte 256) is cuBLASLt's workspace.
+// leave the GPU and the call stays capturable. The rest of ws (from the first 256-byte boundary after
+// alpha/beta) is cuBLASLt's workspace.
 //
 // Mapping to column-major cuBLASLt (as ffi/fp8_matmul.cc): D_cm [N, M] = op(A) B with A := b viewed
 // col-major [K, N] (transa = T), B := a viewed col-major [K, M] (transb = N), lda = ldb = K (in
@@ -49,7 +50,7 @@ namespace {
 constexpr std::string_view kSwizzle = "surogate_nvfp4_swizzle_scales";
 constexpr std::string_view kTranspose = "surogate_nvfp4_transpose_codes";
 constexpr std::string_view kGemm = "surogate_nvfp4_matmul";
-constexpr size_t kWsHead = 256;  // alpha, beta (device), then cuBLASLt's workspace (256-aligned)
+constexpr size_t kWsHead = 256;  // room for alpha, beta (device) and the 256-byte alignment of the workspace
 
 bool IsScaleType(ffi::DataType t) { return t == ffi::DataType::U8 || t == ffi::DataType::F8E4M3FN; }
 
@@ -318,8 +319,11 @@ ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_sca
   }
   cublasLtHandle_t handle = nullptr;
   if (auto e = lt::Handle(kGemm, device, &handle); e.failure()) return e;
-  void* work = static_cast<uint8_t*>(ws->untyped_data()) + kWsHead;
-  const size_t ws_bytes = ws->size_bytes() - kWsHead;
+  // cuBLASLt's workspace: the first 256-byte boundary at or after byte 8 (TE aligns it to 256 too).
+  const auto base = reinterpret_cast<uintptr_t>(ws->untyped_data());
+  const uintptr_t start = (base + 2 * sizeof(float) + 255) & ~static_cast<uintptr_t>(255);
+  void* work = reinterpret_cast<void*>(start);
+  const size_t ws_bytes = ws->size_bytes() - static_cast<size_t>(start - base);
   const PlanKey key{device, m, n, k, static_cast<int>(OutType(td)), lt::Alignment(a.untyped_data()),
                     lt::Alignment(b.untyped_data()), lt::Alignment(d->untyped_data()), ws_bytes};
   Plan* plan = nullptr;
