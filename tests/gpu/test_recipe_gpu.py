@@ -142,11 +142,16 @@ def test_fp8_model_matches_reference_loss_and_grads(impl):
     _check_grads(g, g_ref, g_bf16)
     # the observed amaxes agree: max|w| exactly, max|x| up to bf16 roundings of earlier layers, max|dY|
     # (a max over noisy sums after E5M2 roundings in every later layer) loosely
+    devs = []
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(o)[0], jax.tree.leaves(o_ref), strict=True):
         name = jax.tree_util.keystr(path)
         if "scale" in name:
-            rtol = 0.0 if ".w." in name else 5e-2 if ".x." in name else 0.25
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, err_msg=name)
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            devs.append((float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30))), name))
+    print(impl, "largest scale deviations:", sorted(devs, reverse=True)[:6])
+    for dev, name in devs:
+        rtol = 0.0 if ".w." in name else 5e-2 if ".x." in name else 0.25
+        assert dev <= rtol, (name, dev, rtol)
 
 
 def test_fp8_lora_cache_through_ffi_matches_reference():
