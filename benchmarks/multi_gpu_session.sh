@@ -16,6 +16,8 @@
 # Everything does not fit one call (~100 + 135 + 225 + 540 s): a run whose estimate does not fit
 # what is left of BUDGET_S (default 550 s) is skipped and listed; run the rest in a second call,
 # e.g. `bash benchmarks/multi_gpu_session.sh full8`. STEPS_SCALE=2 doubles the timed steps.
+# FULL8_OFFLOADS picks full8's offload settings (';'-separated, '' = none), e.g.
+# FULL8_OFFLOADS='residual;optimizer master grads residual' for the ones a first call did not reach.
 # Results: $OUT/scale.jsonl (one json per run), $OUT/summary.md (the table printed last),
 # $OUT/status.txt, $OUT/env.txt, $OUT/build.log, $OUT/logs.tar.gz (one log per run).
 # CPU dry run of this script (tests/train/test_sft_throughput_cli.py does it): NGPU=4 SKIP_BUILD=1
@@ -78,7 +80,8 @@ for p in "${pieces[@]}"; do
     lora06) scaling 0.6b 6 45 ;;
     lora8) scaling 8b 4 75 ;;
     full8) g=${counts[-1]}
-           for off in "optimizer" "" "master" "grads" "residual" "optimizer master grads residual"; do
+           IFS=';' read -r -a sets <<< "${FULL8_OFFLOADS:-optimizer;;master;grads;residual;optimizer master grads residual}"
+           for off in "${sets[@]}"; do
              flags=(); for o in $off; do flags+=("--offload-$o"); done
              bench "full_8b_${g}gpu_z3_off-$(echo "${off:-none}" | tr ' ' '+')" 90 --size 8b --gpus "$g" --full-ft \
                --zero-level 3 --accum 2 --steps $((2 * STEPS_SCALE)) --optimizer adamw_8bit "${flags[@]}"
