@@ -23,7 +23,11 @@
 # CPU dry run of this script (tests/train/test_sft_throughput_cli.py does it): NGPU=4 SKIP_BUILD=1
 # SIZE_OVERRIDE=tiny EXTRA_ARGS='--seq 64 ...' with 4 fake XLA CPU devices.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# One preallocated pool (90%): with growth (PREALLOCATE=false) the allocator keeps the regions the
+# random init grew, and a later 42 GiB temporary failed on a 141 GB H200 (8B full FT, 2026-11-22)
+# although most of the memory was free. peak_bytes_in_use still reports what was really used.
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-true}"
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
 # NVLink multicast stays off on the lent machines (see the device notes); XLA's latency-hiding
 # scheduler overlaps the data-parallel collectives with compute (as examples/slurm_multinode.sh).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -57,6 +61,9 @@ bench() {  # bench NAME EXPECTED_S sft_throughput-args...: one fresh process, lo
   fi
   local t=$SECONDS
   [[ -n "${SIZE_OVERRIDE:-}" ]] && set -- "$@" --size "$SIZE_OVERRIDE"
+  # RUN_TIMEOUT_S caps one run: a device that runs out of memory leaves the others waiting in a
+  # collective until the timeout (seen on 2 x H200: 494 s lost)
+  (( left > ${RUN_TIMEOUT_S:-$left} )) && left=$RUN_TIMEOUT_S
   timeout -k 10 "$left" python3 benchmarks/sft_throughput.py "$@" "${extra[@]}" --out "$OUT/scale.jsonl" > "$LOGS/$name.log" 2>&1
   local rc=$?
   echo "$( ((rc == 0)) && echo ok || echo "FAILED rc=$rc") $name $((SECONDS - t)) s: python3 benchmarks/sft_throughput.py $*" \
