@@ -140,17 +140,29 @@ def test_fp8_model_matches_reference_loss_and_grads(impl):
     assert abs(float(l) - float(l_ref)) < 2e-3 * abs(float(l_ref))  # same quantized operands, GEMM accumulation differs
     assert abs(float(l) - float(l_bf16)) < 2e-2 * abs(float(l_bf16))  # FP8 vs bf16
     _check_grads(g, g_ref, g_bf16)
-    # the observed amaxes agree: max|w| exactly, max|x| up to bf16 roundings of earlier layers, max|dY|
-    # (a max over noisy sums after E5M2 roundings in every later layer) loosely
+    # the observed scales agree: w's exactly (the same weights); x's exactly where the input is the same
+    # tensor for every backend (the first layer's q/k/v input: the normed embedding), elsewhere up to
+    # what differently accumulated FP8 GEMMs upstream change in a max (xla backend: 5.6% measured on
+    # the H100, ffi under 5%); dY's (a max over noisy sums after E5M2 roundings in every later layer)
+    # loosely
     devs = []
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(o)[0], jax.tree.leaves(o_ref), strict=True):
         name = jax.tree_util.keystr(path)
-        if "scale" in name:
-            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-            devs.append((float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30))), name))
-    print(impl, "largest scale deviations:", sorted(devs, reverse=True)[:6])
-    for dev, name in devs:
-        rtol = 0.0 if ".w." in name else 5e-2 if ".x." in name else 0.25
+        if "scale" not in name:
+            continue
+        a, b = np.atleast_1d(np.asarray(a, np.float64)), np.atleast_1d(np.asarray(b, np.float64))
+        rel = np.abs(a - b) / np.maximum(np.abs(b), 1e-30)  # per layer
+        if ".w." in name:
+            devs.append((float(rel.max()), 0.0, name))
+        elif ".x." in name:
+            same_input = any(f"['{p}']" in name for p in ("q_proj", "k_proj", "v_proj"))
+            if same_input:
+                devs.append((float(rel[0]), 1e-6, name + "[layer 0]"))
+            devs.append((float(rel[1:].max() if same_input and rel.size > 1 else rel.max()), 0.1, name))
+        else:
+            devs.append((float(rel.max()), 0.25, name))
+    print(impl, "largest scale deviations (dev, rtol, leaf):", sorted(devs, reverse=True)[:8], "layer-0 q/k/v x:", [d for d in devs if "layer 0" in d[2]])
+    for dev, rtol, name in devs:
         assert dev <= rtol, (name, dev, rtol)
 
 
