@@ -30,7 +30,8 @@ What streams (train.make_train_step uses these when a Layout streams):
     `eval_shape(tx.init)` of one layer's slice with the state, e.g. an 8-bit moment whose blocks
     cross layers) go through the optimizer once, whole.
 In the per-layer calls the optimizer also sees placeholders for the whole leaves; their results
-are discarded and XLA removes that dead work (the compiled memory shows it).
+are discarded and XLA removes that dead work (the compiled memory shows it). Optimizer state owned
+by no parameter (the step count) is passed with its real value to every per-layer call.
 """
 
 from __future__ import annotations
@@ -194,9 +195,13 @@ class Streamer:
         if not streamed:
             return jax.tree_util.tree_unflatten(p_def, out_p), jax.tree_util.tree_unflatten(o_def, out_o)
 
-        # pass B: layer i's slices; the whole leaves are zero placeholders (dead, removed by XLA)
+        # pass B: layer i's slices; the whole leaves are zero placeholders (dead, removed by XLA).
+        # State that belongs to no parameter (Adam's step count, schedule state) is read by every
+        # layer's update: it gets its value from before this step (a zero count would give every
+        # layer the first step's bias correction on every step).
         ks, js = sorted(streamed), [j for j, s in enumerate(o_stream) if s]
         zeros = lambda x: jnp.zeros(x.shape, x.dtype)
+        shared = {j: self._put(o_leaves[j], o_dev[j], opt_host) for j in range(len(o_leaves)) if o_owner[j] is None}
 
         def body(i, carry):
             ps, os = carry
@@ -204,7 +209,8 @@ class Streamer:
                   for k in range(len(p_leaves))]
             pin = {k: self._put(_row(p, i), p_dev[k], params_host) for k, p in zip(ks, ps)}
             oin = {j: self._put(_row(o, i), o_dev[j], opt_host) for j, o in zip(js, os)}
-            np_, no_ = call(gs, [oin[j] if j in oin else zeros(o_leaves[j]) for j in range(len(o_leaves))],
+            np_, no_ = call(gs, [oin[j] if j in oin else shared[j] if j in shared else zeros(o_leaves[j])
+                                 for j in range(len(o_leaves))],
                             [pin[k] if k in pin else zeros(p_leaves[k]) for k in range(len(p_leaves))])
             ps = [_set_row(p, i, self._put(np_[k], p_hst[k], params_host)) for k, p in zip(ks, ps)]
             os = [_set_row(o, i, self._put(no_[j], o_hst[j], opt_host)) for j, o in zip(js, os)]
