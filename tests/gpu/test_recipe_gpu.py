@@ -142,9 +142,10 @@ def test_fp8_model_matches_reference_loss_and_grads(impl):
     _check_grads(g, g_ref, g_bf16)
     # the observed scales agree: w's exactly (the same weights); x's exactly where the input is the same
     # tensor for every backend (the first layer's q/k/v input: the normed embedding), elsewhere up to
-    # what differently accumulated FP8 GEMMs upstream change in a max (xla backend: 5.6% measured on
-    # the H100, ffi under 5%); dY's (a max over noisy sums after E5M2 roundings in every later layer)
-    # loosely
+    # what differently accumulated GEMMs upstream change in a max: 5% for ffi (the bound it always
+    # met), 10% for xla (LOOSENED from 5%: its GEMMs are dequantize + bf16 dot, not FP8 GEMMs, and it
+    # measured 5.6% on the H100); dY's (a max over noisy sums after E5M2 roundings in every later
+    # layer) loosely
     devs = []
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(o)[0], jax.tree.leaves(o_ref), strict=True):
         name = jax.tree_util.keystr(path)
@@ -158,7 +159,8 @@ def test_fp8_model_matches_reference_loss_and_grads(impl):
             same_input = any(f"['{p}']" in name for p in ("q_proj", "k_proj", "v_proj"))
             if same_input:
                 devs.append((float(rel[0]), 1e-6, name + "[layer 0]"))
-            devs.append((float(rel[1:].max() if same_input and rel.size > 1 else rel.max()), 0.1, name))
+            x_rtol = 0.1 if impl == "xla" else 5e-2  # xla: dequantize + bf16 dot, not an FP8 GEMM
+            devs.append((float(rel[1:].max() if same_input and rel.size > 1 else rel.max()), x_rtol, name))
         else:
             devs.append((float(rel.max()), 0.25, name))
     print(impl, "largest scale deviations (dev, rtol, leaf):", sorted(devs, reverse=True)[:8], "layer-0 q/k/v x:", [d for d in devs if "layer 0" in d[2]])
