@@ -98,3 +98,10 @@ class Table:
             with open(path, "a") as f:
                 for rec in self.records:
                     f.write(json.dumps(rec) + "\n")
+
+
+def append_jsonl(path: str | None, records: list[dict]) -> None:
+    """Append one json line per record to `path` (--out); nothing when path is None."""
+    if path:
+        with open(path, "a") as f:
+            f.writelines(json.dumps(rec) + "\n" for rec in records)

@@ -21,7 +21,6 @@ reach; "share" = no_ns / normuon bounds what such a kernel could save of the who
 from __future__ import annotations
 
 import argparse
-import json
 
 import _opbench
 import jax
@@ -105,10 +104,7 @@ def main() -> None:
             print(f"| {name} | {L} | {n_params / 1e6:.0f}M | {variant} | {rec['ms']:.2f} | {rec['ms_per_layer']:.2f} | "
                   f"{rec['floor_ms']:.2f} | {rec['pct_floor']:.0f}% | {rec['share_of_normuon']:.2f} |", flush=True)
         print(f"NS: {flops / times['ns_only'] / 1e12:.0f} TFLOP/s over {flops / 1e12:.2f} TFLOP per step", flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
+    _opbench.append_jsonl(args.out, records)
 
 
 if __name__ == "__main__":

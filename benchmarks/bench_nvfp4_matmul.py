@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 
 import _opbench
 import jax
@@ -118,10 +117,7 @@ def main() -> None:
             print(f"| {name} | {m}x{n}x{k} | {path} | {t * 1e6:.1f} | {gbs:.0f} GB/s | {rec['pct_copy_peak']:.0f}% of 3000 GB/s | |",
                   flush=True)
         del x, w, a, bt, wq
-    if args.out:
-        with open(args.out, "a") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
+    _opbench.append_jsonl(args.out, records)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 
 import _opbench
 import jax
@@ -106,10 +105,7 @@ def main() -> None:
                   f"{xla * 1e6:.1f} | {xla / full:.2f}x | {fg:.0f} | {rec['full_pct_peak']:.0f}% | "
                   f"{qg:.0f} | {rec['quant_pct_peak']:.0f}% |", flush=True)
         del x
-    if args.out:
-        with open(args.out, "a") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
+    _opbench.append_jsonl(args.out, records)
 
 
 if __name__ == "__main__":
