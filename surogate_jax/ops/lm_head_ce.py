@@ -1,4 +1,5 @@
-"""Fused LM head + token cross-entropy, chunked over tokens: [tokens, vocab] logits never exist whole.
+"""Fused LM head + token cross-entropy, chunked over tokens (and over the vocabulary for the head's
+gradient): [tokens, vocab] logits never exist whole.
 
     loss_sum, count = lm_head_ce(hidden [..., D], head [D, V] (or [V, D]), targets [...], mask [...])
 
@@ -17,27 +18,53 @@ A target outside [0, V) at a position with w_i != 0 (and != ignore_index) is a d
 token's loss is NaN (so the sum is NaN) and so is its gradient row, on both implementations.
 
 Backward: the loss sum is linear in its cotangent g, so the forward rule (under differentiation)
-computes the gradients right away and saves them: per chunk of C tokens
+computes what it can right away and saves it. Pass 1, per chunk of C tokens:
   logits_CV = h_CD @ W            (XLA/cuBLAS GEMM, fp32 output by default: logits_dtype)
-  loss_C, dlogits_CV = kernel(logits_CV)   our CUDA kernel (on Hopper each logit is read from
-                                  DRAM once: a thread-block cluster keeps the row in shared memory
-                                  between its two passes); dlogits in the compute dtype, written over
-                                  the logits buffer when the dtypes match (input_output_aliases)
-  dh_CD = dlogits_CV @ W^T        dW_DV += h_CD^T @ dlogits_CV  (fp32 accumulator across chunks)
-and the backward only scales: dh = g * dh, dW = g * dW. Nothing is recomputed (the pure-JAX
-chunked loss recomputed every chunk's logits GEMM in its backward: 4 GEMMs instead of 3). dW is
-computed only when the head is being differentiated (full fine-tuning): the custom_vjp uses
-symbolic zeros, so with a frozen head (LoRA) its forward sees `perturbed=False` and skips the dW
-GEMMs; likewise dh when hidden is not differentiated. Outside differentiation (eval) only the loss
-is computed (one GEMM and a loss-only kernel pass per chunk).
+  loss_C, lse_C, dlogits_CV = kernel(logits_CV)   our CUDA kernel (on Hopper each logit is read
+                                  from DRAM once: a thread-block cluster keeps the row in shared
+                                  memory between its two passes); dlogits in the compute dtype,
+                                  written over the logits buffer when the dtypes match
+                                  (input_output_aliases)
+  dh_CD = dlogits_CV @ W^T        (saved; the backward rule only scales it: dh = g * dh)
+The head gradient dW = h^T @ dlogits sums over all N tokens; `head_grad` picks how:
+  "vocab_chunks" (default). Pass 2, in the backward rule, over blocks of Cv vocabulary columns
+    (`vocab_chunk`, a static smaller last block, no padded columns):
+      x_NCv = h_ND @ W[:, v]      (the block's logits recomputed, logits_dtype)
+      dl_NCv = g w (1 + 2 z lse) exp(x - lse) - g w [t == v]   (pass 1's lse; pure jnp, XLA fuses
+                                  it: one read of x, one write of dl in the compute dtype; rows
+                                  with w = 0 give 0, supervised out-of-range targets NaN)
+      dW[:, v] = h_ND^T @ dl_NCv  (fp32 accumulation inside the GEMM over all N tokens, written
+                                  once in W's dtype into the loop-carried dW: no [D, V]
+                                  accumulator, and one rounding instead of one per token chunk)
+    g is folded into dl before its cast (bf16/f32 share fp32's exponent range); for f16, where
+    that could flush small probabilities to zero, the GEMM writes fp32 and is scaled after.
+    Cost: 4 GEMMs of 2 N D V FLOPs for full fine-tuning (the block logits are recomputed).
+  "token_accum". Pass 1 also accumulates dW_DV += h_CD^T @ dlogits_CV across token chunks in an
+    fp32 (`dhead_accum_dtype`) [D, V] accumulator and saves dW; the backward rule scales it.
+    3 GEMMs, but D x V x 4 bytes more memory (0.6 GB at D = 1024, 2.5 GB at D = 4096, V = 151936)
+    and that accumulator's read+write per chunk.
+dW is computed only when the head is being differentiated (full fine-tuning): the custom_vjp uses
+symbolic zeros, so with a frozen head (LoRA) its forward sees `perturbed=False` and skips pass 2
+(or the dW GEMMs); likewise dh when hidden is not differentiated (then pass 1 runs the loss-only
+kernel for loss and lse). Outside differentiation (eval) only the loss is computed (one GEMM and a
+loss-only kernel pass per chunk). The pure-JAX chunked loss (lm_head_ce_ref) recomputes every
+chunk's logits in its backward too, but holds dW across chunks like "token_accum".
 
-Memory (per call, besides inputs/outputs): one chunk's logits (C x V x 4 bytes, fp32) + dlogits
-(C x V x 2, bf16; none extra when logits_dtype == compute dtype, in place), the dh rows [N, D], and
-with a trainable head the fp32 accumulator [D, V] plus the dW residual in the head's dtype.
+Memory (per call, besides inputs/outputs; the peak is the larger pass, they never overlap):
+pass 1 holds one chunk's logits (C x V x 4 bytes, fp32) + dlogits (C x V x 2, bf16; none extra
+when logits_dtype == compute dtype, in place) and the saved dh rows [N, D] (+ lse [N] fp32);
+pass 2 holds one block's x [N, Cv] (fp32) + dl [N, Cv] (compute dtype) + [D, Cv] slices of W and
+dW, its output being dW itself. With "token_accum" add the fp32 [D, V] accumulator (and its
+cast) during pass 1.
 The chunk length C (`chunk`, default `default_chunk(...)`: 512 tokens for fp32 logits at V = 151936,
-1536 for bf16 logits, at least 2048 with a trainable head) trades that memory against GEMM
-efficiency and, with a trainable head, the accumulator's read+write per chunk (8 D V bytes against
-6 C D V GEMM FLOPs: ~330/C of the GEMM time on an H100, 16% at C = 2048).
+1536 for bf16 logits; with "token_accum" and a trainable head at least 2048, to amortize the
+accumulator's read+write per chunk: 8 D V bytes against 6 C D V GEMM FLOPs, ~330/C of the GEMM
+time on an H100) trades that memory against GEMM efficiency. The vocab block Cv
+(`vocab_chunk`, default `default_vocab_chunk(...)`: the largest multiple of 256 whose pass-2
+buffers fit 512 MiB, then evened out over the same number of blocks: 16896 at N = 4096,
+D = 1024, V = 151936; 12800 at D = 4096) does the same for pass 2; larger blocks make the two
+[N, D] x [D, Cv] / [D, N] x [N, Cv] GEMMs more efficient. Expected peak temporaries at N = 4096,
+V = 151936, bf16: ~0.45 GiB (pass 1 at C = 512) against ~7 GiB for the unfused loss.
 
 Sharding: the whole chunked computation runs per data shard (ops/_sharding.on_shards): tokens split
 along the leading axis, W replicated, the loss sum and dW psum-ed (on an Explicit mesh on_shards
@@ -79,13 +106,28 @@ MIN_CHUNK = 512
 GRAD_HEAD_MIN_CHUNK = 2048
 
 
+HEAD_GRADS = ("vocab_chunks", "token_accum")  # how d_head is computed (module docstring, "Backward")
+# Default vocab block of pass 2: the largest multiple of 256 columns whose logits + dlogits [N, Cv]
+# and W / d_head slices [D, Cv] fit CHUNK_BYTES, at least MIN_VOCAB_CHUNK (GEMM efficiency).
+MIN_VOCAB_CHUNK = 2048
+
+
 def default_chunk(vocab: int, logits_dtype, compute_dtype, head_grad: bool) -> int:
-    """Tokens per chunk when the caller gives none (see the module docstring for the trade-off)."""
+    """Tokens per chunk when the caller gives none (see the module docstring for the trade-off).
+    head_grad: the chunk loop accumulates d_head (head_grad="token_accum" with a trainable head)."""
     per_token = vocab * jnp.dtype(logits_dtype).itemsize
     if jnp.dtype(logits_dtype) != jnp.dtype(compute_dtype):
         per_token += vocab * jnp.dtype(compute_dtype).itemsize  # separate dlogits buffer
     c = max(MIN_CHUNK, CHUNK_BYTES // per_token // 256 * 256)
     return max(c, GRAD_HEAD_MIN_CHUNK) if head_grad else c
+
+
+def default_vocab_chunk(tokens: int, hidden: int, vocab: int, logits_dtype, compute_dtype) -> int:
+    """Vocabulary columns per pass-2 block (head_grad="vocab_chunks") when the caller gives none:
+    ~CHUNK_BYTES of [tokens, Cv] logits + dlogits and two [hidden, Cv] slices (W's, d_head's)."""
+    cb = jnp.dtype(compute_dtype).itemsize
+    per_col = tokens * (jnp.dtype(logits_dtype).itemsize + cb) + 2 * hidden * cb
+    return min(vocab, max(MIN_VOCAB_CHUNK, CHUNK_BYTES // per_col // 256 * 256))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -220,7 +262,7 @@ def _rows_fn(impl, kernel):
 
 
 # ------------------------------------------------------------------------------------------------
-# The chunked driver (runs per shard)
+# The chunked drivers (run per shard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,11 +273,14 @@ class _Cfg:
     logits_dtype: str  # numpy dtype name
     impl: str
     kernel: str = "auto"
-    dhead_accum: str = "float32"  # dtype of the head-gradient accumulator across chunks
+    dhead_accum: str = "float32"  # token_accum: dtype of the head-gradient accumulator across chunks
+    head_grad: str = "vocab_chunks"  # see HEAD_GRADS
+    vocab_chunk: int | None = None  # vocab_chunks: columns per pass-2 chunk (None: default_vocab_chunk)
 
 
-def _chunked(h_ND, W, t_N, w_N, *, cfg: _Cfg, need_dh: bool, need_dw: bool, grad: bool):
-    """Scan over chunks of tokens. Returns [loss_sum] + [dh_ND if need_dh] + [dW (W.dtype) if need_dw]."""
+def _chunked(h_ND, W, t_N, w_N, *, cfg: _Cfg, need_dh: bool, need_dw: bool, grad: bool, need_lse: bool = False):
+    """Scan over chunks of tokens. Returns [loss_sum] + [dh_ND if need_dh] + [dW (W.dtype) if need_dw]
+    + [lse_N (fp32) if need_lse]; dh/dW only when grad."""
     N, D = h_ND.shape
     ldt = jnp.dtype(cfg.logits_dtype)
     V = W.shape[1] if cfg.layout == "DV" else W.shape[0]
@@ -243,46 +288,119 @@ def _chunked(h_ND, W, t_N, w_N, *, cfg: _Cfg, need_dh: bool, need_dw: bool, grad
     C = max(1, min(C, N))
     k, r = divmod(N, C)
     rows = functools.partial(_rows_fn(cfg.impl, cfg.kernel), z=cfg.z_loss)
+    need_dh, need_dw = grad and need_dh, grad and need_dw
 
     def one(h_CD, t_C, w_C, dw_acc):
         logits = _logits(h_CD, W, cfg.layout, ldt)
-        if not grad:
-            loss, _, _ = rows(logits, t_C, w_C, dl_dtype=None)
-            return jnp.sum(loss), None, dw_acc
-        loss, _, dl = rows(logits, t_C, w_C, dl_dtype=h_ND.dtype)
+        if not (need_dh or need_dw):  # loss (and lse) only: the loss-only kernel
+            loss, lse, _ = rows(logits, t_C, w_C, dl_dtype=None)
+            return jnp.sum(loss), None, lse if need_lse else None, dw_acc
+        loss, lse, dl = rows(logits, t_C, w_C, dl_dtype=h_ND.dtype)
         dh = _dhidden(dl, W, cfg.layout, h_ND.dtype) if need_dh else None
         if need_dw:  # written as acc + dot so XLA can fuse the add into the GEMM (beta = 1)
             dw_acc = dw_acc + _dhead(h_CD, dl, cfg.layout, dw_acc.dtype)
-        return jnp.sum(loss), dh, dw_acc
+        return jnp.sum(loss), dh, lse if need_lse else None, dw_acc
 
-    dw0 = jnp.zeros(W.shape, jnp.dtype(cfg.dhead_accum)) if grad and need_dw else None
+    dw0 = jnp.zeros(W.shape, jnp.dtype(cfg.dhead_accum)) if need_dw else None
     total = jnp.zeros((), jnp.float32)
-    dh_parts = []
+    dh_parts, lse_parts = [], []
     if k:
         def body(carry, xs):
             tot, acc = carry
-            l, dh, acc = one(*xs, acc)
-            return (tot + l, acc), dh
+            l, dh, lse, acc = one(*xs, acc)
+            return (tot + l, acc), (dh, lse)
 
         xs = (h_ND[: k * C].reshape(k, C, D), t_N[: k * C].reshape(k, C), w_N[: k * C].reshape(k, C))
-        (total, dw0), dh_k = jax.lax.scan(body, (total, dw0), xs)
+        (total, dw0), (dh_k, lse_k) = jax.lax.scan(body, (total, dw0), xs)
         if dh_k is not None:
             dh_parts.append(dh_k.reshape(k * C, D))
+        if lse_k is not None:
+            lse_parts.append(lse_k.reshape(k * C))
     if r:  # the last partial chunk, at its own (static) size: no padded GEMM rows
-        l, dh, dw0 = one(h_ND[k * C:], t_N[k * C:], w_N[k * C:], dw0)
+        l, dh, lse, dw0 = one(h_ND[k * C:], t_N[k * C:], w_N[k * C:], dw0)
         total = total + l
         if dh is not None:
             dh_parts.append(dh)
+        if lse is not None:
+            lse_parts.append(lse)
+    cat = lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     outs = [total]
-    if grad and need_dh:
-        outs.append(dh_parts[0] if len(dh_parts) == 1 else jnp.concatenate(dh_parts, axis=0))
-    if grad and need_dw:
+    if need_dh:
+        outs.append(cat(dh_parts))
+    if need_dw:
         outs.append(dw0.astype(W.dtype))
+    if need_lse:
+        outs.append(cat(lse_parts))
     return tuple(outs)
 
 
-def _sharded(h, W, t, w, *, cfg, need_dh, need_dw, grad):
-    fn = functools.partial(_chunked, cfg=cfg, need_dh=need_dh, need_dw=need_dw, grad=grad)
+def _vocab_blocks(V: int, Cv: int) -> tuple[int, int, int]:
+    """(k, Cv, r): k full blocks of Cv columns + a static remainder of r < Cv. The requested Cv is
+    evened out over the same number of blocks (rounded up to a multiple of 256 where that keeps the
+    count), so the remainder GEMM is not a sliver."""
+    Cv = max(1, min(Cv, V))
+    n = -(-V // Cv)  # number of blocks at the requested size
+    even = -(-V // n)
+    even256 = -(-even // 256) * 256
+    if -(-V // even256) == n:
+        even = even256
+    Cv = min(even, V)
+    k, r = divmod(V, Cv)
+    return k, Cv, r
+
+
+def _dhead_vocab(h_ND, W, t_N, w_N, lse_N, g, *, cfg: _Cfg):
+    """Pass 2 of the vocab_chunks head gradient: dW = g * h^T @ dlogits, one block of Cv vocabulary
+    columns at a time (the logits block recomputed from h and W, its softmax from pass 1's lse).
+    Returns (dW,) in W's dtype and layout. No [D, V] accumulator: each block's GEMM reduces over
+    all N tokens (fp32 accumulation inside the GEMM) and writes its slice of dW once, in place
+    (dynamic_update_slice into the loop-carried output)."""
+    N, D = h_ND.shape
+    ldt = jnp.dtype(cfg.logits_dtype)
+    cdt = h_ND.dtype
+    dv = cfg.layout == "DV"
+    V = W.shape[1] if dv else W.shape[0]
+    k, Cv, r = _vocab_blocks(V, cfg.vocab_chunk or default_vocab_chunk(N, D, V, ldt, cdt))
+    g = jnp.asarray(g, jnp.float32)
+    # g folded into dlogits before their cast to the compute dtype where that dtype has fp32's
+    # exponent range (f32, bf16); f16 would flush g-scaled probabilities to zero: there the GEMM
+    # writes fp32 and g is applied to its output.
+    fold = jnp.finfo(cdt).maxexp >= jnp.finfo(jnp.float32).maxexp
+    active = w_N != 0
+    valid = (t_N >= 0) & (t_N < V)
+    ok = active & valid
+    scale = g if fold else jnp.float32(1.0)
+    wt_N = jnp.where(ok, scale * w_N, 0.0)  # the one-hot term's weight
+    coef_N = wt_N * (1.0 + 2.0 * cfg.z_loss * jnp.where(ok, lse_N, 0.0))
+    lse_N = jnp.where(ok, lse_N, 0.0)
+    # rows: ok -> gradient; active with a bad target -> NaN (as _rows_ref); inactive -> 0
+    fill_N = jnp.where(active & ~valid, jnp.nan, 0.0)
+
+    def block(v0, size):
+        Wv = jax.lax.dynamic_slice_in_dim(W, v0, size, axis=1 if dv else 0)
+        x = _logits(h_ND, Wv, cfg.layout, ldt).astype(jnp.float32)  # [N, size]
+        cols = v0 + jax.lax.broadcasted_iota(jnp.int32, (1, size), 1)
+        dl = coef_N[:, None] * jnp.exp(x - lse_N[:, None]) - jnp.where(cols == t_N[:, None], wt_N[:, None], 0.0)
+        dl = jnp.where(ok[:, None], dl, fill_N[:, None]).astype(cdt)
+        if fold:
+            return _dhead(h_ND, dl, cfg.layout, W.dtype)
+        return (g * _dhead(h_ND, dl, cfg.layout, jnp.float32)).astype(W.dtype)
+
+    def put(dW, blk, v0):
+        return jax.lax.dynamic_update_slice(dW, blk, (0, v0) if dv else (v0, 0))
+
+    def body(dW, v0):
+        return put(dW, block(v0, Cv), v0), None
+
+    dW = jnp.zeros(W.shape, W.dtype)
+    dW, _ = jax.lax.scan(body, dW, jnp.arange(k, dtype=jnp.int32) * Cv)
+    if r:  # the remainder block at its own static size
+        dW = put(dW, block(k * Cv, r), k * Cv)
+    return (dW,)
+
+
+def _sharded(h, W, t, w, *, cfg, need_dh, need_dw, grad, need_lse=False):
+    fn = functools.partial(_chunked, cfg=cfg, need_dh=need_dh, need_dw=need_dw, grad=grad, need_lse=need_lse)
     out_batched, out_summed = [False], [True]  # loss sum: per-shard partial sums
     if grad and need_dh:
         out_batched.append(True)
@@ -290,12 +408,22 @@ def _sharded(h, W, t, w, *, cfg, need_dh, need_dw, grad):
     if grad and need_dw:
         out_batched.append(False)
         out_summed.append(True)
+    if need_lse:
+        out_batched.append(True)
+        out_summed.append(False)
     return on_shards(fn, h, W, t, w, batched=(True, False, True, True), out_batched=tuple(out_batched),
                      out_summed=tuple(out_summed))
 
 
+def _sharded_dhead_vocab(h, W, t, w, lse, g, *, cfg):
+    fn = functools.partial(_dhead_vocab, cfg=cfg)
+    return on_shards(fn, h, W, t, w, lse, g, batched=(True, False, True, True, True, False),
+                     out_batched=(False,), out_summed=(True,))[0]
+
+
 # ------------------------------------------------------------------------------------------------
-# custom_vjp: the forward rule computes the gradients; the backward rule scales them.
+# custom_vjp: the forward rule computes the loss, d_hidden (scaled in the backward rule) and, with
+# head_grad="token_accum", d_head; with "vocab_chunks" the backward rule computes d_head (pass 2).
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -306,19 +434,26 @@ def _lm_head_ce(h, W, t, w, cfg):
 def _vjp_fwd(h, W, t, w, cfg):
     need_dh, need_dw = bool(h.perturbed), bool(W.perturbed)
     h, W, t, w = h.value, W.value, t.value, w.value
+    if need_dw and cfg.head_grad == "vocab_chunks":
+        # pass 1: loss, lse and (if needed) d_hidden per token chunk; d_head waits for pass 2
+        outs = _sharded(h, W, t, w, cfg=cfg, need_dh=need_dh, need_dw=False, grad=need_dh, need_lse=True)
+        loss, rest = outs[0], list(outs[1:])
+        dh = rest.pop(0) if need_dh else None
+        return loss, (dh, None, (h, W, t, w, rest.pop(0)))
     outs = _sharded(h, W, t, w, cfg=cfg, need_dh=need_dh, need_dw=need_dw, grad=need_dh or need_dw)
     loss, rest = outs[0], list(outs[1:])
     dh = rest.pop(0) if need_dh else None
     dW = rest.pop(0) if need_dw else None
-    return loss, (dh, dW)
+    return loss, (dh, dW, None)
 
 
 def _vjp_bwd(cfg, res, g):
-    del cfg
-    dh, dW = res
+    dh, dW, pass2 = res
     if isinstance(g, jax.custom_derivatives.SymbolicZero):  # the loss sum was not used
         return None, None, None, None
     scale = lambda x: None if x is None else (g * x.astype(jnp.float32)).astype(x.dtype)
+    if pass2 is not None:  # vocab_chunks: d_head = g * h^T dlogits, block by block (g inside)
+        return scale(dh), _sharded_dhead_vocab(*pass2, g, cfg=cfg), None, None
     return scale(dh), scale(dW), None, None
 
 
@@ -334,17 +469,22 @@ def _kernel_supports(logits_dtype, compute_dtype) -> bool:
 
 def lm_head_ce(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array | None = None, *,
                head_layout: str = "DV", z_loss: float = 0.0, ignore_index: int = IGNORE_INDEX,
-               chunk: int | None = None, logits_dtype=jnp.float32, dhead_accum_dtype=jnp.float32,
-               impl: str | None = None, kernel: str = "auto"):
+               chunk: int | None = None, logits_dtype=jnp.float32, head_grad: str = "vocab_chunks",
+               vocab_chunk: int | None = None, dhead_accum_dtype=jnp.float32, impl: str | None = None,
+               kernel: str = "auto"):
     """(weighted sum of token cross-entropy (+ z_loss * lse^2), sum of token weights), float32.
 
     hidden [..., D]; head [D, V] (head_layout="DV") or [V, D] ("VD", e.g. a tied embedding table);
     targets [...] integers; mask [...] token weights (None: all ones); targets == ignore_index are
     ignored. chunk: tokens per chunk (None: `default_chunk`). logits_dtype: dtype of the logits GEMM
     output the kernel reads (float32 default; the compute dtype halves that traffic and memory and
-    works in place, at the price of rounding the logits). dhead_accum_dtype: the head gradient's
-    accumulator across chunks (float32 default: [D, V] fp32 while the op runs; the head's own
-    dtype halves that at one rounding per chunk). impl: None/"auto", "ffi" or "ref"
+    works in place, at the price of rounding the logits). head_grad (used only when the head is
+    differentiated): "vocab_chunks" (default: d_head in the backward pass, one block of
+    `vocab_chunk` vocabulary columns at a time, recomputing that block's logits; no [D, V]
+    accumulator) or "token_accum" (d_head accumulated across the token chunks in the forward pass:
+    one GEMM fewer, a [D, V] accumulator more). vocab_chunk: columns per block (None:
+    `default_vocab_chunk`). dhead_accum_dtype ("token_accum" only): the accumulator's dtype (float32
+    default; the head's own dtype halves it at one rounding per chunk). impl: None/"auto", "ffi" or "ref"
     (SUROGATE_JAX_OPS=ref forces the reference). kernel: "auto" (on Hopper, the single-read cluster
     kernel where the row fits its shared memory) or "two_pass" (a tuning/testing knob). The loss
     sum is tagged
@@ -368,6 +508,10 @@ def lm_head_ce(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax
         raise ValueError(f"lm_head_ce: kernel must be one of {tuple(KERNELS)}, got {kernel!r}")
     if chunk is not None and chunk < 1:
         raise ValueError(f"lm_head_ce: chunk must be >= 1, got {chunk}")
+    if head_grad not in HEAD_GRADS:
+        raise ValueError(f"lm_head_ce: head_grad must be one of {HEAD_GRADS}, got {head_grad!r}")
+    if vocab_chunk is not None and vocab_chunk < 1:
+        raise ValueError(f"lm_head_ce: vocab_chunk must be >= 1, got {vocab_chunk}")
     impl = resolve_impl(impl, "lm_head_ce")
     ldt = jnp.dtype(logits_dtype)
     if impl != "ref" and not _kernel_supports(ldt, hidden.dtype):
@@ -381,6 +525,7 @@ def lm_head_ce(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax
     count = jnp.sum(w_N)
     if h_ND.shape[0] == 0:
         return jnp.zeros((), jnp.float32), count
-    cfg = _Cfg(head_layout, float(z_loss), chunk, ldt.name, impl, kernel, jnp.dtype(dhead_accum_dtype).name)
+    cfg = _Cfg(head_layout, float(z_loss), chunk, ldt.name, impl, kernel, jnp.dtype(dhead_accum_dtype).name,
+               head_grad, vocab_chunk)
     loss = _lm_head_ce(h_ND, head.astype(hidden.dtype), t_N, w_N, cfg)
     return checkpoint_name(loss, "lm_head_ce"), count

@@ -74,19 +74,72 @@ def _check(got, want, dtype, assert_close):
     assert_close(dw, dw_r, dtype, "d_head")
 
 
+# head_grad -> extra arguments: vocab blocks of 256 columns (3 + a 233-column remainder at V = 1001)
+HEAD_GRADS = {"vocab_chunks": {"head_grad": "vocab_chunks", "vocab_chunk": 300}, "token_accum": {"head_grad": "token_accum"}}
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("layout", ["DV", "VD"])
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])
-def test_op_and_reference_match_direct(dtype, layout, z_loss, assert_close):
+@pytest.mark.parametrize("head_grad", list(HEAD_GRADS))
+def test_op_and_reference_match_direct(dtype, layout, z_loss, head_grad, assert_close):
     h, w, t, m = _inputs(jax.random.key(7), dtype=dtype, layout=layout)
     t = t.at[3].set(-100)  # an ignored position
     want = _value_and_grads(_direct, h, w, t, m, layout=layout, z_loss=z_loss)
     op = jax.jit(lambda *a: _value_and_grads(
         lambda h, w, t, m: lm_head_ce(h, w, t, m, head_layout=layout, z_loss=z_loss, chunk=CHUNK,
-                                      impl="ref"), *a))
+                                      impl="ref", **HEAD_GRADS[head_grad]), *a))
     _check(op(h, w, t, m), want, dtype, assert_close)
-    ref = _value_and_grads(lm_head_ce_ref, h, w, t, m, head_layout=layout, z_loss=z_loss, chunk=CHUNK)
-    _check(ref, want, dtype, assert_close)
+    if head_grad == "token_accum":  # (the reference does not depend on head_grad)
+        ref = _value_and_grads(lm_head_ce_ref, h, w, t, m, head_layout=layout, z_loss=z_loss, chunk=CHUNK)
+        _check(ref, want, dtype, assert_close)
+
+
+@pytest.mark.parametrize("case", [  # (dtype, layout, N, V, chunk, vocab_chunk)
+    ("float32", "DV", 37, 1001, 16, 7),       # many blocks (143 of 7), no remainder
+    ("float32", "VD", 37, 1001, 16, 1000),    # 2 blocks of 501 / 500
+    ("bfloat16", "DV", 29, 32003, 8, 4096),   # 7 blocks of 4096 + 3331
+    ("bfloat16", "VD", 29, 32003, None, None),  # defaults: one block
+    ("float16", "DV", 37, 1001, 16, 300),     # f16: g applied to the fp32 GEMM output
+    ("float16", "VD", 37, 1001, 16, 5000),    # block larger than V
+], ids=str)
+def test_vocab_chunks_head_grad(case, assert_close):
+    """The default head gradient (pass 2 over vocab blocks) with a loss cotangent g != 1 (a mean
+    loss times a constant), z-loss, a zero-weight mask, ignore_index, N not a multiple of the
+    chunk and V not a multiple of the block, against the direct full-logits formulation."""
+    name, layout, n, v, chunk, vchunk = case
+    dtype = jnp.dtype(name)
+    h, w, t, m = _inputs(jax.random.key(n + v), n=n, v=v, dtype=dtype, layout=layout)
+    t = t.at[3].set(-100).at[0].set(v - 1).at[1].set(0)
+    m = m.at[0].set(1.0).at[1].set(1.0)
+    kw = {"layout": layout, "z_loss": 1e-3}
+
+    def mean(fn, **kw):
+        def loss(h, w):
+            s, c = fn(h, w, t, m, **kw)
+            return 0.37 * s / c
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+    want = mean(_direct, **kw)(h, w)
+    got = mean(lm_head_ce, head_layout=layout, z_loss=1e-3, chunk=chunk, vocab_chunk=vchunk, impl="ref")(h, w)
+    assert got[1][1].dtype == w.dtype and got[1][1].shape == w.shape
+    assert_close(got[0], want[0], jnp.float32, "loss")
+    assert_close(got[1][0], want[1][0], dtype, "d_hidden")
+    assert_close(got[1][1], want[1][1], dtype, "d_head")
+
+
+def test_vocab_blocks():
+    from surogate_jax.ops.lm_head_ce import _vocab_blocks, default_vocab_chunk
+    for v, c in [(1001, 300), (1001, 7), (1001, 5000), (32003, 4096), (151936, 18688), (7, 3), (1, 1)]:
+        k, cv, r = _vocab_blocks(v, c)
+        assert k * cv + r == v and 0 <= r < cv and k >= 1
+        assert -(-v // cv) == -(-v // min(c, v))  # evening out keeps the number of blocks
+    assert _vocab_blocks(1001, 300) == (3, 256, 233)
+    # the pass-2 buffers of the default block fit CHUNK_BYTES at the issue's shapes
+    from surogate_jax.ops.lm_head_ce import CHUNK_BYTES
+    for d in (1024, 4096):
+        c = default_vocab_chunk(4096, d, 151936, jnp.float32, jnp.bfloat16)
+        assert c % 256 == 0 and c * (4096 * 6 + 2 * d * 2) <= CHUNK_BYTES
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 37, 64, None])
@@ -122,16 +175,16 @@ def test_bf16_head_grad_accumulator(tolerance, assert_close):
     # The head gradient accumulated across chunks (2 + a tail) in bf16 instead of fp32.
     h, w, t, m = _inputs(jax.random.key(14), dtype=jnp.bfloat16)
     want = _value_and_grads(_direct, h, w, t, m)
-    got = _value_and_grads(lambda *a: lm_head_ce(*a, chunk=CHUNK, dhead_accum_dtype=jnp.bfloat16, impl="ref"),
-                           h, w, t, m)
+    got = _value_and_grads(lambda *a: lm_head_ce(*a, chunk=CHUNK, head_grad="token_accum",
+                                                 dhead_accum_dtype=jnp.bfloat16, impl="ref"), h, w, t, m)
     _check(got[:3] + (want[3],), want, jnp.bfloat16, assert_close)  # loss, count, d_hidden
     # d_head is rounded to bf16 once per chunk (3 times) instead of once: 3x bf16's tolerance.
     tol = 3 * tolerance(jnp.bfloat16)["rtol"]
     ref = np.asarray(want[3], np.float32)
     np.testing.assert_allclose(np.asarray(got[3], np.float32), ref, rtol=tol, atol=tol * np.sqrt(np.mean(ref**2)))
     bf16_dv = f"bf16[{D},{V}]"
-    jaxpr = _jaxpr(jax.grad(lambda w: lm_head_ce(h, w, t, m, chunk=CHUNK, dhead_accum_dtype=jnp.bfloat16,
-                                                 impl="ref")[0]), w)
+    jaxpr = _jaxpr(jax.grad(lambda w: lm_head_ce(h, w, t, m, chunk=CHUNK, head_grad="token_accum",
+                                                 dhead_accum_dtype=jnp.bfloat16, impl="ref")[0]), w)
     assert f"{bf16_dv} = dot_general" in jaxpr  # the per-chunk head gradient GEMM writes bf16
     assert f"f32[{D},{V}] = dot_general" not in jaxpr and f"f32[{D},{V}] = add" not in jaxpr
 
@@ -168,9 +221,15 @@ def test_out_of_range_targets():
         # a supervised out-of-range target: the loss sum is NaN
         s, c = fn(h, w, t_bad, m)
         assert np.isnan(float(s)) and float(c) == N
-    _, _, dh, _ = _value_and_grads(lambda *a: lm_head_ce(*a, chunk=CHUNK, impl="ref"), h, w, t_bad, m)
-    dh = np.asarray(dh)
-    assert np.all(np.isnan(dh[2])) and np.all(np.isnan(dh[4])) and np.all(np.isfinite(dh[5]))
+    for head_grad, kw in HEAD_GRADS.items():
+        op = lambda *a, kw=kw: lm_head_ce(*a, chunk=CHUNK, impl="ref", **kw)
+        _, _, dh, dw = _value_and_grads(op, h, w, t_bad, m)
+        dh = np.asarray(dh)
+        assert np.all(np.isnan(dh[2])) and np.all(np.isnan(dh[4])) and np.all(np.isfinite(dh[5])), head_grad
+        assert np.all(np.isnan(np.asarray(dw))), head_grad  # every column sums the NaN rows
+        # masked bad targets: finite gradients
+        _, _, dh, dw = _value_and_grads(op, h, w, t_bad, m0)
+        assert np.all(np.isfinite(np.asarray(dh))) and np.all(np.isfinite(np.asarray(dw))), head_grad
 
 
 def test_rows_twin_against_numpy(assert_close):
@@ -196,20 +255,53 @@ def _jaxpr(fn, *args):
     return str(jax.make_jaxpr(fn)(*args))
 
 
-def test_frozen_head_skips_dhead_and_eval_skips_grads():
+@pytest.mark.parametrize("head_grad", list(HEAD_GRADS))
+def test_frozen_head_skips_dhead_and_eval_skips_grads(head_grad):
     h, w, t, m = _inputs(jax.random.key(9), dtype=jnp.bfloat16)
     dv = f"f32[{D},{V}]"  # only the fp32 dW accumulator has this type (the head is bf16)
-    op = lambda h, w: lm_head_ce(h, w, t, m, chunk=CHUNK, impl="ref")[0]
+    op = lambda h, w: lm_head_ce(h, w, t, m, chunk=CHUNK, impl="ref", **HEAD_GRADS[head_grad])[0]
     full = _jaxpr(jax.grad(op, argnums=(0, 1)), h, w)
     frozen = _jaxpr(jax.grad(op), h, w)  # LoRA: no gradient for the head
     evaluation = _jaxpr(op, h, w)
-    assert dv in full  # the fp32 [D, V] accumulator
+    if head_grad == "token_accum":
+        assert dv in full  # the fp32 [D, V] accumulator
+    else:  # no [D, V] fp32 value at all; d_head blocks written in place into the bf16 output
+        assert dv not in full and "dynamic_update_slice" in full
     assert dv not in frozen and dv not in evaluation
     assert full.count("dot_general") > frozen.count("dot_general") > evaluation.count("dot_general")
     assert evaluation.count("dot_general") == 2  # the scan's logits GEMM + the tail chunk's
     # frozen head gives the same d_hidden
     g_full = jax.grad(op, argnums=(0, 1))(h, w)[0]
     np.testing.assert_array_equal(np.asarray(jax.grad(op)(h, w)), np.asarray(g_full))
+    # a frozen hidden (head only) gives the same d_head
+    g_head = jax.grad(op, argnums=1)(h, w)
+    np.testing.assert_array_equal(np.asarray(g_head, np.float32), np.asarray(jax.grad(op, argnums=(0, 1))(h, w)[1], np.float32))
+
+
+def _temp_bytes(fn, *args):
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_vocab_chunks_compiled_memory():
+    """With a trainable head, the compiled temporaries of jit(grad) hold no [D, V] fp32 accumulator:
+    far below the unfused loss's and below D * V * 4 bytes; "token_accum" at the same chunk holds
+    about that accumulator more. (CPU figures; the GPU test checks the issue's shape.)"""
+    n, d, v = 512, 256, 32000
+    sds = jax.ShapeDtypeStruct
+    args = (sds((n, d), jnp.bfloat16), sds((d, v), jnp.bfloat16), sds((n,), jnp.int32), sds((n,), jnp.float32))
+
+    def grad(fn):
+        return jax.value_and_grad(lambda h, w, t, m: fn(h, w, t, m)[0], argnums=(0, 1))
+
+    unfused = _temp_bytes(grad(_direct), *args)
+    kw = {"chunk": 32, "impl": "ref"}
+    vocab = _temp_bytes(grad(lambda *a: lm_head_ce(*a, vocab_chunk=1024, **kw)), *args)
+    accum = _temp_bytes(grad(lambda *a: lm_head_ce(*a, head_grad="token_accum", **kw)), *args)
+    print(f"temp MiB: unfused {unfused / 2**20:.1f}, vocab_chunks {vocab / 2**20:.1f}, "
+          f"token_accum {accum / 2**20:.1f}, D*V*4 {d * v * 4 / 2**20:.1f}")
+    assert vocab * 10 <= unfused
+    assert vocab < d * v * 4 / 2
+    assert accum - vocab >= d * v * 4 * 0.75
 
 
 def test_grad_under_remat_vmap_and_unused_loss(assert_close):
@@ -297,16 +389,17 @@ w = jnp.asarray(rng.normal(size=(16, 101)) * 0.3, jnp.float32)
 t = jnp.asarray(rng.integers(0, 101, size=(8, 5)), jnp.int32)
 m = jnp.asarray(rng.uniform(size=(8, 5)) > 0.3, jnp.float32)
 
-def loss(h, w):
-    s, c = lm_head_ce(h, w, t, m, chunk=7, z_loss=1e-3)
+def loss(h, w, head_grad="vocab_chunks"):
+    s, c = lm_head_ce(h, w, t, m, chunk=7, z_loss=1e-3, head_grad=head_grad, vocab_chunk=40)
     return s, c
 
-want = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w)
-for kind in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto):
+want = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w, "token_accum")
+for kind, head_grad in [(jax.sharding.AxisType.Explicit, "vocab_chunks"), (jax.sharding.AxisType.Auto, "vocab_chunks"),
+                        (jax.sharding.AxisType.Auto, "token_accum")]:
     mesh = jax.make_mesh((4,), ("data",), axis_types=(kind,))
     hs = jax.device_put(h, NamedSharding(mesh, P("data")))
     with jax.set_mesh(mesh):
-        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+        f = jax.jit(jax.value_and_grad(lambda h, w: loss(h, w, head_grad), argnums=(0, 1), has_aux=True))
         got = f(hs, w)
         hlo = f.lower(hs, w).as_text()
     assert "shard_map" in hlo or "manual_computation" in hlo, hlo[:2000]
