@@ -6,18 +6,23 @@ hidden 1024 = Qwen3-0.6B and 4096 = Qwen3-8B, bf16).
         [--hidden 1024 4096] [--isolate]
 
 Implementations (all return (loss sum, count) and are differentiated with jax.value_and_grad):
-  fused        lm_head_ce(impl="ffi"): chunk GEMM (fp32 logits) + our CUDA row kernel + dh/dW GEMMs
-               in the forward rule, backward just scales (default chunk, and a chunk sweep)
+  fused        lm_head_ce(impl="ffi"): chunk GEMM (fp32 logits) + our CUDA row kernel + dh GEMM in
+               the forward rule; with a trainable head the default head_grad="vocab_chunks"
+               computes dW in the backward over vocab blocks (logits block recomputed: 4 GEMMs,
+               no [D, V] accumulator) (default chunk, and chunk / vocab-block sweeps)
+  fused_tokacc head_grad="token_accum" (full-ft only): dW accumulated across token chunks in an
+               fp32 [D, V] accumulator in the forward rule (3 GEMMs, the previous default)
   fused_bf16   the same with bf16 logits (kernel works in place over the GEMM output)
   fused_2pass  fused with the two-pass row kernel instead of the single-read cluster kernel
-  fused_bf16acc  fused_bf16 with the head gradient accumulated in bf16 across chunks (full-ft)
+  fused_bf16acc  fused_bf16 + token_accum with the head gradient accumulated in bf16 (full-ft)
   fused_twin   lm_head_ce(impl="ref"): the same chunked algorithm with the kernel's jnp twin (XLA
                fusions instead of our kernel)
   chunked_jax  lm_head_ce_ref: the previous loss (lax.scan + jax.checkpoint per chunk of 2048,
                XLA autodiff: recomputes each chunk's logits GEMM in the backward)
   unfused      full [N, V] fp32 logits, log_softmax, XLA autodiff
-Modes: "full-ft" (gradients for hidden and the head: 3 GEMMs of 2 N D V FLOPs each), "lora" (head
-frozen: gradient for hidden only, 2 GEMMs), "eval" (loss only, 1 GEMM).
+Modes: "full-ft" (gradients for hidden and the head: 3 GEMMs of 2 N D V FLOPs each are needed;
+the vocab_chunks path runs a 4th), "lora" (head frozen: gradient for hidden only, 2 GEMMs), "eval"
+(loss only, 1 GEMM). TFLOP/s counts the needed GEMMs only (3 / 2 / 1), so it compares times.
 
 Memory: `temp MB` is XLA's compiled memory_analysis() temp_size_in_bytes of the jitted program
 (everything it allocates besides arguments and outputs); with --isolate every configuration also
@@ -53,19 +58,22 @@ def _unfused(h, w, t, m):
     return jnp.sum(nll * m), jnp.sum(m)
 
 
-def impls(chunks):
+def impls(chunks, vocab_chunks=()):
     out = {
         "fused": lambda h, w, t, m: lm_head_ce(h, w, t, m, impl="ffi"),
         "fused_bf16": lambda h, w, t, m: lm_head_ce(h, w, t, m, impl="ffi", logits_dtype=jnp.bfloat16),
         "fused_2pass": lambda h, w, t, m: lm_head_ce(h, w, t, m, impl="ffi", kernel="two_pass"),
+        "fused_tokacc": lambda h, w, t, m: lm_head_ce(h, w, t, m, impl="ffi", head_grad="token_accum"),
         "fused_bf16acc": lambda h, w, t, m: lm_head_ce(h, w, t, m, impl="ffi", logits_dtype=jnp.bfloat16,
-                                                       dhead_accum_dtype=jnp.bfloat16),
+                                                       head_grad="token_accum", dhead_accum_dtype=jnp.bfloat16),
         "fused_twin": lambda h, w, t, m: lm_head_ce(h, w, t, m, impl="ref"),
         "chunked_jax": lambda h, w, t, m: lm_head_ce_ref(h, w, t, m, chunk=2048),
         "unfused": _unfused,
     }
     for c in chunks:
         out[f"fused_c{c}"] = lambda h, w, t, m, c=c: lm_head_ce(h, w, t, m, impl="ffi", chunk=c)
+    for c in vocab_chunks:  # vocab_chunks' pass-2 block (full-ft only)
+        out[f"fused_v{c}"] = lambda h, w, t, m, c=c: lm_head_ce(h, w, t, m, impl="ffi", vocab_chunk=c)
     return out
 
 
@@ -85,8 +93,8 @@ def inputs(n, d, v):
     return h, w, t, m
 
 
-def measure(name, mode, n, d, v, repeats, chunks, isolated=False):
-    fn = impls(chunks)[name]
+def measure(name, mode, n, d, v, repeats, chunks, vocab_chunks=(), isolated=False):
+    fn = impls(chunks, vocab_chunks)[name]
     args = inputs(n, d, v)
     jax.block_until_ready(args)
     f = program(fn, mode)
@@ -130,6 +138,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=VOCAB)
     ap.add_argument("--chunks", type=int, nargs="*", default=[512, 1024, 2048, 4096],
                     help="extra fused chunk sizes to sweep (full-ft and lora)")
+    ap.add_argument("--vocab-chunks", type=int, nargs="*", default=[4096, 8192, 32768],
+                    help="extra pass-2 vocab block sizes to sweep (full-ft, head_grad=vocab_chunks)")
     ap.add_argument("--modes", nargs="+", default=["full-ft", "lora", "eval"],
                     choices=["full-ft", "lora", "eval"])
     ap.add_argument("--isolate", action="store_true", help="one fresh process per configuration")
@@ -144,13 +154,13 @@ def main() -> None:
         print("error: needs a CUDA GPU and the built extension surogate_jax._ffi", file=sys.stderr)
         raise SystemExit(2)
 
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": _commit(),
             "repeats": args.repeats}
     print(f"# LM head + CE on {meta['device']}, jax {meta['jax']}, commit {meta['commit']}, {meta['date']}")
     print("| N x D x V | mode | impl | ms | GEMM TFLOP/s | % of 740 | temp MB | peak MB | vs unfused: time, temp |")
     print("|---|---|---|---|---|---|---|---|---|")
-    names = list(impls(args.chunks))
+    names = list(impls(args.chunks, args.vocab_chunks))
     records = []
     for d in args.hidden:
         for mode in args.modes:
@@ -159,10 +169,10 @@ def main() -> None:
             for name in ["unfused"] + [x for x in names if x != "unfused"]:
                 if mode == "eval" and ("_c" in name or name in ("fused_2pass", "fused_bf16acc")):
                     continue
-                if mode == "lora" and name == "fused_bf16acc":
-                    continue
+                if mode != "full-ft" and (name in ("fused_bf16acc", "fused_tokacc") or name.startswith("fused_v")):
+                    continue  # head-gradient variants: the same program as "fused" without a head gradient
                 cfg = {"name": name, "mode": mode, "n": args.tokens, "d": d, "v": args.vocab,
-                       "repeats": args.repeats, "chunks": args.chunks}
+                       "repeats": args.repeats, "chunks": args.chunks, "vocab_chunks": args.vocab_chunks}
                 try:
                     if args.isolate:
                         r = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)],

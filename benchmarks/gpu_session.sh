@@ -30,7 +30,7 @@ for b in "${benches[@]}"; do
     rms_norm) python3 benchmarks/bench_rms_norm.py --out "$OUT/bench_rms_norm.json" 2>&1 | tee "$OUT/bench_rms_norm.log" | tail -20 ;;
     fp8_matmul) python3 benchmarks/bench_fp8_matmul.py --out "$OUT/bench_fp8_matmul.json" 2>&1 | tee "$OUT/bench_fp8_matmul.log" | tail -40 ;;
     swiglu|add_rms_norm) python3 benchmarks/bench_$b.py --out "$OUT/bench_$b.json" 2>&1 | tee "$OUT/bench_$b.log" | tail -20 ;;
-    lm_head_ce) python3 benchmarks/bench_lm_head_ce.py --out "$OUT/bench_lm_head_ce.json" 2>&1 | tee "$OUT/bench_lm_head_ce.log" | tail -45 ;;
+    lm_head_ce) python3 benchmarks/bench_lm_head_ce.py --out "$OUT/bench_lm_head_ce.json" 2>&1 | tee "$OUT/bench_lm_head_ce.log" | tail -80 ;;
     rope) python3 benchmarks/bench_rope.py --out "$OUT/bench_rope.json" 2>&1 | tee "$OUT/bench_rope.log" | tail -70 ;;
     normuon) python3 benchmarks/bench_normuon.py --out "$OUT/bench_normuon.json" 2>&1 | tee "$OUT/bench_normuon.log" | tail -16 ;;
     adamw_8bit) python3 benchmarks/bench_adamw_8bit.py --out "$OUT/bench_adamw_8bit.json" 2>&1 | tee "$OUT/bench_adamw_8bit.log" | tail -48 ;;

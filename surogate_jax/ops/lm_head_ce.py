@@ -64,10 +64,11 @@ time on an H100) trades that memory against GEMM efficiency. The vocab block Cv
 buffers fit 512 MiB, then evened out over the same number of blocks: 16896 at N = 4096,
 D = 1024, V = 151936; 12800 at D = 4096) does the same for pass 2; larger blocks make the two
 [N, D] x [D, Cv] / [D, N] x [N, Cv] GEMMs more efficient. Expected peak temporaries at N = 4096,
-V = 151936, bf16: ~0.45 GiB (pass 1 at C = 512) against ~7 GiB for the unfused loss.
+V = 151936, bf16: ~0.45-0.5 GiB (either pass; estimated from the buffer sizes above) against
+~7 GiB for the unfused loss.
 
-Sharding: the whole chunked computation runs per data shard (ops/_sharding.on_shards): tokens split
-along the leading axis, W replicated, the loss sum and dW psum-ed (on an Explicit mesh on_shards
+Sharding: both passes run per data shard (ops/_sharding.on_shards): tokens (and their lse) split
+along the leading axis, W replicated, the loss sum and dW (each shard's over its own tokens) psum-ed (on an Explicit mesh on_shards
 also brings replicated targets/mask or a sharded head to those layouts itself).
 
 Implementations (`impl`, see ops/_loader.py): the CUDA row kernel (kernels/lm_head_ce.cu through

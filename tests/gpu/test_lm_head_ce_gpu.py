@@ -87,10 +87,11 @@ CASES = [  # (N, D, V, chunk)
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_ffi_matches_reference(case, dtype, assert_close):
+@pytest.mark.parametrize("head_grad", ["vocab_chunks", "token_accum"])
+def test_ffi_matches_reference(case, dtype, head_grad, assert_close):
     n, d, v, chunk = case
     h, w, t, m = _inputs(n, d, v, dtype)
-    kw = {"chunk": chunk, "z_loss": 1e-4}
+    kw = {"chunk": chunk, "z_loss": 1e-4, "head_grad": head_grad}
     ref = _run(lambda *a: lm_head_ce(*a, impl="ref", **kw), h, w, t, m)
     # one chunk: lm_head_ce_ref's autodiff sums the head gradient over chunks in the head's dtype
     auto = _run(lambda *a: lm_head_ce_ref(*a, chunk=n, z_loss=1e-4), h, w, t, m)
@@ -104,9 +105,10 @@ def test_ffi_matches_reference(case, dtype, assert_close):
 def test_bf16_head_grad_accumulator(tolerance, assert_close):
     # dW accumulated across chunks in bf16 instead of fp32: the loss and d_hidden are unchanged.
     h, w, t, m = _inputs(640, 1024, 32003, jnp.bfloat16)  # 2 chunks + a 128-token tail
-    s, c, dh, dw = _run(lambda *a: lm_head_ce(*a, impl="ffi", chunk=256, dhead_accum_dtype=jnp.bfloat16),
-                        h, w, t, m)
-    s_r, c_r, dh_r, dw_r = _run(lambda *a: lm_head_ce(*a, impl="ffi", chunk=256), h, w, t, m)
+    s, c, dh, dw = _run(lambda *a: lm_head_ce(*a, impl="ffi", chunk=256, head_grad="token_accum",
+                                              dhead_accum_dtype=jnp.bfloat16), h, w, t, m)
+    s_r, c_r, dh_r, dw_r = _run(lambda *a: lm_head_ce(*a, impl="ffi", chunk=256, head_grad="token_accum"),
+                                h, w, t, m)
     assert float(s) == float(s_r) and float(c) == float(c_r)
     np.testing.assert_array_equal(np.asarray(dh, np.float32), np.asarray(dh_r, np.float32))
     # d_head is rounded to bf16 once per chunk (3 times) instead of once: 3x bf16's tolerance.
@@ -125,6 +127,73 @@ def test_layouts_and_logits_dtype(layout, logits_dtype, assert_close):
     _poison_allocator()
     got = _run(lambda *a: lm_head_ce(*a, impl="ffi", **kw), h, w, t, m)
     _compare(got, ref, jnp.bfloat16, assert_close, f"{layout} logits {jnp.dtype(logits_dtype).name}")
+
+
+VOCAB_CASES = [  # (N, D, V, chunk, vocab_chunk, layout)
+    (301, 1024, 151936, 128, None, "DV"),   # default blocks (one block at this N)
+    (257, 1000, 151936, 96, 12345, "VD"),   # 13 blocks of ~11.7k, odd remainder
+    (515, 1000, 32003, 256, 4096, "DV"),    # 7 x 4096 + 3331
+    (97, 1024, 32003, 40, 1000, "VD"),
+    (33, 64, 1001, 8, 7, "DV"),             # many tiny blocks
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", VOCAB_CASES, ids=str)
+def test_vocab_chunks_head_grad(case, dtype, assert_close):
+    """The default head gradient (pass 2 over vocab blocks, in the backward rule, with the loss
+    cotangent g folded in: here a mean loss times 0.37) against the token-accumulator path and the
+    autodiff reference; layouts, odd V / blocks, ignore_index, zero-weight rows."""
+    n, d, v, chunk, vchunk, layout = case
+    h, w, t, m = _inputs(n, d, v, dtype, layout=layout)
+
+    def run(fn):
+        @jax.jit
+        def go(h, w):
+            def loss(h, w):
+                s, c = fn(h, w, t, m)
+                return 0.37 * s / c
+            return jax.value_and_grad(loss, argnums=(0, 1))(h, w)
+        return go(h, w)
+
+    kw = {"head_layout": layout, "chunk": chunk, "z_loss": 1e-3}
+    accum = run(lambda *a: lm_head_ce(*a, impl="ffi", head_grad="token_accum", **kw))
+    auto = run(lambda *a: lm_head_ce_ref(*a, head_layout=layout, chunk=n, z_loss=1e-3))
+    twin = run(lambda *a: lm_head_ce(*a, impl="ref", vocab_chunk=vchunk, **kw))
+    _poison_allocator()
+    got = run(lambda *a: lm_head_ce(*a, impl="ffi", vocab_chunk=vchunk, **kw))
+    l, (dh, dw) = got
+    assert dw.shape == w.shape and dw.dtype == w.dtype and dh.shape == h.shape
+    for name, a in (("loss", l), ("d_hidden", dh), ("d_head", dw)):
+        assert bool(jnp.all(jnp.isfinite(a))), f"{name} has non-finite values (unwritten?)"
+    for what, (l_r, (dh_r, dw_r)) in (("token_accum", accum), ("autodiff reference", auto), ("ref twin", twin)):
+        assert_close(l, l_r, jnp.float32, f"vs {what}: loss")
+        assert_close(dh, dh_r, dtype, f"vs {what}: d_hidden")
+        assert_close(dw, dw_r, dtype, f"vs {what}: d_head")
+
+
+@pytest.mark.parametrize("d", [1024, 4096])
+def test_full_ft_compiled_memory(d):
+    """Issue 4's bar for full fine-tuning: at 4096 tokens x vocab 151936 (bf16), the compiled
+    temporaries of jit(value_and_grad) w.r.t. hidden and head are <= 1/8 of the unfused loss's
+    (full fp32 logits + log_softmax). Compiles only."""
+    n, v = 4096, 151936
+    sds = jax.ShapeDtypeStruct
+    args = (sds((n, d), jnp.bfloat16), sds((d, v), jnp.bfloat16), sds((n,), jnp.int32), sds((n,), jnp.float32))
+
+    def unfused(h, w, t, m):
+        logp = jax.nn.log_softmax(jnp.dot(h, w, preferred_element_type=jnp.float32), axis=-1)
+        return jnp.sum(-jnp.take_along_axis(logp, t[:, None], axis=-1)[:, 0] * m), jnp.sum(m)
+
+    def temp(fn):
+        f = jax.jit(jax.value_and_grad(lambda h, w, t, m: fn(h, w, t, m)[0], argnums=(0, 1)))
+        return f.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    base = temp(unfused)
+    fused = temp(lambda *a: lm_head_ce(*a, impl="ffi"))
+    print(f"D={d}: temp MiB unfused {base / 2**20:.0f}, fused (vocab_chunks) {fused / 2**20:.0f} "
+          f"(1/{base / max(fused, 1):.1f})")
+    assert fused * 8 <= base, (fused / 2**20, base / 2**20)
 
 
 @pytest.mark.parametrize("frozen", ["head", "hidden", "eval"])

@@ -75,7 +75,8 @@ def _check(got, want, dtype, assert_close):
 
 
 # head_grad -> extra arguments: vocab blocks of 256 columns (3 + a 233-column remainder at V = 1001)
-HEAD_GRADS = {"vocab_chunks": {"head_grad": "vocab_chunks", "vocab_chunk": 300}, "token_accum": {"head_grad": "token_accum"}}
+HEAD_GRADS = {"vocab_chunks": {"head_grad": "vocab_chunks", "vocab_chunk": 300},
+              "token_accum": {"head_grad": "token_accum"}}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
@@ -275,7 +276,8 @@ def test_frozen_head_skips_dhead_and_eval_skips_grads(head_grad):
     np.testing.assert_array_equal(np.asarray(jax.grad(op)(h, w)), np.asarray(g_full))
     # a frozen hidden (head only) gives the same d_head
     g_head = jax.grad(op, argnums=1)(h, w)
-    np.testing.assert_array_equal(np.asarray(g_head, np.float32), np.asarray(jax.grad(op, argnums=(0, 1))(h, w)[1], np.float32))
+    g_both = jax.grad(op, argnums=(0, 1))(h, w)[1]
+    np.testing.assert_array_equal(np.asarray(g_head, np.float32), np.asarray(g_both, np.float32))
 
 
 def _temp_bytes(fn, *args):
