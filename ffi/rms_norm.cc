@@ -1,7 +1,8 @@
 // XLA FFI handlers for RMSNorm: check shapes/dtypes, pick the element type, call the launchers in
 // kernels/rms_norm.h on XLA's stream. Python side: surogate_jax/ops/rms_norm.py.
 //
-//   surogate_rms_norm_fwd(x [..., D], w [G.., D]; eps: f32) -> y [..., D], rstd [...] (f32)
+//   surogate_rms_norm_fwd(x [..., D], w [G.., D]; eps: f32, fwd_algo: i32) -> y [..., D], rstd [...] (f32)
+//   (fwd_algo picks a forward kernel variant, 0 = default: see kernels/rms_norm.h)
 //   surogate_rms_norm_bwd(dy [..., D], x [..., D], w [G.., D], rstd [...]) -> dx [..., D], dw [G.., D],
 //                                                                          ws [.., P, D] (f32)
 // ws holds the backward's per-block dw partial sums; it is an output (the caller discards it)
@@ -43,8 +44,13 @@ ffi::Error CheckSameShape(std::string_view op, const char* name, const ffi::AnyB
                             " has shape " + ShapeStr(like));
 }
 
-ffi::Error RmsNormFwd(cudaStream_t stream, float eps, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> rstd) {
+ffi::Error RmsNormFwd(cudaStream_t stream, float eps, int32_t fwd_algo, ffi::AnyBuffer x,
+                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                      ffi::Result<ffi::AnyBuffer> rstd) {
+  if (fwd_algo < 0 || fwd_algo >= kRmsNormFwdAlgos) {
+    return InvalidArg(kFwd, "fwd_algo " + std::to_string(fwd_algo) + " is not in [0, " +
+                                std::to_string(kRmsNormFwdAlgos) + ")");
+  }
   int64_t rows = 0, dim = 0, groups = 1;
   if (auto e = RowsAndDim(kFwd, "x", x, &rows, &dim); e.failure()) return e;
   if (auto e = WeightGroups(kFwd, x, w, rows, dim, &groups); e.failure()) return e;
@@ -67,7 +73,7 @@ ffi::Error RmsNormFwd(cudaStream_t stream, float eps, ffi::AnyBuffer x, ffi::Any
     float* rp = static_cast<float*>(rstd->untyped_data());
     for (int64_t g = 0; g < groups; ++g) {
       const cudaError_t err = rms_norm_fwd<T>(xp + g * per * dim, wp + g * dim, yp + g * per * dim,
-                                              rp + g * per, per, dim, eps, stream);
+                                              rp + g * per, per, dim, eps, stream, fwd_algo);
       if (err != cudaSuccess) return CudaError(kFwd, err);
     }
     return ffi::Error::Success();
@@ -126,6 +132,7 @@ XLA_FFI_DEFINE_HANDLER(kRmsNormFwdHandler, RmsNormFwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<float>("eps")
+                           .Attr<int32_t>("fwd_algo")
                            .Arg<ffi::AnyBuffer>()   // x
                            .Arg<ffi::AnyBuffer>()   // w
                            .Ret<ffi::AnyBuffer>()   // y

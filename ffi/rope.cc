@@ -2,7 +2,8 @@
 // shapes/dtypes, pick the element type, call the launchers in kernels/rope.h on XLA's stream.
 // Python side: surogate_jax/ops/rope.py.
 //
-//   surogate_rope_fwd(x [..., H, K], a, b, w; eps: f32, norm: i32, inverse: i32) -> y [..., H, K]
+//   surogate_rope_fwd(x [..., H, K], a, b, w; eps: f32, norm: i32, inverse: i32, fwd_algo: i32)
+//       -> y [..., H, K]   (fwd_algo picks a forward kernel variant, 0 = default: kernels/rope.h)
 //   surogate_rope_bwd(dy [..., H, K], x [..., H, K], a, b, w; eps: f32)
 //       -> dx [..., H, K], dw [G.., K], ws [P, K] (f32)
 // The angle source is told by a's dtype:
@@ -150,9 +151,14 @@ ffi::Error CheckSameShape(std::string_view op, const char* name, const ffi::AnyB
                             " has shape " + ShapeStr(like));
 }
 
-ffi::Error RopeFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inverse, ffi::AnyBuffer x,
+ffi::Error RopeFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inverse, int32_t fwd_algo,
+                   ffi::AnyBuffer x,
                    ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer w,
                    ffi::Result<ffi::AnyBuffer> y) {
+  if (fwd_algo < 0 || fwd_algo >= kRopeFwdAlgos) {
+    return InvalidArg(kFwd, "fwd_algo " + std::to_string(fwd_algo) + " is not in [0, " +
+                                std::to_string(kRopeFwdAlgos) + ")");
+  }
   RopeCall c;
   if (auto e = Inspect(kFwd, x, a, b, norm ? &w : nullptr, &c); e.failure()) return e;
   if (auto e = ExpectDtype(kFwd, "y", *y, x.element_type()); e.failure()) return e;
@@ -167,7 +173,7 @@ ffi::Error RopeFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inverse
       const cudaError_t err =
           rope_fwd<T>(xp + g * per * row, yp + g * per * row, AnglesOf(c, a, b, g),
                       wp == nullptr ? nullptr : wp + (c.w_groups > 1 ? g * c.dim : 0), per,
-                      c.heads, c.dim, eps, inverse != 0, stream);
+                      c.heads, c.dim, eps, inverse != 0, stream, fwd_algo);
       if (err != cudaSuccess) return CudaError(kFwd, err);
     }
     return ffi::Error::Success();
@@ -226,6 +232,7 @@ XLA_FFI_DEFINE_HANDLER(kRopeFwdHandler, RopeFwd,
                            .Attr<float>("eps")
                            .Attr<int32_t>("norm")
                            .Attr<int32_t>("inverse")
+                           .Attr<int32_t>("fwd_algo")
                            .Arg<ffi::AnyBuffer>()   // x
                            .Arg<ffi::AnyBuffer>()   // positions | cos
                            .Arg<ffi::AnyBuffer>()   // inv_freq | sin

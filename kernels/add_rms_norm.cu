@@ -13,11 +13,13 @@
 
 namespace surogate {
 
+static_assert(kAddRmsNormFwdAlgos == normk::kFwdAlgos, "add_rms_norm.h and the kernels disagree");
+
 template <typename T>
 cudaError_t add_rms_norm_fwd(const T* x, const T* res, const T* w, T* y, T* res_out, float* rstd,
-                             int64_t rows, int64_t dim, float eps, cudaStream_t stream) {
+                             int64_t rows, int64_t dim, float eps, cudaStream_t stream, int algo) {
   if (res == nullptr || res_out == nullptr) return cudaErrorInvalidValue;
-  return normk::norm_fwd<T, true>(x, res, w, y, res_out, rstd, rows, dim, eps, stream);
+  return normk::norm_fwd<T, true>(x, res, w, y, res_out, rstd, rows, dim, eps, stream, algo);
 }
 
 template <typename T>
@@ -31,7 +33,7 @@ cudaError_t add_rms_norm_bwd(const T* dy, const T* dres_out, const T* res_out, c
 
 #define SUROGATE_ADD_RMS_NORM_INSTANTIATE(T)                                                     \
   template cudaError_t add_rms_norm_fwd<T>(const T*, const T*, const T*, T*, T*, float*, int64_t, \
-                                           int64_t, float, cudaStream_t);                         \
+                                           int64_t, float, cudaStream_t, int);                    \
   template cudaError_t add_rms_norm_bwd<T>(const T*, const T*, const T*, const T*, const float*,  \
                                            T*, T*, int64_t, int64_t, void*, size_t, cudaStream_t);
 

@@ -22,9 +22,14 @@
 
 namespace surogate {
 
+// Forward algorithms (`algo`, 0 = default): the same variants as rms_norm_fwd's (same math,
+// different work layout; see kernels/rms_norm_common.cuh).
+inline constexpr int kAddRmsNormFwdAlgos = 4;
+
 template <typename T>
 cudaError_t add_rms_norm_fwd(const T* x, const T* res, const T* w, T* y, T* res_out, float* rstd,
-                             int64_t rows, int64_t dim, float eps, cudaStream_t stream);
+                             int64_t rows, int64_t dim, float eps, cudaStream_t stream,
+                             int algo = 0);
 
 // `workspace`: float32 scratch of `workspace_bytes` (16-byte aligned) for per-block dw partial
 // sums, at least one row of `dim` floats (see rms_norm.h).

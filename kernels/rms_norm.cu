@@ -7,10 +7,12 @@
 
 namespace surogate {
 
+static_assert(kRmsNormFwdAlgos == normk::kFwdAlgos, "rms_norm.h and the kernels disagree");
+
 template <typename T>
 cudaError_t rms_norm_fwd(const T* x, const T* w, T* y, float* rstd, int64_t rows, int64_t dim,
-                         float eps, cudaStream_t stream) {
-  return normk::norm_fwd<T, false>(x, nullptr, w, y, nullptr, rstd, rows, dim, eps, stream);
+                         float eps, cudaStream_t stream, int algo) {
+  return normk::norm_fwd<T, false>(x, nullptr, w, y, nullptr, rstd, rows, dim, eps, stream, algo);
 }
 
 template <typename T>
@@ -23,7 +25,7 @@ cudaError_t rms_norm_bwd(const T* dy, const T* x, const T* w, const float* rstd,
 
 #define SUROGATE_RMS_NORM_INSTANTIATE(T)                                                        \
   template cudaError_t rms_norm_fwd<T>(const T*, const T*, T*, float*, int64_t, int64_t, float, \
-                                       cudaStream_t);                                           \
+                                       cudaStream_t, int);                                      \
   template cudaError_t rms_norm_bwd<T>(const T*, const T*, const T*, const float*, T*, T*,      \
                                        int64_t, int64_t, void*, size_t, cudaStream_t);
 

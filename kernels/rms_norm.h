@@ -19,9 +19,14 @@
 
 namespace surogate {
 
+// Forward algorithms (`algo`, 0 = default): variants of one kernel that compute the same fp32
+// formula and differ only in the summation order of a row's squares and in how work is laid out
+// on the GPU (see kernels/rms_norm_common.cuh); the benchmark picks the default.
+inline constexpr int kRmsNormFwdAlgos = 4;
+
 template <typename T>
 cudaError_t rms_norm_fwd(const T* x, const T* w, T* y, float* rstd, int64_t rows, int64_t dim,
-                         float eps, cudaStream_t stream);
+                         float eps, cudaStream_t stream, int algo = 0);
 
 // `workspace`: float32 scratch of `workspace_bytes` (16-byte aligned) for per-block dw partial
 // sums, at least one row of `dim` floats; the grid uses at most workspace_bytes / (4 * dim) blocks

@@ -130,42 +130,91 @@ __device__ __forceinline__ float group_sum(float v, int width, float* red) {
 // ---------------------------------------------------------------------------------------------
 // Register path.
 
-template <typename T, int N, bool kBlockRow, bool kRes>
-__global__ void __maxnreg__(kFwdRegCap<kRes>)
+// Forward variants (fwd_algo; all compute the same fp32 formula with one rounding of y, they differ
+// only in the order a row's squares are summed):
+//   0 "persistent": R = 4 vectors per thread, persistent grid, w held in registers (plain norm).
+//   1 "one-shot"  : R = 4, one row per group and no grid-stride (grid = all row groups), w re-read
+//                   from L1 at use, lower register cap -> more resident threads; the block
+//                   scheduler overlaps one block's reduce/store phase with another's loads and
+//                   there is no wave-quantization tail (262144 x 128 ran 10.3 persistent rounds,
+//                   i.e. 11 with the last 30% full).
+//   2 "wide"      : R = 8 one-shot: half the threads per row, twice the bytes in flight per
+//                   thread, half the shuffle/barrier steps per byte (D = 4096 bf16: 64 threads a
+//                   row; the head norm D = 128: 2 lanes a row, one xor step).
+//   3 "prefetch"  : R = 4 persistent, software pipelined: the group's next row is loaded into a
+//                   second register buffer before the current row's reduction, so loads stay in
+//                   flight through the barrier/rstd/y-store phase that leaves DRAM idle in 0.
+// Why 0 loses to XLA at D >= 4096 and D = 128 (measured 0.88-0.97x): each persistent block
+// alternates load -> reduce (2 barriers in block mode) -> store, with nothing in flight during
+// the second half; at the 768 resident threads its 72-80 register cap allows, that duty cycle
+// leaves ~25-50 KB in flight per SM on average, at or below what ~3 TB/s needs.
+constexpr int kFwdAlgos = 4;
+template <typename T, bool kRes, int R, bool kWReg, bool kPrefetch>
+constexpr int fwd_reg_cap() {
+  // The row buffers dominate: R packed vectors (4 registers each) of x, and of res with kRes,
+  // twice with kPrefetch, plus the w slice when held. Values are the smallest multiples of 8 at
+  // which ptxas (nvcc 13, sm_90a) reports no spills for every instantiation (exception: the fp32
+  // scalar-fallback R = 8 plain kernel spills 12 bytes at any cap tried, 88-96); one-shot R = 4
+  // fits 1-2 more blocks of 256 threads per SM than variant 0.
+  constexpr bool k32 = sizeof(T) == 4;
+  if (!kWReg && !kPrefetch && R == 4) return kRes ? 64 : (k32 ? 56 : 48);
+  if (!kWReg && !kPrefetch && R == 8) return kRes ? (k32 ? 128 : 96) : (k32 ? 88 : 80);
+  if (kPrefetch) return kRes ? (k32 ? 104 : 96) : 72;
+  return kFwdRegCap<kRes>;
+}
+
+template <typename T, int N, int R, bool kRes>
+__device__ __forceinline__ void fwd_load_row(const T* __restrict__ x, const T* __restrict__ res,
+                                             int64_t row, int64_t rows, int dim, int nvec,
+                                             const RowLoop& L, Raw<T, N> (&xr)[R],
+                                             Raw<T, N> (&rr)[kRes ? R : 1]) {
+  if (row >= rows) return;
+  const int64_t off = row * dim;
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const int i = L.lane + j * L.width;
+    if (i < nvec) {
+      xr[j] = vec::load_raw_stream<T, N>(x + off + static_cast<int64_t>(i) * N);
+      if constexpr (kRes) rr[j] = vec::load_raw_stream<T, N>(res + off + static_cast<int64_t>(i) * N);
+    }
+  }
+}
+
+template <typename T, int N, int R, bool kBlockRow, bool kRes, bool kWReg, bool kPrefetch>
+__global__ void __maxnreg__((fwd_reg_cap<T, kRes, R, kWReg, kPrefetch>()))
     fwd_reg_kernel(const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ w,
                    T* __restrict__ y, T* __restrict__ res_out, float* __restrict__ rstd,
                    int64_t rows, int dim, int width, float eps) {
+  static_assert(!(kWReg && kRes), "with the residual w is re-read from L1");
   __shared__ float red[kWarp + 1];
   const RowLoop L = row_loop<kBlockRow>(width);
   const int nvec = dim / N;
-  // The thread's slice of w stays in registers across rows (with the residual, which needs
-  // registers for x and res, it is re-read from L1 instead).
-  Raw<T, N> wr[kRes ? 1 : kRegVecs];
-  if constexpr (!kRes) {
+  // kWReg: the thread's slice of w stays in registers across rows (persistent grid only).
+  Raw<T, N> wr[kWReg ? R : 1];
+  if constexpr (kWReg) {
 #pragma unroll
-    for (int j = 0; j < kRegVecs; ++j) {
+    for (int j = 0; j < R; ++j) {
       const int i = L.lane + j * L.width;
       if (i < nvec) wr[j] = vec::load_raw<T, N>(w + static_cast<int64_t>(i) * N);
     }
   }
+  Raw<T, N> xr[R], rr[kRes ? R : 1];
+  if constexpr (kPrefetch) fwd_load_row<T, N, R, kRes>(x, res, L.first + L.sub, rows, dim, nvec, L, xr, rr);
   for (int64_t base = L.first; base < rows; base += L.stride) {
     const int64_t row = base + L.sub;
     const bool active = row < rows;
     const int64_t off = (active ? row : 0) * dim;
-    Raw<T, N> xr[kRegVecs];
+    Raw<T, N> nx[kPrefetch ? R : 1], nr[kPrefetch && kRes ? R : 1];
+    if constexpr (kPrefetch) {
+      // The next row's loads go out before this row's reduction and stores.
+      fwd_load_row<T, N, R, kRes>(x, res, row + L.stride, rows, dim, nvec, L, nx, nr);
+    } else {
+      fwd_load_row<T, N, R, kRes>(x, res, row, rows, dim, nvec, L, xr, rr);
+    }
     float ss = 0.f;
     if (active) {
-      Raw<T, N> rr[kRes ? kRegVecs : 1];
 #pragma unroll
-      for (int j = 0; j < kRegVecs; ++j) {
-        const int i = L.lane + j * L.width;
-        if (i < nvec) {
-          xr[j] = vec::load_raw_stream<T, N>(x + off + static_cast<int64_t>(i) * N);
-          if constexpr (kRes) rr[j] = vec::load_raw_stream<T, N>(res + off + static_cast<int64_t>(i) * N);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kRegVecs; ++j) {
+      for (int j = 0; j < R; ++j) {
         const int i = L.lane + j * L.width;
         if (i < nvec) {
           float v[N];
@@ -185,23 +234,31 @@ __global__ void __maxnreg__(kFwdRegCap<kRes>)
       }
     }
     ss = group_sum<kBlockRow>(ss, L.width, red);
-    if (!active) continue;  // no shuffle or barrier below
-    const float r = rsqrtf(ss / static_cast<float>(dim) + eps);
-    if (L.lane == 0) rstd[row] = r;
+    if (active) {  // no shuffle or barrier inside
+      const float r = rsqrtf(ss / static_cast<float>(dim) + eps);
+      if (L.lane == 0) rstd[row] = r;
 #pragma unroll
-    for (int j = 0; j < kRegVecs; ++j) {
-      const int i = L.lane + j * L.width;
-      if (i < nvec) {
-        float v[N], g[N], o[N];
-        vec::unpack(xr[j], v);
-        if constexpr (kRes) {
-          vec::load<T, N>(w + static_cast<int64_t>(i) * N, g);
-        } else {
-          vec::unpack(wr[j], g);
+      for (int j = 0; j < R; ++j) {
+        const int i = L.lane + j * L.width;
+        if (i < nvec) {
+          float v[N], g[N], o[N];
+          vec::unpack(xr[j], v);
+          if constexpr (kWReg) {
+            vec::unpack(wr[j], g);
+          } else {
+            vec::load<T, N>(w + static_cast<int64_t>(i) * N, g);
+          }
+#pragma unroll
+          for (int k = 0; k < N; ++k) o[k] = v[k] * r * g[k];
+          vec::store<T, N>(y + off + static_cast<int64_t>(i) * N, o);
         }
+      }
+    }
+    if constexpr (kPrefetch) {
 #pragma unroll
-        for (int k = 0; k < N; ++k) o[k] = v[k] * r * g[k];
-        vec::store<T, N>(y + off + static_cast<int64_t>(i) * N, o);
+      for (int j = 0; j < R; ++j) {
+        xr[j] = nx[j];
+        if constexpr (kRes) rr[j] = nr[j];
       }
     }
   }
@@ -566,11 +623,30 @@ template <typename T>
 using BwdLoopKernel = void (*)(const T*, const T*, const T*, const float*, T*, float*, int64_t,
                                int, int, bool);
 
-template <typename T, bool kRes>
-FwdRegKernel<T, kRes> fwd_reg(const Plan& p) {
+template <typename T, int R, bool kRes, bool kWReg, bool kPrefetch>
+FwdRegKernel<T, kRes> fwd_reg_variant(const Plan& p) {
   constexpr int V = kVec<T>;
-  if (p.vec == 1) return p.block_row ? fwd_reg_kernel<T, 1, true, kRes> : fwd_reg_kernel<T, 1, false, kRes>;
-  return p.block_row ? fwd_reg_kernel<T, V, true, kRes> : fwd_reg_kernel<T, V, false, kRes>;
+  if (p.vec == 1) {
+    return p.block_row ? fwd_reg_kernel<T, 1, R, true, kRes, kWReg, kPrefetch>
+                       : fwd_reg_kernel<T, 1, R, false, kRes, kWReg, kPrefetch>;
+  }
+  return p.block_row ? fwd_reg_kernel<T, V, R, true, kRes, kWReg, kPrefetch>
+                     : fwd_reg_kernel<T, V, R, false, kRes, kWReg, kPrefetch>;
+}
+
+// Vectors per thread of forward algorithm `algo` (see kFwdAlgos).
+inline int fwd_vecs(int algo) { return algo == 2 ? 8 : kRegVecs; }
+// Whether `algo` runs a persistent (grid-stride) grid; else one row per group.
+inline bool fwd_persistent(int algo) { return algo == 0 || algo == 3; }
+
+template <typename T, bool kRes>
+FwdRegKernel<T, kRes> fwd_reg(const Plan& p, int algo) {
+  switch (algo) {
+    case 1: return fwd_reg_variant<T, 4, kRes, false, false>(p);
+    case 2: return fwd_reg_variant<T, 8, kRes, false, false>(p);
+    case 3: return fwd_reg_variant<T, 4, kRes, false, true>(p);
+    default: return fwd_reg_variant<T, kRegVecs, kRes, !kRes, false>(p);
+  }
 }
 
 template <typename T, bool kRes>
@@ -602,19 +678,26 @@ cudaError_t launch_add(const T* a, const T* b, T* out, int64_t n, cudaStream_t s
 }
 
 // Forward: kRes = false -> plain RMSNorm of x (res, res_out unused); else s = x + res is
-// written to res_out and normalized.
+// written to res_out and normalized. `algo` in [0, kFwdAlgos) picks the register-path variant
+// (the loop path for very long rows is the same for all).
 template <typename T, bool kRes>
 cudaError_t norm_fwd(const T* x, const T* res, const T* w, T* y, T* res_out, float* rstd,
-                     int64_t rows, int64_t dim, float eps, cudaStream_t stream) {
+                     int64_t rows, int64_t dim, float eps, cudaStream_t stream, int algo) {
   if (dim <= 0 || dim > INT_MAX || rows < 0) return cudaErrorInvalidValue;
+  if (algo < 0 || algo >= kFwdAlgos) return cudaErrorInvalidValue;
   if (kRes && (res == nullptr || res_out == nullptr)) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   if constexpr (!kRes) res = res_out = nullptr;
-  Plan p = layout_plan(dim, pick_vec<T>(dim, {x, res, w, y, res_out}), kRegVecs);
+  Plan p = layout_plan(dim, pick_vec<T>(dim, {x, res, w, y, res_out}), fwd_vecs(algo));
   const int d = static_cast<int>(dim);
   if (p.reg) {
-    const auto k = fwd_reg<T, kRes>(p);
-    SUROGATE_NORM_TRY(size_grid(k, rows, p));
+    const auto k = fwd_reg<T, kRes>(p, algo);
+    if (fwd_persistent(algo)) {
+      SUROGATE_NORM_TRY(size_grid(k, rows, p));
+    } else {  // one row per group; the kernel still strides if rows exceed the grid limit
+      const int64_t need = (rows + p.rows_per_block - 1) / p.rows_per_block;
+      p.blocks = static_cast<int>(std::min<int64_t>(need, INT_MAX));
+    }
     k<<<p.blocks, p.threads, 0, stream>>>(x, res, w, y, res_out, rstd, rows, d, p.width, eps);
     return cudaGetLastError();
   }

@@ -33,6 +33,8 @@
 #include <cstring>
 #include <initializer_list>
 
+#include "kernels/surogate_vec.cuh"
+
 namespace surogate {
 namespace {
 
@@ -264,6 +266,109 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Forward variants 1-3 ("flat", fwd_algo = 1, 2, 3 -> U = 1, 2, 4): the work unit is U
+// consecutive heads of one token for one lane group; unit u = (token u / ceil(H / U), heads
+// (u % ceil(H / U)) * U + 0..U-1). Consecutive groups of a warp take consecutive units, so groups
+// of one token read the same angle entries (L1 broadcast). One unit per group and a one-shot grid
+// (no grid-stride unless the grid would exceed its limit): the block scheduler balances, where
+// the persistent grid of variant 0 ran whole tokens per warp in 1.55-3.1 rounds (2 or 4 with
+// the last one partly idle) for the table's shapes. Rows are held packed (16-bit pairs share a
+// register) and w is re-read from L1, so at ~40-70 registers 2-3x more threads are resident
+// than with variant 0's ~100.
+constexpr int kFwdAlgos = 4;
+
+// Resident 128-thread blocks per SM asked of ptxas (register caps 64 / 80 / 128 for U = 1 / 2 / 4)
+// for the common head dims (one chunk per lane: K <= 512 on the vector path); long rows (PER > 1,
+// 130+-dim scalar rows, K = 1024) keep their registers rather than spill.
+template <int PER, int U>
+constexpr int flat_min_blocks() {
+  return PER > 1 ? 1 : U == 1 ? 8 : U == 2 ? 6 : 4;
+}
+
+template <typename T, int V, int PER, bool kNorm, int U>
+__global__ void __launch_bounds__(kThreads, (flat_min_blocks<PER, U>()))
+    rope_fwd_flat_kernel(const T* __restrict__ x, T* __restrict__ y, RopeAngles ang,
+                         const T* __restrict__ w, int64_t tokens, int heads, Layout L, float eps,
+                         float sgn) {
+  using R = vec::Raw<T, V>;
+  const int K = 2 * L.half;
+  const int lw = static_cast<int>(threadIdx.x) % kWarp;
+  const int groups = kWarp / L.width;
+  const int lane = lw % L.width;
+  const int group = lw / L.width;
+  const unsigned mask = L.width == kWarp ? 0xffffffffu : ((1u << L.width) - 1u) << (group * L.width);
+  const int upt = (heads + U - 1) / U;  // units per token
+  const int64_t units = tokens * upt;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock * groups;
+  for (int64_t unit = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group;
+       unit < units; unit += stride) {  // uniform over a group: shuffles stay inside it
+    const int64_t tok = unit / upt;
+    const int h0 = static_cast<int>(unit - tok * upt) * U;
+    R a[U][PER], b[U][PER];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t off = (tok * heads + h0 + u) * K;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int ch = lane_chunk(lane, i, L);
+        if (h0 + u < heads && ch < L.nchunks) {
+          a[u][i] = vec::load_raw_stream<T, V>(x + off + ch * V);
+          b[u][i] = vec::load_raw_stream<T, V>(x + off + L.half + ch * V);
+        }
+      }
+    }
+    float c[PER][V], s[PER][V];
+    token_angles<V, PER>(ang, tok, lane, L, sgn, c, s);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (h0 + u >= heads) break;  // uniform over the group
+      const int64_t off = (tok * heads + h0 + u) * K;
+      float r = 1.f;
+      if constexpr (kNorm) {
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          if (lane_chunk(lane, i, L) < L.nchunks) {
+            float p[V], q[V];
+            vec::unpack(a[u][i], p);
+            vec::unpack(b[u][i], q);
+#pragma unroll
+            for (int k = 0; k < V; ++k) ss += p[k] * p[k] + q[k] * q[k];
+          }
+        }
+        ss = group_sum(ss, mask, L.width);
+        r = rsqrtf(ss / static_cast<float>(K) + eps);
+      }
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int ch = lane_chunk(lane, i, L);
+        if (ch < L.nchunks) {
+          float n1[V], n2[V], o1[V], o2[V];
+          vec::unpack(a[u][i], n1);
+          vec::unpack(b[u][i], n2);
+          if constexpr (kNorm) {
+            float w1[V], w2[V];
+            vec::load<T, V>(w + ch * V, w1);
+            vec::load<T, V>(w + L.half + ch * V, w2);
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+              n1[k] = n1[k] * r * w1[k];
+              n2[k] = n2[k] * r * w2[k];
+            }
+          }
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            o1[k] = n1[k] * c[i][k] - n2[k] * s[i][k];
+            o2[k] = n2[k] * c[i][k] + n1[k] * s[i][k];
+          }
+          vec::store<T, V>(y + off + ch * V, o1);
+          vec::store<T, V>(y + off + L.half + ch * V, o2);
+        }
+      }
+    }
+  }
+}
+
 // ws: [gridDim.x, K] float32; block b writes its dw partial sums to row b.
 // Dynamic shared memory: kWarpsPerBlock * K floats.
 template <typename T, int V, int PER>
@@ -450,17 +555,45 @@ bool make_plan(int64_t heads, int64_t half, int vec, Plan* out) {
   return true;
 }
 
+// Resident blocks per SM of `kernel` (kThreads threads, `smem` bytes) and the SM count, memoized
+// per host thread: the queries cost microseconds of host time per launch, which a ~5 us kernel
+// (rope of k at 8B shapes) cannot afford when XLA enqueues it.
+template <typename Kernel>
+cudaError_t occupancy(Kernel kernel, size_t smem, int* per_sm, int* sms) {
+  struct Entry {
+    const void* kernel;
+    int dev, per_sm, sms;
+    size_t smem;
+  };
+  constexpr int kEntries = 32;
+  thread_local Entry cache[kEntries] = {};
+  thread_local int next = 0;
+  int dev = 0;
+  SUROGATE_TRY(cudaGetDevice(&dev));
+  const void* key = reinterpret_cast<const void*>(kernel);
+  for (const Entry& e : cache) {
+    if (e.kernel == key && e.smem == smem && e.dev == dev) {
+      *per_sm = e.per_sm;
+      *sms = e.sms;
+      return cudaSuccess;
+    }
+  }
+  SUROGATE_TRY(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev));
+  if (smem > 48 * 1024) {
+    SUROGATE_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+  }
+  SUROGATE_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, kThreads, smem));
+  cache[next] = {key, dev, *per_sm, *sms, smem};
+  next = (next + 1) % kEntries;
+  return cudaSuccess;
+}
+
 // Persistent grid: as many blocks as fit on the device at once, but no more than there is work.
 template <typename Kernel>
 cudaError_t size_grid(Kernel kernel, int64_t tokens, Plan& p) {
-  int dev = 0, sms = 0, per_sm = 0;
-  SUROGATE_TRY(cudaGetDevice(&dev));
-  SUROGATE_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  if (p.smem > 48 * 1024) {
-    SUROGATE_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(p.smem)));
-  }
-  SUROGATE_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, p.smem));
+  int sms = 0, per_sm = 0;
+  SUROGATE_TRY(occupancy(kernel, p.smem, &per_sm, &sms));
   const int64_t per_block = static_cast<int64_t>(kWarpsPerBlock) * p.L.tpw;
   const int64_t need = (tokens + per_block - 1) / per_block;
   const int64_t fit = static_cast<int64_t>(std::max(sms, 1)) * std::max(per_sm, 1);
@@ -485,6 +618,31 @@ FwdKernel<T> fwd_kernel(const Plan& p) {
   }
   if (p.per == 1) return rope_fwd_kernel<T, kVec<T>, 1, kNorm>;
   return rope_fwd_kernel<T, kVec<T>, kMaxPerVector, kNorm>;
+}
+
+template <typename T, bool kNorm, int U>
+FwdKernel<T> flat_kernel_u(const Plan& p) {
+  if (p.vec == 1) {
+    switch (p.per) {
+      case 1: return rope_fwd_flat_kernel<T, 1, 1, kNorm, U>;
+      case 4: return rope_fwd_flat_kernel<T, 1, 4, kNorm, U>;
+      default: return rope_fwd_flat_kernel<T, 1, kMaxPerScalar, kNorm, U>;
+    }
+  }
+  if (p.per == 1) return rope_fwd_flat_kernel<T, kVec<T>, 1, kNorm, U>;
+  return rope_fwd_flat_kernel<T, kVec<T>, kMaxPerVector, kNorm, U>;
+}
+
+// Heads per lane group and unit of flat variant `algo` (1, 2, 3 -> 1, 2, 4).
+constexpr int flat_heads(int algo) { return algo == 1 ? 1 : algo == 2 ? 2 : 4; }
+
+template <typename T, bool kNorm>
+FwdKernel<T> flat_kernel(const Plan& p, int algo) {
+  switch (flat_heads(algo)) {
+    case 1: return flat_kernel_u<T, kNorm, 1>(p);
+    case 2: return flat_kernel_u<T, kNorm, 2>(p);
+    default: return flat_kernel_u<T, kNorm, 4>(p);
+  }
 }
 
 template <typename T>
@@ -519,17 +677,29 @@ bool table_vec4(const RopeAngles& a) {
 }  // namespace
 
 int64_t rope_max_head_dim() { return 1024; }
+static_assert(kRopeFwdAlgos == kFwdAlgos, "rope.h and the kernels disagree");
 
 template <typename T>
 cudaError_t rope_fwd(const T* x, T* y, const RopeAngles& ang, const T* w, int64_t tokens,
-                     int64_t heads, int64_t head_dim, float eps, bool inverse, cudaStream_t stream) {
+                     int64_t heads, int64_t head_dim, float eps, bool inverse, cudaStream_t stream,
+                     int algo) {
   SUROGATE_TRY(check_args(ang, tokens, heads, head_dim));
+  if (algo < 0 || algo >= kFwdAlgos) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
   const int64_t half = head_dim / 2;
   Plan p;
   if (!make_plan(heads, half, pick_vec<T>(half, {x, y, w}), &p)) return cudaErrorInvalidValue;
-  const FwdKernel<T> kernel = w != nullptr ? fwd_kernel<T, true>(p) : fwd_kernel<T, false>(p);
-  SUROGATE_TRY(size_grid(kernel, tokens, p));
+  FwdKernel<T> kernel;
+  if (algo == 0) {
+    kernel = w != nullptr ? fwd_kernel<T, true>(p) : fwd_kernel<T, false>(p);
+    SUROGATE_TRY(size_grid(kernel, tokens, p));
+  } else {  // one-shot grid: one unit (U heads of a token) per lane group
+    kernel = w != nullptr ? flat_kernel<T, true>(p, algo) : flat_kernel<T, false>(p, algo);
+    const int64_t U = flat_heads(algo);
+    const int64_t units = tokens * ((heads + U - 1) / U);
+    const int64_t per_block = static_cast<int64_t>(kWarpsPerBlock) * (kWarp / p.L.width);
+    p.blocks = static_cast<int>(std::min<int64_t>((units + per_block - 1) / per_block, INT_MAX));
+  }
   RopeAngles a = ang;
   if (a.positions != nullptr) a.cos = a.sin = nullptr;
   p.L.table_vec4 = table_vec4(a);
@@ -574,7 +744,7 @@ cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const 
 
 #define SUROGATE_ROPE_INSTANTIATE(T)                                                             \
   template cudaError_t rope_fwd<T>(const T*, T*, const RopeAngles&, const T*, int64_t, int64_t,  \
-                                   int64_t, float, bool, cudaStream_t);                          \
+                                   int64_t, float, bool, cudaStream_t, int);                     \
   template cudaError_t rope_norm_bwd<T>(const T*, const T*, const RopeAngles&, const T*, T*, T*, \
                                         int64_t, int64_t, int64_t, float, void*, size_t,         \
                                         cudaStream_t);

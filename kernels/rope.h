@@ -43,10 +43,16 @@ struct RopeAngles {
 // Largest head_dim the kernels take (1024 for any T): rows are held in registers.
 int64_t rope_max_head_dim();
 
+// Forward algorithms (`algo`, 0 = default): 0 persistent grid, a warp per token; 1, 2, 3 one-shot
+// grid, a lane group per 1, 2, 4 heads of a token (kernels/rope.cu). Same math; the benchmark
+// picks the default.
+inline constexpr int kRopeFwdAlgos = 4;
+
 // w == nullptr: rotation only (eps unused).
 template <typename T>
 cudaError_t rope_fwd(const T* x, T* y, const RopeAngles& ang, const T* w, int64_t tokens,
-                     int64_t heads, int64_t head_dim, float eps, bool inverse, cudaStream_t stream);
+                     int64_t heads, int64_t head_dim, float eps, bool inverse, cudaStream_t stream,
+                     int algo = 0);
 
 // Backward of the fused norm + rotation. `workspace`: float32 scratch of `workspace_bytes`
 // (16-byte aligned) for per-block dw partial sums, at least head_dim floats; the grid uses at

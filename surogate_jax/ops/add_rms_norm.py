@@ -32,12 +32,15 @@ from jax.ad_checkpoint import checkpoint_name
 
 from surogate_jax.ops._loader import resolve_impl
 from surogate_jax.ops._sharding import on_shards
-from surogate_jax.ops.rms_norm import WS_BLOCKS, rms_norm_ref
+from surogate_jax.ops.rms_norm import FWD_ALGOS, WS_BLOCKS, rms_norm_ref  # noqa: F401 (FWD_ALGOS re-exported)
 from surogate_jax.ops.rms_norm import _fwd_ref as _rms_fwd_ref
 
 FWD_TARGET = "surogate_add_rms_norm_fwd"
 BWD_TARGET = "surogate_add_rms_norm_bwd"
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# Forward kernel variant (FFI attribute `fwd_algo`): the same variants as rms_norm's (FWD_ALGOS,
+# kernels/rms_norm_common.cuh), chosen separately.
+FWD_ALGO = 0
 
 
 def add_rms_norm_ref(x: jax.Array, residual: jax.Array, w: jax.Array, eps: float = 1e-6):
@@ -72,14 +75,14 @@ def _bwd_ref(dy, ds, s, w, rstd):
 # normalizes each batch element's rows with its own w row (and sums dw per batch element).
 
 
-def _fwd_ffi(x, res, w, eps):
+def _fwd_ffi(x, res, w, eps, algo=None):
     out = (
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32),
     )
     call = jax.ffi.ffi_call(FWD_TARGET, out, vmap_method="broadcast_all")
-    return call(x, res, w, eps=np.float32(eps))
+    return call(x, res, w, eps=np.float32(eps), fwd_algo=np.int32(FWD_ALGO if algo is None else algo))
 
 
 def _bwd_ffi(dy, ds, s, w, rstd):

@@ -31,6 +31,12 @@ FWD_TARGET = "surogate_rms_norm_fwd"
 BWD_TARGET = "surogate_rms_norm_bwd"
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 WS_BLOCKS = 1024
+# Forward kernel variant (the FFI attribute `fwd_algo`; kernels/rms_norm_common.cuh): 0 persistent
+# grid (4 vectors/thread, w in registers), 1 one-shot grid, 2 one-shot with 8 vectors/thread,
+# 3 persistent with the next row prefetched. Same fp32 math; they differ only in the order a row's
+# squares are summed. Benchmarks and GPU tests pass `algo=` to `_fwd_ffi`; the op uses FWD_ALGO.
+FWD_ALGOS = (0, 1, 2, 3)
+FWD_ALGO = 0
 
 
 def rms_norm_ref(x: jax.Array, w: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -66,10 +72,10 @@ def _bwd_ref(dy, x, w, rstd):
 # batch element), which is exactly the batched semantics.
 
 
-def _fwd_ffi(x, w, eps):
+def _fwd_ffi(x, w, eps, algo=None):
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32))
     call = jax.ffi.ffi_call(FWD_TARGET, out, vmap_method="broadcast_all")
-    return call(x, w, eps=np.float32(eps))
+    return call(x, w, eps=np.float32(eps), fwd_algo=np.int32(FWD_ALGO if algo is None else algo))
 
 
 def _bwd_ffi(dy, x, w, rstd):

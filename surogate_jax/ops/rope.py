@@ -50,6 +50,12 @@ BWD_TARGET = "surogate_rope_bwd"
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 1024  # kernels/rope.cu keeps a row in registers
 WS_BLOCKS = 1024
+# Forward kernel variant (the FFI attribute `fwd_algo`; kernels/rope.cu), also used by the
+# rotation-only backward: 0 persistent grid, a warp per token; 1, 2, 3 one-shot grid, a lane
+# group per 1, 2, 4 heads of a token. Same math. Benchmarks and GPU tests pass `algo=` to
+# `_fwd_ffi`; the op uses FWD_ALGO.
+FWD_ALGOS = (0, 1, 2, 3)
+FWD_ALGO = 0
 
 
 # --- shared formulas (fp32) ---
@@ -126,9 +132,10 @@ def _bwd_ref(dy, x, a, b, w, *, eps):
 # (and sums dw per batch element), which is exactly the batched semantics.
 
 
-def _fwd_ffi(x, a, b, w, *, eps, norm, inverse):
+def _fwd_ffi(x, a, b, w, *, eps, norm, inverse, algo=None):
     call = jax.ffi.ffi_call(FWD_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="broadcast_all")
-    return call(x, a, b, w, eps=np.float32(eps), norm=np.int32(norm), inverse=np.int32(inverse))
+    return call(x, a, b, w, eps=np.float32(eps), norm=np.int32(norm), inverse=np.int32(inverse),
+                fwd_algo=np.int32(FWD_ALGO if algo is None else algo))
 
 
 def _bwd_ffi(dy, x, a, b, w, *, eps):

@@ -120,3 +120,27 @@ def test_zero_rows():
                       jax.grad(lambda w: add_rms_norm(x, x, w, impl="ffi")[0].astype(jnp.float32).sum())(w))
     )(x, w)
     assert y.shape == (0, 128) and s.shape == (0, 128) and np.all(np.asarray(dw, np.float32) == 0)
+
+
+# Forward variants (fwd_algo): y, the new residual and rstd against the reference on shapes that
+# reach every layout and, for the persistent variants (0, 3), several grid rounds.
+ALGO_SHAPES = [
+    (1, 7), (13, 128), (100003, 128), (31, 1001), (20001, 1001), (4099, 1024), (3, 5, 4096),
+    (2000, 4096), (257, 5120), (5, 16384), (3, 65536 + 8),
+]
+
+
+@pytest.mark.parametrize("algo", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", ALGO_SHAPES, ids=str)
+def test_fwd_algos_match_reference(shape, dtype, algo, assert_close):
+    from surogate_jax.ops.add_rms_norm import _fwd_ffi, _fwd_ref
+
+    x, res, w, _, _ = _inputs(shape, dtype)
+    want = jax.jit(lambda x, r, w: _fwd_ref(x, r, w, EPS))(x, res, w)
+    _poison_allocator()
+    got = jax.jit(lambda x, r, w: _fwd_ffi(x, r, w, EPS, algo=algo))(x, res, w)
+    for name, g, r, dt in zip(("y", "res_out", "rstd"), got, want, (dtype, dtype, jnp.float32)):
+        assert g.shape == r.shape and g.dtype == r.dtype, name
+        assert bool(jnp.all(jnp.isfinite(g))), f"{name} has non-finite values (unwritten?)"
+        assert_close(g, r, dt, name)

@@ -127,3 +127,37 @@ def test_zero_rows():
         lambda x, w: (rms_norm(x, w, impl="ffi"), jax.grad(lambda w: rms_norm(x, w, impl="ffi").sum())(w))
     )(x, w)
     assert y.shape == (0, 128) and np.all(np.asarray(dw, np.float32) == 0)
+
+
+# Forward variants (fwd_algo): each against the reference, on shapes that reach every layout
+# (warp-slice, block, loop path; vector and scalar) and, for the persistent variants (0, 3),
+# several grid rounds (the prefetch crosses rows of different rounds).
+ALGO_SHAPES = [
+    (1, 7), (13, 128), (100003, 128), (31, 1001), (20001, 1001), (4099, 1024), (3, 5, 4096),
+    (2000, 4096), (257, 5120), (5, 16384), (3, 65536 + 8),
+]
+
+
+@pytest.mark.parametrize("algo", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", ALGO_SHAPES, ids=str)
+def test_fwd_algos_match_reference(shape, dtype, algo, assert_close):
+    from surogate_jax.ops.rms_norm import FWD_ALGOS, _fwd_ffi, _fwd_ref
+
+    assert algo in FWD_ALGOS
+    x, w, _ = _inputs(shape, dtype)
+    y_ref, rstd_ref = jax.jit(lambda x, w: _fwd_ref(x, w, EPS))(x, w)
+    _poison_allocator()
+    y, rstd = jax.jit(lambda x, w: _fwd_ffi(x, w, EPS, algo=algo))(x, w)
+    for name, got, want, dt in (("y", y, y_ref, dtype), ("rstd", rstd, rstd_ref, jnp.float32)):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert bool(jnp.all(jnp.isfinite(got))), f"{name} has non-finite values (unwritten?)"
+        assert_close(got, want, dt, name)
+
+
+def test_bad_fwd_algo_is_an_error():
+    from surogate_jax.ops.rms_norm import _fwd_ffi
+
+    x, w, _ = _inputs((8, 128), jnp.bfloat16)
+    with pytest.raises(Exception, match="fwd_algo"):
+        jax.block_until_ready(jax.jit(lambda x, w: _fwd_ffi(x, w, EPS, algo=7))(x, w))

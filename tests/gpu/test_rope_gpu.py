@@ -211,3 +211,35 @@ def test_qwen3_attention_uses_the_fused_kernel():
     params = model.init(jax.random.key(0), ids)
     hlo = jax.jit(model.apply).lower(params, ids).as_text()
     assert "surogate_rope_fwd" in hlo
+
+
+# Forward variants (fwd_algo, also used by the rotation-only backward through `inverse`): each
+# against the reference formula for every angle source, with and without the norm, forward and
+# inverse rotation; heads 1/3/5/8/16 (U = 2, 4 leave partial head blocks), scalar and vector paths.
+ALGO_SHAPES = [
+    (1, 1, 1, 128), (2, 37, 3, 64), (2, 19, 5, 96), (1, 33, 2, 72), (2, 7, 3, 6), (2, 5, 4, 130),
+    (2, 513, 8, 256), (1, 9, 2, 1024), (2, 2048, 8, 128), (4, 2048, 16, 128),
+]
+
+
+@pytest.mark.parametrize("algo", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", ALGO_SHAPES, ids=str)
+def test_fwd_algos_match_reference(shape, dtype, algo, assert_close):
+    from surogate_jax.ops.rope import FWD_ALGOS, _fwd_ffi, _fwd_ref
+
+    assert algo in FWD_ALGOS
+    x, w, _, pos = _inputs(shape, dtype)
+    inv = _inv_freq(shape[-1])
+    for source in ("positions", "table"):
+        a, b = (pos, inv) if source == "positions" else _tables(pos, inv)
+        for norm, inverse in ((False, False), (False, True), (True, False)):
+            wn = w if norm else jnp.zeros((0,), dtype)
+            kw = {"eps": EPS, "norm": norm, "inverse": inverse}
+            want = jax.jit(lambda x, a, b, w: _fwd_ref(x, a, b, w, **kw))(x, a, b, wn)  # noqa: B023
+            _poison_allocator()
+            got = jax.jit(lambda x, a, b, w: _fwd_ffi(x, a, b, w, algo=algo, **kw))(x, a, b, wn)  # noqa: B023
+            what = f"{source} norm={norm} inverse={inverse}"
+            assert got.shape == want.shape and got.dtype == want.dtype, what
+            assert bool(jnp.all(jnp.isfinite(got))), f"{what}: non-finite values (unwritten?)"
+            assert_close(got, want, dtype, what)

@@ -172,3 +172,16 @@ def test_per_shard_matches_unsharded():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("algo", [None, 1])
+def test_fwd_algo_reaches_the_kernel_call(algo, monkeypatch):
+    """The forward variant travels as the custom call's `fwd_algo` attribute (lowering only)."""
+    import importlib
+
+    mod = importlib.import_module("surogate_jax.ops.add_rms_norm")  # the package exports a function of that name
+
+    monkeypatch.setattr(mod, "FWD_ALGO", 3)
+    x, w = jnp.zeros((4, 8), jnp.bfloat16), jnp.ones((8,), jnp.bfloat16)
+    text = jax.jit(lambda x, r, w: mod._fwd_ffi(x, r, w, 1e-6, algo=algo)).lower(x, x, w).as_text()
+    assert f"fwd_algo = {3 if algo is None else algo} : i32" in text

@@ -129,3 +129,17 @@ def test_reference_against_float64_numpy(shape, assert_close):
     assert_close(y_ref, y, jnp.float32, "y")
     assert_close(dx_ref, dx, jnp.float32, "dx")
     assert_close(dw_ref, dw, jnp.float32, "dw")
+
+
+@pytest.mark.parametrize("algo", [None, 0, 3])
+def test_fwd_algo_reaches_the_kernel_call(algo, monkeypatch):
+    """The forward variant travels as the custom call's `fwd_algo` attribute (lowering only: the
+    CUDA target is not needed); None means the module's FWD_ALGO."""
+    import importlib
+
+    mod = importlib.import_module("surogate_jax.ops.rms_norm")  # the package exports a function of that name
+
+    monkeypatch.setattr(mod, "FWD_ALGO", 2)
+    x, w = jnp.zeros((4, 8), jnp.bfloat16), jnp.ones((8,), jnp.bfloat16)
+    text = jax.jit(lambda x, w: mod._fwd_ffi(x, w, EPS, algo=algo)).lower(x, w).as_text()
+    assert f"fwd_algo = {2 if algo is None else algo} : i32" in text

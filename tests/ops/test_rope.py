@@ -294,3 +294,18 @@ def test_per_shard_matches_unsharded():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], check=False, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("algo", [None, 2])
+def test_fwd_algo_reaches_the_kernel_call(algo, monkeypatch):
+    """The forward variant travels as the custom call's `fwd_algo` attribute (lowering only)."""
+    import importlib
+
+    mod = importlib.import_module("surogate_jax.ops.rope")  # the package exports a function of that name
+
+    monkeypatch.setattr(mod, "FWD_ALGO", 1)
+    x = jnp.zeros((2, 3, 4, 8), jnp.bfloat16)
+    pos, inv, w = jnp.zeros((2, 3), jnp.int32), jnp.ones((4,), jnp.float32), jnp.ones((8,), jnp.bfloat16)
+    fn = lambda x, a, b, w: mod._fwd_ffi(x, a, b, w, eps=EPS, norm=True, inverse=False, algo=algo)  # noqa: E731
+    text = jax.jit(fn).lower(x, pos, inv, w).as_text()
+    assert f"fwd_algo = {1 if algo is None else algo} : i32" in text
