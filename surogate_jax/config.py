@@ -228,7 +228,7 @@ class PrecisionConfig:
     fp8_amax_history: int = 1024  # fp8-hybrid delayed scaling history length
     skip_quant_first_layers: int = 0  # decoder layers kept in the model dtype (fp8-hybrid, nvfp4)
     skip_quant_last_layers: int = 0
-    fp4_backend: str = "cutlass"  # nvfp4: recorded; the GEMMs are emulated (no native FP4 path here)
+    fp4_backend: str = "cutlass"  # nvfp4: recorded (native FP4 GEMMs go through cuBLASLt on SM100+; emulated below)
     fp4_four_over_six: bool = True
     no_fp4_stochastic_rounding: bool = False
 

@@ -2,9 +2,9 @@
 
 Returns the SUM of per-token losses over supervised tokens and their count; the train step divides
 by the count of the whole optimizer step (all micro-batches), so gradient accumulation equals one
-big batch. The op runs chunked over tokens so [tokens, vocab] fp32 logits never exist whole, and
-computes the gradients in its forward pass (CUDA row kernel between cuBLAS GEMMs on GPU, the same
-chunked algorithm in pure JAX elsewhere); see ops/lm_head_ce.py.
+big batch. The op runs chunked (over tokens, and for the head's gradient over vocabulary blocks)
+so [tokens, vocab] fp32 logits never exist whole (CUDA row kernel between cuBLAS GEMMs on GPU, the
+same chunked algorithm in pure JAX elsewhere); see ops/lm_head_ce.py.
 """
 
 from __future__ import annotations

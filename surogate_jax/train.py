@@ -76,8 +76,10 @@ def variables(model: Decoder, params: Any, trainable: Any, quant: Any = None) ->
     return v
 
 
-def lm_head(cfg: DecoderConfig, params: dict) -> jax.Array:
-    return params["embedding"].T if cfg.tie_word_embeddings else params["lm_head"]
+def lm_head(cfg: DecoderConfig, params: dict) -> tuple[jax.Array, str]:
+    """(head, its layout): a tied embedding table goes in as is ([V, D], "VD"): its transpose would be
+    a copy, and so would the transposed gradient."""
+    return (params["embedding"], "VD") if cfg.tie_word_embeddings else (params["lm_head"], "DV")
 
 
 def batch_loss(model: Decoder, params, trainable, batch: dict, rng, quant: Any = None) -> tuple[jax.Array, jax.Array]:
@@ -89,7 +91,8 @@ def batch_loss(model: Decoder, params, trainable, batch: dict, rng, quant: Any =
     if recipe is not None and recipe.name == "nvfp4" and rng is not None:  # stochastic rounding of dY
         rngs = {**(rngs or {}), recipe_lib.QUANT_RNG: jax.random.fold_in(rng, 0x5A17)}
     hidden = model.apply(v, batch["input_ids"], batch["positions"], batch["segment_ids"], return_hidden=True, rngs=rngs)
-    return cross_entropy_sum(hidden, lm_head(model.config, v["params"]), batch["targets"], batch["loss_mask"])
+    head, layout = lm_head(model.config, v["params"])
+    return cross_entropy_sum(hidden, head, batch["targets"], batch["loss_mask"], head_layout=layout)
 
 
 def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: Callable,
