@@ -4,6 +4,13 @@ computed in the kernel / in XLA's fusion) or from HF-style fp32 [B, T, K] cos/si
 the model passes), forward and backward, at Qwen3-0.6B and -8B q/k shapes.
 
     python benchmarks/bench_rope.py [--out results.jsonl] [--steps 10] [--repeats 20] [--dtype bfloat16]
+                                    [--algos 0,1,2,3] [--fwd-only]
+
+Forward variants (fwd_algo, kernels/rope.cu): every configuration's forward is timed for each
+variant in --algos; the main table shows the op's default (ops/rope.py FWD_ALGO, which the
+rotation-only backward also uses), the sweep table at the end every variant (see
+bench_rms_norm.py). The k shapes move ~10 MB (a few us of DRAM time), so per-call overheads
+weigh there; --steps 50 amortizes the program launch over more steps.
 
 Timing and passes: see benchmarks/_opbench.py (fwd and bwd are timed separately, as in training;
 "fwd+bwd" rows are their sum). The norm backward of both sides also produces the weight gradient
@@ -22,9 +29,10 @@ import _opbench
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_rms_norm import sweep_report
 
 from surogate_jax.ops import ffi_available, rope_ref
-from surogate_jax.ops.rope import _bwd_ffi, _fwd_ffi
+from surogate_jax.ops.rope import FWD_ALGO, _bwd_ffi, _fwd_ffi
 
 # name -> (B, T, H, K)
 SHAPES = {
@@ -49,7 +57,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--algos", default="0,1,2,3", help="forward variants to time (fwd_algo)")
+    ap.add_argument("--fwd-only", action="store_true", help="skip the backward (sweep only)")
     args = ap.parse_args()
+    algos = [int(a) for a in args.algos.split(",")]
+    sweep = []
     _opbench.require_gpu(ffi_available)
     dtype = jnp.dtype(args.dtype)
     table = _opbench.Table("rope", args.steps, args.repeats)
@@ -72,8 +84,13 @@ def main() -> None:
         for norm in (True, False):
             for source, (a, b) in (("positions", (pos, inv)), ("table", tab)):
                 angle_bytes = B * T * (4 if source == "positions" else 2 * 4 * (K // 2))
+                wn = w if norm else no_w
+                ours_fwds = {
+                    k: (lambda x, a, b, k=k, wn=wn, norm=norm:
+                        (_fwd_ffi(x, a, b, wn, eps=EPS, norm=norm, inverse=False, algo=k), a, b))
+                    for k in algos
+                }
                 if norm:
-                    ours_fwd = lambda x, a, b: (_fwd_ffi(x, a, b, w, eps=EPS, norm=True, inverse=False), a, b)  # noqa: B023
                     xla_fwd = lambda x, a, b: (_ref(x, a, b, w), a, b)  # noqa: B023
 
                     def ours_bwd(dy, x, a, b, acc):
@@ -86,22 +103,27 @@ def main() -> None:
 
                     bwd_carry = (dy, x, a, b, acc)
                 else:
-                    ours_fwd = lambda x, a, b: (_fwd_ffi(x, a, b, no_w, eps=EPS, norm=False, inverse=False), a, b)  # noqa: B023
                     xla_fwd = lambda x, a, b: (_ref(x, a, b, None), a, b)
                     ours_bwd = lambda dy, a, b: (_fwd_ffi(dy, a, b, no_w, eps=EPS, norm=False, inverse=True), a, b)  # noqa: B023
                     xla_bwd = lambda dy, a, b: (jax.vjp(lambda v: _ref(v, a, b, None), dy)[1](dy)[0], a, b)
                     bwd_carry = (dy, a, b)
-                t = {
-                    "fwd": tuple(_opbench.time_chain(f, (x, a, b), args.steps, args.repeats)
-                                 for f in (ours_fwd, xla_fwd)),
-                    "bwd": tuple(_opbench.time_chain(f, bwd_carry, args.steps, args.repeats)
-                                 for f in (ours_bwd, xla_bwd)),
-                }
+                xla_s = _opbench.time_chain(xla_fwd, (x, a, b), args.steps, args.repeats)
+                fwd_s = {k: _opbench.time_chain(f, (x, a, b), args.steps, args.repeats)
+                         for k, f in ours_fwds.items()}
                 nbytes = {"fwd": 2 * elem + angle_bytes, "bwd": (3 if norm else 2) * elem + angle_bytes}
                 name = f"{label} {B}x{T}x{H}x{K} {'norm+rope' if norm else 'rope'} {source}"
-                table.add_passes(name, dtype.name, t, nbytes)
+                sweep.append({"shape": name, "dtype": dtype.name, "xla_s": xla_s,
+                              "bytes": nbytes["fwd"], "algos": fwd_s})
+                if not args.fwd_only and FWD_ALGO in fwd_s:
+                    t = {
+                        "fwd": (fwd_s[FWD_ALGO], xla_s),
+                        "bwd": tuple(_opbench.time_chain(f, bwd_carry, args.steps, args.repeats)
+                                     for f in (ours_bwd, xla_bwd)),
+                    }
+                    table.add_passes(name, dtype.name, t, nbytes)
         del x, dy, tab
     table.write(args.out)
+    _opbench.append_jsonl(args.out, sweep_report("rope", sweep, table.meta))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # One device-machine call: build the CUDA extension, run the GPU tests (plus the op and model
 # suites), then the benchmarks; full logs land in $OUT (at most 8 files come back).
 #   run: [SKIP_TESTS=1] bash benchmarks/gpu_session.sh [bench ...]
-#   benches: rms_norm, fp8_matmul, nvfp4_quantize, nvfp4_matmul, swiglu, add_rms_norm, lm_head_ce, rope, normuon, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
+#   benches: rms_norm, fwd_sweep (norm/rope forward variants only), fp8_matmul, nvfp4_quantize, nvfp4_matmul, swiglu, add_rms_norm, lm_head_ce, rope, normuon, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
 # The GPU image has jax + CUDA 13, nanobind, scikit-build-core, cmake and nvcc, and no network:
 # we install with --no-deps --no-build-isolation into its python3 and build only sm_90a (Hopper).
 set -uo pipefail
@@ -27,11 +27,15 @@ fi
 
 for b in "${benches[@]}"; do
   case "$b" in
-    rms_norm) python3 benchmarks/bench_rms_norm.py --out "$OUT/bench_rms_norm.json" 2>&1 | tee "$OUT/bench_rms_norm.log" | tail -20 ;;
+    rms_norm) python3 benchmarks/bench_rms_norm.py --out "$OUT/bench_rms_norm.json" 2>&1 | tee "$OUT/bench_rms_norm.log" | tail -40 ;;  # ends with the fwd_algo sweep
     fp8_matmul) python3 benchmarks/bench_fp8_matmul.py --out "$OUT/bench_fp8_matmul.json" 2>&1 | tee "$OUT/bench_fp8_matmul.log" | tail -40 ;;
-    swiglu|add_rms_norm) python3 benchmarks/bench_$b.py --out "$OUT/bench_$b.json" 2>&1 | tee "$OUT/bench_$b.log" | tail -20 ;;
+    swiglu) python3 benchmarks/bench_$b.py --out "$OUT/bench_$b.json" 2>&1 | tee "$OUT/bench_$b.log" | tail -20 ;;
+    add_rms_norm) python3 benchmarks/bench_$b.py --out "$OUT/bench_$b.json" 2>&1 | tee "$OUT/bench_$b.log" | tail -32 ;;  # ends with the fwd_algo sweep
     lm_head_ce) python3 benchmarks/bench_lm_head_ce.py --out "$OUT/bench_lm_head_ce.json" 2>&1 | tee "$OUT/bench_lm_head_ce.log" | tail -80 ;;
-    rope) python3 benchmarks/bench_rope.py --out "$OUT/bench_rope.json" 2>&1 | tee "$OUT/bench_rope.log" | tail -70 ;;
+    rope) python3 benchmarks/bench_rope.py --out "$OUT/bench_rope.json" 2>&1 | tee "$OUT/bench_rope.log" | tail -70 ;;  # ends with the fwd_algo sweep
+    fwd_sweep) for o in rms_norm add_rms_norm rope; do  # forward variants only (issue 4), --steps 50
+                 python3 benchmarks/bench_$o.py --fwd-only --steps 50 --out "$OUT/fwd_sweep.json" 2>&1 | tee "$OUT/fwd_sweep_$o.log" | grep -A30 "forward variants"
+               done ;;
     normuon) python3 benchmarks/bench_normuon.py --out "$OUT/bench_normuon.json" 2>&1 | tee "$OUT/bench_normuon.log" | tail -16 ;;
     adamw_8bit) python3 benchmarks/bench_adamw_8bit.py --out "$OUT/bench_adamw_8bit.json" 2>&1 | tee "$OUT/bench_adamw_8bit.log" | tail -48 ;;
     nvfp4_quantize) python3 benchmarks/bench_nvfp4_quantize.py --out "$OUT/bench_nvfp4_quantize.json" 2>&1 | tee "$OUT/bench_nvfp4_quantize.log" | tail -16 ;;
