@@ -198,8 +198,8 @@ def done(d: Path, steps: int) -> bool:
 
 
 def run_all(a, config: Path, jobs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.9 / max(1, a.jobs):.3f}")
+    frac = a.mem_fraction if a.mem_fraction else 0.9 / max(1, a.jobs)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_MEM_FRACTION=f"{frac:.3f}")
     todo = [j for j in jobs if not done(run_dir(a.out, *j), a.steps)]
     status = {j: {"reused": True, "seconds": None, "error": None} for j in jobs if j not in todo}
     running: dict[tuple[str, int], tuple[subprocess.Popen, float, object]] = {}
@@ -268,8 +268,9 @@ def summarize(runs: list[dict], recipes: list[str]) -> tuple[str, dict]:
         gap_ev, gap_tr = ev.mean() / b_ev - 1, tr.mean() / b_tr - 1
         paired = [x["final_eval_loss"] / base[x["seed"]]["final_eval_loss"] - 1 for x in xs if x["seed"] in base]
         bar = BARS.get(r)
-        ok = bar is not None and gap_ev <= bar and gap_tr <= bar
-        verdicts[r] = {"eval_gap": gap_ev, "train_gap": gap_tr, "paired_eval_gaps": paired, "bar": bar, "within": ok}
+        ok = bool(bar is not None and gap_ev <= bar and gap_tr <= bar)
+        verdicts[r] = {"eval_gap": float(gap_ev), "train_gap": float(gap_tr), "paired_eval_gaps": [float(g) for g in paired],
+                       "bar": bar, "within": ok}
         lines.append(row + f" {100 * gap_ev:+.2f}% | {', '.join(f'{100 * g:+.2f}%' for g in paired)} | "
                      f"{tr.mean():.4f} ({tr.min():.4f}-{tr.max():.4f}) | {100 * gap_tr:+.2f}% | "
                      f"{'-' if bar is None else f'<= {100 * bar:.0f}%'} | {'within' if ok else 'NOT within'} |")
@@ -318,6 +319,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--jobs", type=int, default=3, help="runs at once (they share the GPU)")
+    p.add_argument("--mem-fraction", type=float, default=None,
+                   help="GPU memory fraction per run (default 0.9 / --jobs)")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)

@@ -115,12 +115,14 @@ def test_residual_offload_uses_host_memory():
     # full +-lr step (seen on the H100, 2026-11-22: step-2 loss 2.4e-5 apart under AdamW, step-1
     # losses identical). SGD keeps the comparison at rounding level, which is what "offload
     # changes memory, not results" means.
-    # (lr 0.05: at lr 0.5 the step-3 losses differed by 1.45e-5 on the H100, 2026-11-22, the
-    # rounding difference multiplied by the step size; the tolerance stays 1e-5)
+    # rtol 1e-4 (LOOSENED from 1e-5): on the H100 the step-2/3 losses differed by 1.45e-5 at lr 0.5
+    # (2026-11-22) and by 2.9e-5 at lr 0.05 (2026-11-23, commit d0e7c75): not proportional to the
+    # step size, so it is the bf16 forward rounded in different fusions, not an amplified update.
+    # A wrong saved residual moves the loss by O(1e-2) or more.
     sgd = optax.sgd(0.05)
     ref, mem_full, _, _ = _run(dev, remat="full", lora=True, tx=sgd)
     got, mem, _, _ = _run(dev, remat="offload_residual", lora=True, tx=sgd)
-    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    np.testing.assert_allclose(got, ref, rtol=1e-4)
     assert mem.host_temp_size_in_bytes > 0 or mem.host_output_size_in_bytes > 0, mem
     print("device temp bytes: full", mem_full.temp_size_in_bytes, "offload_residual", mem.temp_size_in_bytes)
 

@@ -140,8 +140,11 @@ def test_fp8_model_matches_reference_loss_and_grads(impl):
     assert abs(float(l) - float(l_ref)) < 2e-3 * abs(float(l_ref))  # same quantized operands, GEMM accumulation differs
     assert abs(float(l) - float(l_bf16)) < 2e-2 * abs(float(l_bf16))  # FP8 vs bf16
     _check_grads(g, g_ref, g_bf16)
-    # the observed scales agree: w's exactly (the same weights); x's exactly where the input is the same
-    # tensor for every backend (the first layer's q/k/v input: the normed embedding), elsewhere up to
+    # the observed scales agree: w's exactly (the same weights); x's where the input is the same tensor
+    # for every backend (the first layer's q/k/v input: the normed embedding) up to half a bf16 ulp
+    # (2^-8): xla and the reference are exact, but the ffi kernel takes the normed x as stored in bf16,
+    # while XLA may fuse the norm into the reference's amax without that rounding (excess precision;
+    # measured 1.7e-3 on the H100, 2026-11-23); elsewhere up to
     # what differently accumulated GEMMs upstream change in a max: 5% for ffi (the bound it always
     # met), 10% for xla (LOOSENED from 5%: its GEMMs are dequantize + bf16 dot, not FP8 GEMMs, and it
     # measured 5.6% on the H100); dY's (a max over noisy sums after E5M2 roundings in every later
@@ -158,7 +161,7 @@ def test_fp8_model_matches_reference_loss_and_grads(impl):
         elif ".x." in name:
             same_input = any(f"['{p}']" in name for p in ("q_proj", "k_proj", "v_proj"))
             if same_input:
-                devs.append((float(rel[0]), 1e-6, name + "[layer 0]"))
+                devs.append((float(rel[0]), 1e-6 if impl == "xla" else 2.0 ** -8, name + "[layer 0]"))
             x_rtol = 0.1 if impl == "xla" else 5e-2  # xla: dequantize + bf16 dot, not an FP8 GEMM
             devs.append((float(rel[1:].max() if same_input and rel.size > 1 else rel.max()), x_rtol, name))
         else:
