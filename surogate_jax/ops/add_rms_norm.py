@@ -39,8 +39,8 @@ FWD_TARGET = "surogate_add_rms_norm_fwd"
 BWD_TARGET = "surogate_add_rms_norm_bwd"
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Forward kernel variant (FFI attribute `fwd_algo`): the same variants as rms_norm's (FWD_ALGOS,
-# kernels/rms_norm_common.cuh), chosen separately.
-FWD_ALGO = 0
+# kernels/rms_norm_common.cuh), chosen separately: 1, the fastest on the H100 (RESULTS.md, sixth session).
+FWD_ALGO = 1
 
 
 def add_rms_norm_ref(x: jax.Array, residual: jax.Array, w: jax.Array, eps: float = 1e-6):

@@ -55,7 +55,8 @@ WS_BLOCKS = 1024
 # group per 1, 2, 4 heads of a token. Same math. Benchmarks and GPU tests pass `algo=` to
 # `_fwd_ffi`; the op uses FWD_ALGO.
 FWD_ALGOS = (0, 1, 2, 3)
-FWD_ALGO = 0
+# 3: the fastest on the H100 for 12 of the 16 swept shapes, every q/k-norm one (RESULTS.md, sixth session)
+FWD_ALGO = 3
 
 
 # --- shared formulas (fp32) ---
