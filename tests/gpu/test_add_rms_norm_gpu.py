@@ -137,7 +137,9 @@ def test_fwd_algos_match_reference(shape, dtype, algo, assert_close):
     from surogate_jax.ops.add_rms_norm import _fwd_ffi, _fwd_ref
 
     x, res, w, _, _ = _inputs(shape, dtype)
-    want = jax.jit(lambda x, r, w: _fwd_ref(x, r, w, EPS))(x, res, w)
+    # the reference runs eagerly: under jit XLA may drop its round-to-dtype of s = x + res before the
+    # rstd reduction (excess precision), and rstd is compared at fp32's tolerance
+    want = _fwd_ref(x, res, w, EPS)
     _poison_allocator()
     got = jax.jit(lambda x, r, w: _fwd_ffi(x, r, w, EPS, algo=algo))(x, res, w)
     for name, g, r, dt in zip(("y", "res_out", "rstd"), got, want, (dtype, dtype, jnp.float32)):
