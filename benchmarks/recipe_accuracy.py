@@ -134,7 +134,6 @@ def build_corpus(dst: Path, train_chars: int, eval_chars: int, piece_chars: int)
 
 def build_model(dst: Path, a) -> dict:
     """builtin:tiny-qwen3's directory with a widened config.json (from_scratch reads only the config)."""
-    sys.path.insert(0, str(ROOT))
     from surogate_jax.builtin_models import resolve
 
     src = resolve("builtin:tiny-qwen3")
@@ -209,7 +208,7 @@ def run_all(a, config: Path, jobs: list[tuple[str, int]]) -> dict[tuple[str, int
             d = run_dir(a.out, recipe, seed)
             cmd = [sys.executable, "-m", "surogate_jax.pretrain", str(config), f"recipe={recipe}",
                    f"train_seed={seed}", f"output_dir={d}", *a.overrides]
-            log = open(a.out / f"{recipe}_s{seed}.log", "w")
+            log = open(a.out / f"{recipe}_s{seed}.log", "w")  # noqa: SIM115 (closed when the run ends, below)
             print(f"[{recipe} s{seed}] start", flush=True)
             running[j] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT),
                           time.perf_counter(), log)
@@ -248,8 +247,8 @@ def collect(d: Path) -> dict:
 def summarize(runs: list[dict], recipes: list[str]) -> tuple[str, dict]:
     by = {r: [x for x in runs if x["recipe"] == r and x["error"] is None] for r in recipes}
     base = {x["seed"]: x for x in by.get("bf16", [])}
-    lines = ["| recipe | seeds | final eval loss: mean (min-max) | gap vs bf16 (means) | per-seed gaps | "
-             "final train loss: mean (min-max) | gap vs bf16 (means) | bar | verdict |",
+    lines = [("| recipe | seeds | final eval loss: mean (min-max) | gap vs bf16 (means) | per-seed gaps | "
+              "final train loss: mean (min-max) | gap vs bf16 (means) | bar | verdict |"),
              "|---|---|---|---|---|---|---|---|---|"]
     verdicts = {}
     for r in recipes:
@@ -305,7 +304,6 @@ def plot(runs: list[dict], recipes: list[str], path: Path, title: str) -> None:
         axis.set_yscale("log")
         axis.grid(alpha=0.3, which="both")
         axis.legend()
-    # the last half of the train curve, where the recipes are compared, in an inset-free second scale
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path)
