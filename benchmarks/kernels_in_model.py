@@ -4,6 +4,10 @@ Seed config (Qwen3 random init, LoRA r16 on all projections, batch 2 x accum 4 x
 recompute), one process, several kernel sets (comma lists of DecoderConfig.kernels, or `none`):
 
     python benchmarks/kernels_in_model.py 0.6b none swiglu rope,rms_norm,add_rms_norm,swiglu
+    python benchmarks/kernels_in_model.py 0.6b rope,rms_norm@rope.bwd,rms_norm.bwd
+
+A set may end in `@<op>.<pass>,...`: those passes run XLA's fusion of the reference
+(SUROGATE_JAX_OPS=ref:<op>.<pass>), e.g. the rope kernel forward with the XLA-fused backward.
 
 Prints one JSON line per set (step ms, tokens/s, counts of custom calls / fusions / copies in the
 compiled HLO) and writes the HLO text to $OUT/hlo_<size>_<set>.txt (or /tmp) to read what XLA fused.
@@ -33,7 +37,12 @@ out = os.environ.get("OUT", "/tmp")
 size = sys.argv[1]; sets = sys.argv[2:]
 res = []
 for ks in sets:
-    kernels = tuple(k for k in ks.split(",") if k and k != "none")
+    ks_kernels, _, forced = ks.partition("@")
+    if forced:
+        os.environ["SUROGATE_JAX_OPS"] = "ref:" + forced
+    else:
+        os.environ.pop("SUROGATE_JAX_OPS", None)
+    kernels = tuple(k for k in ks_kernels.split(",") if k and k != "none")
     cfg = S.qwen3(size, True).replace(kernels=kernels)
     model = Decoder(cfg)
     mesh = T.make_mesh(jax.devices()[:1])
@@ -46,7 +55,7 @@ for ks in sets:
     batches = [T.global_batch(mesh, b, True) for b in S.packed_batches(np.random.default_rng(0), 2, 4, 2, 2048, cfg.vocab_size)]
     comp = step.lower(state, batches[0]).compile()
     txt = comp.as_text()
-    name = ks.replace(",", "+")
+    name = ks.replace(",", "-").replace("@", "_ref_").replace(".", "")
     open(f"{out}/hlo_{size}_{name}.txt", "w").write(txt)
     stats = {k: len(re.findall(p, txt)) for k, p in {
         "custom_call": r"custom-call\(", "fusion": r"= \S+ fusion\(", "copy": r"= \S+ copy\(",

@@ -7,7 +7,9 @@ Every op asks `resolve_impl(impl)` which implementation to trace:
 `impl=None` means "auto", which degrades to "ref" when the extension is missing (one log line on
 the "surogate_jax" logger says why). `SUROGATE_JAX_OPS=ref` in the environment forces "ref"
 everywhere, whatever the caller asked for (used by CPU-only tests and for debugging);
-`SUROGATE_JAX_OPS=ref:rope,swiglu` forces it only for the named ops (for A/B measurements).
+`SUROGATE_JAX_OPS=ref:rope,swiglu` forces it only for the named ops (for A/B measurements), and
+`SUROGATE_JAX_OPS=ref:rms_norm.bwd` only for one pass of an op (its kernel forward with XLA's fusion
+of the reference backward, or `.fwd` the other way round); see `pick`.
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
-def _forced_ref(op: str | None) -> bool:
-    """Whether SUROGATE_JAX_OPS forces the reference for `op` ("ref" = all, "ref:a,b" = those)."""
+def _forced_ref(op: str | None, phase: str | None = None) -> bool:
+    """Whether SUROGATE_JAX_OPS forces the reference for `op` ("ref" = all, "ref:a,b" = those;
+    with `phase` ("fwd" / "bwd") also "ref:a.fwd" / "ref:a.bwd", that pass of `a` only)."""
     forced = os.environ.get(ENV_VAR, "").strip().lower()
     if forced in ("", "auto"):
         return False
@@ -82,7 +85,7 @@ def _forced_ref(op: str | None) -> bool:
         return True
     if forced.startswith("ref:"):
         names = {n.strip() for n in forced[4:].split(",") if n.strip()}
-        return op is not None and op in names
+        return op is not None and (op in names or (phase is not None and f"{op}.{phase}" in names))
     raise ValueError(f"{ENV_VAR}={forced!r} is not understood; use 'ref', 'ref:<op>,<op>' or leave it unset")
 
 
@@ -102,3 +105,14 @@ def resolve_impl(impl: str | None, op: str | None = None) -> str:
     if impl == "ffi":
         raise RuntimeError(f"impl='ffi' requested but the CUDA kernels are unavailable: {_load()}")
     return "ref"
+
+
+def pick(impl: str, ffi, ref, op: str | None = None, phase: str | None = None):
+    """The function to trace for one pass ("fwd"/"bwd") of `op`, given resolve_impl's answer:
+    `ref`, `ffi`, or both behind `jax.lax.platform_dependent` (kernel on CUDA, reference elsewhere).
+    SUROGATE_JAX_OPS=ref:<op>.<phase> swaps in the reference for that pass alone."""
+    if impl == "ref" or _forced_ref(op, phase):
+        return ref
+    if impl == "ffi":
+        return ffi
+    return functools.partial(jax.lax.platform_dependent, cuda=ffi, default=ref)

@@ -30,11 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from surogate_jax.ops._loader import resolve_impl
+from surogate_jax.ops._loader import pick, resolve_impl
 from surogate_jax.ops._sharding import on_shards
 from surogate_jax.ops.rms_norm import FWD_ALGOS, WS_BLOCKS, rms_norm_ref  # noqa: F401 (FWD_ALGOS re-exported)
 from surogate_jax.ops.rms_norm import _fwd_ref as _rms_fwd_ref
 
+OP = "add_rms_norm"  # the name SUROGATE_JAX_OPS=ref:<op> and impl resolution use
 FWD_TARGET = "surogate_add_rms_norm_fwd"
 BWD_TARGET = "surogate_add_rms_norm_bwd"
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -94,26 +95,19 @@ def _bwd_ffi(dy, ds, s, w, rstd):
     return dx, dw
 
 
-def _pick(impl, ffi, ref):
-    if impl == "ref":
-        return ref
-    if impl == "ffi":
-        return ffi
-    return functools.partial(jax.lax.platform_dependent, cuda=ffi, default=ref)
-
 
 def _fwd(x, res, w, eps, impl):
     ref = functools.partial(_fwd_ref, eps=eps)
     if x.size == 0:
         return ref(x, res, w)
-    fn = _pick(impl, functools.partial(_fwd_ffi, eps=eps), ref)
+    fn = pick(impl, functools.partial(_fwd_ffi, eps=eps), ref, OP, "fwd")
     return on_shards(fn, x, res, w, batched=(True, True, False), out_batched=(True, True, True))
 
 
 def _bwd(dy, ds, s, w, rstd, impl):
     if s.size == 0:
         return _bwd_ref(dy, ds, s, w, rstd)
-    fn = _pick(impl, _bwd_ffi, _bwd_ref)
+    fn = pick(impl, _bwd_ffi, _bwd_ref, OP, "bwd")
     return on_shards(fn, dy, ds, s, w, rstd, batched=(True, True, True, False, True),
                      out_batched=(True, False), out_summed=(False, True))
 
@@ -156,7 +150,7 @@ def add_rms_norm(
     dtype = jnp.result_type(x, residual)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"add_rms_norm: x and residual must be floating point, got {dtype}")
-    impl = resolve_impl(impl, "add_rms_norm")
+    impl = resolve_impl(impl, OP)
     if impl != "ref" and dtype not in KERNEL_DTYPES:
         if impl == "ffi":
             raise TypeError(f"add_rms_norm: impl='ffi' supports float32/bfloat16/float16, got {dtype}")

@@ -24,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from surogate_jax.ops._loader import resolve_impl
+from surogate_jax.ops._loader import pick, resolve_impl
 from surogate_jax.ops._sharding import on_shards
 
+OP = "rms_norm"  # the name SUROGATE_JAX_OPS=ref:<op> and impl resolution use
 FWD_TARGET = "surogate_rms_norm_fwd"
 BWD_TARGET = "surogate_rms_norm_bwd"
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -90,13 +91,6 @@ def _bwd_ffi(dy, x, w, rstd):
     return dx, dw
 
 
-def _pick(impl, ffi, ref):
-    if impl == "ref":
-        return ref
-    if impl == "ffi":
-        return ffi
-    return functools.partial(jax.lax.platform_dependent, cuda=ffi, default=ref)
-
 
 # The reference also runs per shard (on_shards) so CPU tests on a multi-device mesh exercise the
 # same split/psum wiring as the kernels.
@@ -104,14 +98,14 @@ def _fwd(x, w, eps, impl):
     ref = functools.partial(_fwd_ref, eps=eps)
     if x.size == 0:
         return ref(x, w)
-    fn = _pick(impl, functools.partial(_fwd_ffi, eps=eps), ref)
+    fn = pick(impl, functools.partial(_fwd_ffi, eps=eps), ref, OP, "fwd")
     return on_shards(fn, x, w, batched=(True, False), out_batched=(True, True))
 
 
 def _bwd(dy, x, w, rstd, impl):
     if x.size == 0:
         return _bwd_ref(dy, x, w, rstd)
-    fn = _pick(impl, _bwd_ffi, _bwd_ref)
+    fn = pick(impl, _bwd_ffi, _bwd_ref, OP, "bwd")
     # dx is per row; dw sums over all rows, so the shards' partial dw are added.
     return on_shards(fn, dy, x, w, rstd, batched=(True, True, False, True), out_batched=(True, False),
                      out_summed=(False, True))
@@ -147,7 +141,7 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float = 1e-6, *, impl: str | None 
         raise ValueError(f"rms_norm: w must have shape {x.shape[-1:]} for x {x.shape}, got {w.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"rms_norm: x must be floating point, got {x.dtype}")
-    impl = resolve_impl(impl, "rms_norm")
+    impl = resolve_impl(impl, OP)
     if impl != "ref" and x.dtype not in KERNEL_DTYPES:
         if impl == "ffi":
             raise TypeError(f"rms_norm: impl='ffi' supports float32/bfloat16/float16, got {x.dtype}")

@@ -42,9 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from surogate_jax.ops._loader import resolve_impl
+from surogate_jax.ops._loader import pick, resolve_impl
 from surogate_jax.ops._sharding import on_shards
 
+OP = "rope"  # the name SUROGATE_JAX_OPS=ref:<op> and impl resolution use
 FWD_TARGET = "surogate_rope_fwd"
 BWD_TARGET = "surogate_rope_bwd"
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -150,13 +151,6 @@ def _bwd_ffi(dy, x, a, b, w, *, eps):
     return dx, dw
 
 
-def _pick(impl, ffi, ref):
-    if impl == "ref":
-        return ref
-    if impl == "ffi":
-        return ffi
-    return functools.partial(jax.lax.platform_dependent, cuda=ffi, default=ref)
-
 
 def _by_positions(a) -> bool:
     return bool(jnp.issubdtype(a.dtype, jnp.integer))
@@ -169,7 +163,7 @@ def _fwd(x, a, b, w, *, eps, norm, inverse, impl):
     ref = functools.partial(_fwd_ref, **kw)
     if x.size == 0:
         return ref(x, a, b, w)
-    fn = _pick(impl, functools.partial(_fwd_ffi, **kw), ref)
+    fn = pick(impl, functools.partial(_fwd_ffi, **kw), ref, OP, "fwd")
     (y,) = on_shards(
         lambda *args: (fn(*args),), x, a, b, w,
         batched=(True, True, not _by_positions(a), False), out_batched=(True,),
@@ -181,7 +175,7 @@ def _bwd(dy, x, a, b, w, *, eps, impl):
     ref = functools.partial(_bwd_ref, eps=eps)
     if x.size == 0:
         return ref(dy, x, a, b, w)
-    fn = _pick(impl, functools.partial(_bwd_ffi, eps=eps), ref)
+    fn = pick(impl, functools.partial(_bwd_ffi, eps=eps), ref, OP, "bwd")
     # dx is per row; dw sums over all rows, so the shards' partial dw are added.
     return on_shards(
         fn, dy, x, a, b, w,
@@ -271,7 +265,7 @@ def rope(
         a, b = cos.astype(jnp.float32), sin.astype(jnp.float32)
     if norm_w is not None and norm_w.shape != (K,):
         raise ValueError(f"rope: norm_w must have shape {(K,)}, got {norm_w.shape}")
-    impl = resolve_impl(impl, "rope")
+    impl = resolve_impl(impl, OP)
     if impl != "ref" and (x.dtype not in KERNEL_DTYPES or K > MAX_HEAD_DIM):
         if impl == "ffi":
             raise TypeError(

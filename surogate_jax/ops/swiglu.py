@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from surogate_jax.ops._loader import resolve_impl
+from surogate_jax.ops._loader import pick, resolve_impl
 from surogate_jax.ops._sharding import on_shards
 
+OP = "swiglu"  # the name SUROGATE_JAX_OPS=ref:<op> and impl resolution use
 FWD_TARGET = "surogate_swiglu_fwd"
 BWD_TARGET = "surogate_swiglu_bwd"
 PACKED_FWD_TARGET = "surogate_swiglu_packed_fwd"
@@ -97,20 +98,12 @@ def _packed_bwd_ffi(dh, gate_up):
     return call(dh.astype(gate_up.dtype), gate_up)
 
 
-def _pick(impl, ffi, ref):
-    if impl == "ref":
-        return ref
-    if impl == "ffi":
-        return ffi
-    return functools.partial(jax.lax.platform_dependent, cuda=ffi, default=ref)
-
-
-def _run(impl, ffi, ref, *args, n_out):
+def _run(impl, ffi, ref, *args, n_out, phase):
     """Runs fwd or bwd per data shard: every operand and output is split along its leading (row)
     axis; a rank-1 operand is a single row and is not split (its halves matter when packed)."""
     if any(a.size == 0 for a in args):
         return ref(*args)
-    fn = _pick(impl, ffi, ref)
+    fn = pick(impl, ffi, ref, OP, phase)
     tupled = (lambda *a: (fn(*a),)) if n_out == 1 else (lambda *a: tuple(fn(*a)))
     split = all(a.ndim >= 2 for a in args)
     out = on_shards(tupled, *args, batched=(split,) * len(args), out_batched=(split,) * n_out)
@@ -119,7 +112,7 @@ def _run(impl, ffi, ref, *args, n_out):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _swiglu(gate, up, impl):
-    return _run(impl, _fwd_ffi, _fwd_ref, gate, up, n_out=1)
+    return _run(impl, _fwd_ffi, _fwd_ref, gate, up, n_out=1, phase="fwd")
 
 
 def _swiglu_vjp_fwd(gate, up, impl):
@@ -128,7 +121,7 @@ def _swiglu_vjp_fwd(gate, up, impl):
 
 def _swiglu_vjp_bwd(impl, res, dh):
     gate, up = res
-    return _run(impl, _bwd_ffi, _bwd_ref, dh, gate, up, n_out=2)
+    return _run(impl, _bwd_ffi, _bwd_ref, dh, gate, up, n_out=2, phase="bwd")
 
 
 _swiglu.defvjp(_swiglu_vjp_fwd, _swiglu_vjp_bwd)
@@ -136,7 +129,7 @@ _swiglu.defvjp(_swiglu_vjp_fwd, _swiglu_vjp_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _swiglu_packed(gate_up, impl):
-    return _run(impl, _packed_fwd_ffi, _packed_fwd_ref, gate_up, n_out=1)
+    return _run(impl, _packed_fwd_ffi, _packed_fwd_ref, gate_up, n_out=1, phase="fwd")
 
 
 def _swiglu_packed_vjp_fwd(gate_up, impl):
@@ -145,7 +138,7 @@ def _swiglu_packed_vjp_fwd(gate_up, impl):
 
 def _swiglu_packed_vjp_bwd(impl, res, dh):
     (gate_up,) = res
-    return (_run(impl, _packed_bwd_ffi, _packed_bwd_ref, dh, gate_up, n_out=1),)
+    return (_run(impl, _packed_bwd_ffi, _packed_bwd_ref, dh, gate_up, n_out=1, phase="bwd"),)
 
 
 _swiglu_packed.defvjp(_swiglu_packed_vjp_fwd, _swiglu_packed_vjp_bwd)
@@ -154,7 +147,7 @@ _swiglu_packed.defvjp(_swiglu_packed_vjp_fwd, _swiglu_packed_vjp_bwd)
 def _impl_for(name: str, dtype, impl: str | None) -> str:
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{name}: inputs must be floating point, got {dtype}")
-    impl = resolve_impl(impl, "swiglu")
+    impl = resolve_impl(impl, OP)
     if impl != "ref" and dtype not in KERNEL_DTYPES:
         if impl == "ffi":
             raise TypeError(f"{name}: impl='ffi' supports float32/bfloat16/float16, got {dtype}")

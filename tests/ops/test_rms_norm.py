@@ -98,6 +98,24 @@ def test_env_forces_reference_per_op(monkeypatch):
     assert loader.resolve_impl(None, "rms_norm") == "auto"
 
 
+@pytest.mark.parametrize("forced, fwd_kernel, bwd_kernel", [
+    ("", True, True), ("ref:rms_norm.bwd", True, False), ("ref:rms_norm.fwd", False, True),
+    ("ref:rope.bwd", True, True), ("ref:rms_norm", False, False)])
+def test_env_forces_reference_per_pass(monkeypatch, forced, fwd_kernel, bwd_kernel):
+    """ref:<op>.fwd / .bwd swaps the reference in for one pass; the traced program shows which
+    custom calls remain (impl="ffi" traces the kernels without running them, so this runs on CPU)."""
+    import surogate_jax.ops._loader as loader
+    monkeypatch.setattr(loader, "ffi_available", lambda: True)
+    monkeypatch.setenv("SUROGATE_JAX_OPS", forced)
+    x, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones(8, jnp.bfloat16)
+    fwd = str(jax.make_jaxpr(lambda x, w: rms_norm(x, w, impl="ffi"))(x, w))
+    both = str(jax.make_jaxpr(jax.grad(lambda x, w: rms_norm(x, w, impl="ffi").astype(jnp.float32).sum(),
+                                       argnums=(0, 1)))(x, w))
+    assert ("surogate_rms_norm_fwd" in fwd) == fwd_kernel
+    assert ("surogate_rms_norm_fwd" in both) == fwd_kernel
+    assert ("surogate_rms_norm_bwd" in both) == bwd_kernel
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="impl"):
         resolve_impl("cuda")
