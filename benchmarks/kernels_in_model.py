@@ -66,6 +66,6 @@ for ks in sets:
     for i in range(6):
         t0 = time.perf_counter(); state, m = comp(state, batches[i % 2]); float(m["loss"]); times.append(time.perf_counter() - t0)
     sec = statistics.median(times)
-    r = dict(size=size, kernels=ks, step_ms=sec * 1e3, tps=2 * 4 * 2048 / sec, **stats)
+    r = dict(size=size, kernels=ks, step_ms=sec * 1e3, tps=2 * 4 * 2048 / sec, loss=float(m["loss"]), **stats)
     print(json.dumps(r), flush=True); res.append(r)
     del state, comp, step

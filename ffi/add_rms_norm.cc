@@ -169,7 +169,8 @@ XLA_FFI_DEFINE_HANDLER(kAddRmsNormFwdHandler, AddRmsNormFwd,
                            .Arg<ffi::AnyBuffer>()   // w
                            .Ret<ffi::AnyBuffer>()   // y
                            .Ret<ffi::AnyBuffer>()   // res_out
-                           .Ret<ffi::AnyBuffer>());  // rstd
+                           .Ret<ffi::AnyBuffer>(),  // rstd
+                       SUROGATE_GRAPH_SAFE);
 
 XLA_FFI_DEFINE_HANDLER(kAddRmsNormBwdHandler, AddRmsNormBwd,
                        ffi::Ffi::Bind()
@@ -181,7 +182,8 @@ XLA_FFI_DEFINE_HANDLER(kAddRmsNormBwdHandler, AddRmsNormBwd,
                            .Arg<ffi::AnyBuffer>()   // rstd
                            .Ret<ffi::AnyBuffer>()   // dx (= dres)
                            .Ret<ffi::AnyBuffer>()   // dw
-                           .Ret<ffi::AnyBuffer>());  // ws (dw partial sums, discarded)
+                           .Ret<ffi::AnyBuffer>(),  // ws (dw partial sums, discarded)
+                       SUROGATE_GRAPH_SAFE);
 
 Targets AddRmsNormTargets() {
   return {{kFwd.data(), kAddRmsNormFwdHandler}, {kBwd.data(), kAddRmsNormBwdHandler}};

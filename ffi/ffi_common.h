@@ -18,6 +18,12 @@ namespace surogate::ffi_bind {
 
 namespace ffi = xla::ffi;
 
+// Trait list for handlers that only launch kernels (or async memset/copy) on XLA's stream: no
+// allocation, no synchronization, no stream query. XLA may then record the call into its command
+// buffers (CUDA graphs) together with the fusions around it; without the trait every call ends
+// the graph of the layer scan's body there (measured in benchmarks/kernels_in_model.py).
+#define SUROGATE_GRAPH_SAFE {::xla::ffi::Traits::kCmdBufferCompatible}
+
 // (target name, handler) pairs an ffi/<op>.cc exports; module.cc registers them all.
 using Targets = std::vector<std::pair<const char*, XLA_FFI_Handler*>>;
 

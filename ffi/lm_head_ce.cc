@@ -118,7 +118,8 @@ XLA_FFI_DEFINE_HANDLER(kLmHeadCeLossHandler, LmHeadCeLoss,
                            .Arg<ffi::AnyBuffer>()   // targets
                            .Arg<ffi::AnyBuffer>()   // weights
                            .Ret<ffi::AnyBuffer>()   // loss
-                           .Ret<ffi::AnyBuffer>());  // lse
+                           .Ret<ffi::AnyBuffer>(),  // lse
+                       SUROGATE_GRAPH_SAFE);
 
 XLA_FFI_DEFINE_HANDLER(kLmHeadCeGradHandler, LmHeadCeGrad,
                        ffi::Ffi::Bind()
@@ -130,7 +131,8 @@ XLA_FFI_DEFINE_HANDLER(kLmHeadCeGradHandler, LmHeadCeGrad,
                            .Arg<ffi::AnyBuffer>()   // weights
                            .Ret<ffi::AnyBuffer>()   // loss
                            .Ret<ffi::AnyBuffer>()   // lse
-                           .Ret<ffi::AnyBuffer>());  // dlogits
+                           .Ret<ffi::AnyBuffer>(),  // dlogits
+                       SUROGATE_GRAPH_SAFE);
 
 Targets LmHeadCeTargets() {
   return {{kLoss.data(), kLmHeadCeLossHandler}, {kGrad.data(), kLmHeadCeGradHandler}};

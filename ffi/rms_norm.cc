@@ -136,7 +136,8 @@ XLA_FFI_DEFINE_HANDLER(kRmsNormFwdHandler, RmsNormFwd,
                            .Arg<ffi::AnyBuffer>()   // x
                            .Arg<ffi::AnyBuffer>()   // w
                            .Ret<ffi::AnyBuffer>()   // y
-                           .Ret<ffi::AnyBuffer>());  // rstd
+                           .Ret<ffi::AnyBuffer>(),  // rstd
+                       SUROGATE_GRAPH_SAFE);
 
 XLA_FFI_DEFINE_HANDLER(kRmsNormBwdHandler, RmsNormBwd,
                        ffi::Ffi::Bind()
@@ -147,7 +148,8 @@ XLA_FFI_DEFINE_HANDLER(kRmsNormBwdHandler, RmsNormBwd,
                            .Arg<ffi::AnyBuffer>()   // rstd
                            .Ret<ffi::AnyBuffer>()   // dx
                            .Ret<ffi::AnyBuffer>()   // dw
-                           .Ret<ffi::AnyBuffer>());  // ws (dw partial sums, discarded)
+                           .Ret<ffi::AnyBuffer>(),  // ws (dw partial sums, discarded)
+                       SUROGATE_GRAPH_SAFE);
 
 Targets RmsNormTargets() {
   return {{kFwd.data(), kRmsNormFwdHandler}, {kBwd.data(), kRmsNormBwdHandler}};

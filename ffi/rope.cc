@@ -237,7 +237,8 @@ XLA_FFI_DEFINE_HANDLER(kRopeFwdHandler, RopeFwd,
                            .Arg<ffi::AnyBuffer>()   // positions | cos
                            .Arg<ffi::AnyBuffer>()   // inv_freq | sin
                            .Arg<ffi::AnyBuffer>()   // w (ignored unless norm)
-                           .Ret<ffi::AnyBuffer>());  // y
+                           .Ret<ffi::AnyBuffer>(),  // y
+                       SUROGATE_GRAPH_SAFE);
 
 XLA_FFI_DEFINE_HANDLER(kRopeBwdHandler, RopeBwd,
                        ffi::Ffi::Bind()
@@ -250,7 +251,8 @@ XLA_FFI_DEFINE_HANDLER(kRopeBwdHandler, RopeBwd,
                            .Arg<ffi::AnyBuffer>()   // w
                            .Ret<ffi::AnyBuffer>()   // dx
                            .Ret<ffi::AnyBuffer>()   // dw
-                           .Ret<ffi::AnyBuffer>());  // ws (dw partial sums, discarded)
+                           .Ret<ffi::AnyBuffer>(),  // ws (dw partial sums, discarded)
+                       SUROGATE_GRAPH_SAFE);
 
 Targets RopeTargets() {
   return {{kFwd.data(), kRopeFwdHandler}, {kBwd.data(), kRopeBwdHandler}};

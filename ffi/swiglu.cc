@@ -142,7 +142,8 @@ XLA_FFI_DEFINE_HANDLER(kSwigluFwdHandler, SwigluFwd,
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Arg<ffi::AnyBuffer>()   // gate
                            .Arg<ffi::AnyBuffer>()   // up
-                           .Ret<ffi::AnyBuffer>());  // h
+                           .Ret<ffi::AnyBuffer>(),  // h
+                       SUROGATE_GRAPH_SAFE);
 
 XLA_FFI_DEFINE_HANDLER(kSwigluBwdHandler, SwigluBwd,
                        ffi::Ffi::Bind()
@@ -151,20 +152,23 @@ XLA_FFI_DEFINE_HANDLER(kSwigluBwdHandler, SwigluBwd,
                            .Arg<ffi::AnyBuffer>()   // gate
                            .Arg<ffi::AnyBuffer>()   // up
                            .Ret<ffi::AnyBuffer>()   // dgate
-                           .Ret<ffi::AnyBuffer>());  // dup
+                           .Ret<ffi::AnyBuffer>(),  // dup
+                       SUROGATE_GRAPH_SAFE);
 
 XLA_FFI_DEFINE_HANDLER(kSwigluPackedFwdHandler, SwigluPackedFwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Arg<ffi::AnyBuffer>()   // gate_up
-                           .Ret<ffi::AnyBuffer>());  // h
+                           .Ret<ffi::AnyBuffer>(),  // h
+                       SUROGATE_GRAPH_SAFE);
 
 XLA_FFI_DEFINE_HANDLER(kSwigluPackedBwdHandler, SwigluPackedBwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Arg<ffi::AnyBuffer>()   // dh
                            .Arg<ffi::AnyBuffer>()   // gate_up
-                           .Ret<ffi::AnyBuffer>());  // dgate_up
+                           .Ret<ffi::AnyBuffer>(),  // dgate_up
+                       SUROGATE_GRAPH_SAFE);
 
 Targets SwigluTargets() {
   return {{kFwd.data(), kSwigluFwdHandler},
