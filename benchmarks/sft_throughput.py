@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -175,6 +176,7 @@ def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int
                mode="full" if full_ft else "lora", recipe=recipe, zero_level=zero_level, offload=list(offload), optimizer=optimizer,
                init_peak_gb_per_gpu=init_peaks, compiled_gb=mem,
                parallel=layout.describe(), remat=cfg.remat_policy, baseline_tps=baseline_tps,
+               kernels=list(cfg.kernels), ops_env=os.environ.get("SUROGATE_JAX_OPS", ""),
                scaling_efficiency=(tps / len(devices) / baseline_tps) if baseline_tps else None)
     return res
 

@@ -37,12 +37,14 @@ Dtype = Any
 
 # "offload_residual": "full" with each layer's input (the residual stream) kept in pinned host memory.
 # The fused kernels the model runs by default on GPU; the other ops use XLA's own fusion of their
-# pure-JAX reference (same math). Measured 2026-11-22 on an H100 (benchmarks/RESULTS.md, "Kernels
-# inside the model"): each of our rope / rms_norm / add_rms_norm / swiglu kernels beats XLA's fusion
-# standalone, yet inside the jitted train step they cost 3-4% tokens/s (custom calls end XLA's
-# fusions with neighbouring ops), so none is on by default yet. `DecoderConfig.kernels` opts in.
+# pure-JAX reference (same math). Measured on an H100 inside the jitted LoRA train step
+# (benchmarks/kernels_in_model.py, RESULTS.md "Seventh session"): once the FFI handlers declare
+# themselves CUDA-graph safe, rope (q/k-norm + RoPE) and the two norms are at least as fast as
+# XLA's fusion (0.6B: 314.8 / 317.7 ms per step vs 318.2 ms); swiglu is still 3% slower: XLA merges
+# the gate/up GEMMs and fuses the LoRA adds, the remat's silu(g)*u and both gradients into one
+# pass over their output, a pass a standalone kernel cannot join. `DecoderConfig.kernels` overrides.
 MODEL_KERNELS = ("rope", "rms_norm", "add_rms_norm", "swiglu")
-DEFAULT_KERNELS: tuple[str, ...] = ()
+DEFAULT_KERNELS: tuple[str, ...] = ("rope", "rms_norm", "add_rms_norm")
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_residual")
 
