@@ -10,6 +10,7 @@
 // Handlers are not marked command-buffer compatible: the launchers query the device.
 #include <initializer_list>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "ffi/ffi_common.h"
@@ -59,8 +60,14 @@ T* Out(ffi::Result<ffi::AnyBuffer>& b) {
   return static_cast<T*>(b->untyped_data());
 }
 
-ffi::Error SwigluFwd(cudaStream_t stream, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+ffi::Error CheckAlgo(std::string_view op, int32_t algo) {
+  if (algo < 0 || algo > 3) return InvalidArg(op, "algo must be 0, 1, 2 or 3, got " + std::to_string(algo));
+  return ffi::Error::Success();
+}
+
+ffi::Error SwigluFwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer gate, ffi::AnyBuffer up,
                      ffi::Result<ffi::AnyBuffer> h) {
+  if (auto e = CheckAlgo(kFwd, algo); e.failure()) return e;
   int64_t rows = 0, F = 0;
   if (auto e = RowsAndDim(kFwd, "gate", gate, &rows, &F); e.failure()) return e;
   if (auto e = SameShape(kFwd, "up", up, gate, "gate"); e.failure()) return e;
@@ -68,12 +75,14 @@ ffi::Error SwigluFwd(cudaStream_t stream, ffi::AnyBuffer gate, ffi::AnyBuffer up
   if (auto e = SameDtypes(kFwd, gate, {{"up", &up}, {"h", &*h}}); e.failure()) return e;
   return DispatchFloat(kFwd, gate.element_type(), [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
-    return CudaError(kFwd, swiglu_fwd<T>(In<T>(gate), In<T>(up), Out<T>(h), rows, F, F, stream));
+    return CudaError(kFwd, swiglu_fwd<T>(In<T>(gate), In<T>(up), Out<T>(h), rows, F, F, stream, algo));
   });
 }
 
-ffi::Error SwigluBwd(cudaStream_t stream, ffi::AnyBuffer dh, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+ffi::Error SwigluBwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer dh, ffi::AnyBuffer gate,
+                     ffi::AnyBuffer up,
                      ffi::Result<ffi::AnyBuffer> dgate, ffi::Result<ffi::AnyBuffer> dup) {
+  if (auto e = CheckAlgo(kBwd, algo); e.failure()) return e;
   int64_t rows = 0, F = 0;
   if (auto e = RowsAndDim(kBwd, "gate", gate, &rows, &F); e.failure()) return e;
   for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"dh", &dh}, {"up", &up},
@@ -87,12 +96,13 @@ ffi::Error SwigluBwd(cudaStream_t stream, ffi::AnyBuffer dh, ffi::AnyBuffer gate
   return DispatchFloat(kBwd, gate.element_type(), [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
     return CudaError(kBwd, swiglu_bwd<T>(In<T>(dh), In<T>(gate), In<T>(up), Out<T>(dgate),
-                                         Out<T>(dup), rows, F, F, stream));
+                                         Out<T>(dup), rows, F, F, stream, algo));
   });
 }
 
-ffi::Error SwigluPackedFwd(cudaStream_t stream, ffi::AnyBuffer gate_up,
+ffi::Error SwigluPackedFwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer gate_up,
                            ffi::Result<ffi::AnyBuffer> h) {
+  if (auto e = CheckAlgo(kPackedFwd, algo); e.failure()) return e;
   int64_t rows = 0, F2 = 0;
   if (auto e = RowsAndDim(kPackedFwd, "gate_up", gate_up, &rows, &F2); e.failure()) return e;
   if (F2 % 2 != 0) {
@@ -105,12 +115,14 @@ ffi::Error SwigluPackedFwd(cudaStream_t stream, ffi::AnyBuffer gate_up,
   return DispatchFloat(kPackedFwd, gate_up.element_type(), [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
     const T* gu = In<T>(gate_up);
-    return CudaError(kPackedFwd, swiglu_fwd<T>(gu, gu + F, Out<T>(h), rows, F, F2, stream));
+    return CudaError(kPackedFwd, swiglu_fwd<T>(gu, gu + F, Out<T>(h), rows, F, F2, stream, algo));
   });
 }
 
-ffi::Error SwigluPackedBwd(cudaStream_t stream, ffi::AnyBuffer dh, ffi::AnyBuffer gate_up,
+ffi::Error SwigluPackedBwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer dh,
+                           ffi::AnyBuffer gate_up,
                            ffi::Result<ffi::AnyBuffer> dgate_up) {
+  if (auto e = CheckAlgo(kPackedBwd, algo); e.failure()) return e;
   int64_t rows = 0, F2 = 0;
   if (auto e = RowsAndDim(kPackedBwd, "gate_up", gate_up, &rows, &F2); e.failure()) return e;
   if (F2 % 2 != 0) {
@@ -131,7 +143,7 @@ ffi::Error SwigluPackedBwd(cudaStream_t stream, ffi::AnyBuffer dh, ffi::AnyBuffe
     const T* gu = In<T>(gate_up);
     T* dgu = Out<T>(dgate_up);
     return CudaError(kPackedBwd,
-                     swiglu_bwd<T>(In<T>(dh), gu, gu + F, dgu, dgu + F, rows, F, F2, stream));
+                     swiglu_bwd<T>(In<T>(dh), gu, gu + F, dgu, dgu + F, rows, F, F2, stream, algo));
   });
 }
 
@@ -140,6 +152,7 @@ ffi::Error SwigluPackedBwd(cudaStream_t stream, ffi::AnyBuffer dh, ffi::AnyBuffe
 XLA_FFI_DEFINE_HANDLER(kSwigluFwdHandler, SwigluFwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Attr<int32_t>("algo")  // launch variant (kernels/swiglu.h)
                            .Arg<ffi::AnyBuffer>()   // gate
                            .Arg<ffi::AnyBuffer>()   // up
                            .Ret<ffi::AnyBuffer>(),  // h
@@ -148,6 +161,7 @@ XLA_FFI_DEFINE_HANDLER(kSwigluFwdHandler, SwigluFwd,
 XLA_FFI_DEFINE_HANDLER(kSwigluBwdHandler, SwigluBwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Attr<int32_t>("algo")  // launch variant (kernels/swiglu.h)
                            .Arg<ffi::AnyBuffer>()   // dh
                            .Arg<ffi::AnyBuffer>()   // gate
                            .Arg<ffi::AnyBuffer>()   // up
@@ -158,6 +172,7 @@ XLA_FFI_DEFINE_HANDLER(kSwigluBwdHandler, SwigluBwd,
 XLA_FFI_DEFINE_HANDLER(kSwigluPackedFwdHandler, SwigluPackedFwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Attr<int32_t>("algo")  // launch variant (kernels/swiglu.h)
                            .Arg<ffi::AnyBuffer>()   // gate_up
                            .Ret<ffi::AnyBuffer>(),  // h
                        SUROGATE_GRAPH_SAFE);
@@ -165,6 +180,7 @@ XLA_FFI_DEFINE_HANDLER(kSwigluPackedFwdHandler, SwigluPackedFwd,
 XLA_FFI_DEFINE_HANDLER(kSwigluPackedBwdHandler, SwigluPackedBwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Attr<int32_t>("algo")  // launch variant (kernels/swiglu.h)
                            .Arg<ffi::AnyBuffer>()   // dh
                            .Arg<ffi::AnyBuffer>()   // gate_up
                            .Ret<ffi::AnyBuffer>(),  // dgate_up

@@ -10,6 +10,10 @@
 // same ld_in for up, dgate and dup), so one packed gate_up [rows, 2F] buffer is gate = base,
 // up = base + F, ld_in = 2F. h is dense (row stride F). Contiguous separate tensors: ld_in = F.
 //
+// algo picks the launch variant (same math, same results): 0 persistent grid of about two waves
+// with streaming loads, 1 one-shot grid (one block per row group) with streaming loads, 2 one-shot
+// with plain loads, 3 persistent with plain loads. ops/swiglu.py chooses (ALGO) from an H100 sweep.
+//
 // T is float, __nv_bfloat16 or __half. Every launcher enqueues on `stream`, never synchronizes,
 // and returns the first CUDA error it sees (cudaSuccess otherwise).
 #pragma once
@@ -25,10 +29,10 @@ namespace surogate {
 
 template <typename T>
 cudaError_t swiglu_fwd(const T* gate, const T* up, T* h, int64_t rows, int64_t F, int64_t ld_in,
-                       cudaStream_t stream);
+                       cudaStream_t stream, int algo = 0);
 
 template <typename T>
 cudaError_t swiglu_bwd(const T* dh, const T* gate, const T* up, T* dgate, T* dup, int64_t rows,
-                       int64_t F, int64_t ld_in, cudaStream_t stream);
+                       int64_t F, int64_t ld_in, cudaStream_t stream, int algo = 0);
 
 }  // namespace surogate
