@@ -11,7 +11,9 @@
 // reason as in ffi/rms_norm.cc; its P rows cap the backward's persistent grid. A leading batch
 // shape G on w (vmap with broadcast_all) splits the rows into G equal consecutive groups, each
 // with its own w row and dw row. All tensors but rstd and ws share one dtype (f32, bf16, f16).
-// Handlers are not marked command-buffer compatible: the launchers query the device.
+// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
+// device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
+// tests/gpu/test_models_gpu.py runs them inside the jitted decoder's graphs.
 #include <initializer_list>
 #include <string>
 #include <utility>

@@ -9,7 +9,9 @@
 // with fp32 dlogits, or fp32 logits with any dlogits). dlogits may be the same buffer as logits
 // (input_output_aliases) when the dtypes match. Leading dims are flattened into rows, so a
 // vmapped call (vmap_method="broadcast_all") is just more rows.
-// Not marked command-buffer compatible (same reason as rms_norm.cc: untested in CUDA graphs).
+// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
+// device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
+// tests/gpu/test_models_gpu.py runs them inside the jitted decoder's graphs.
 #include <type_traits>
 
 #include "ffi/ffi_common.h"

@@ -13,7 +13,9 @@
 // vmap_method="broadcast_all", which gives w (and dw) a leading batch shape: then the rows of x
 // split into G equal consecutive groups, group g normalized with w[g] and summed into dw[g]
 // (one launch per group). x, w, y, dy, dx and dw share one dtype (f32, bf16 or f16).
-// Handlers are not marked command-buffer compatible: the launchers query the device, so leave them out of CUDA graphs until that is measured and tested.
+// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
+// device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
+// tests/gpu/test_models_gpu.py runs them inside the jitted decoder's graphs.
 #include "ffi/ffi_common.h"
 #include "kernels/rms_norm.h"
 

@@ -20,7 +20,9 @@
 // Leading group dims G on inv_freq / w appear under jax.vmap (vmap_method="broadcast_all"): the
 // tokens then split into G equal consecutive groups, group g using inv_freq[g] / w[g] and summing
 // into dw[g] (one launch per group).
-// Handlers are not marked command-buffer compatible: the launchers query the device.
+// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
+// device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
+// tests/gpu/test_models_gpu.py runs them inside the jitted decoder's graphs.
 #include <algorithm>
 
 #include "ffi/ffi_common.h"

@@ -7,7 +7,9 @@
 //   surogate_swiglu_packed_bwd(dh [..., F], gate_up [..., 2F]) -> dgate_up [..., 2F]
 // All operands share one dtype (f32, bf16 or f16). The op is element-wise, so any leading shape
 // (including the batch axes vmap's broadcast_all adds) is just more rows.
-// Handlers are not marked command-buffer compatible: the launchers query the device.
+// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
+// device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
+// tests/gpu/test_models_gpu.py runs them inside the jitted decoder's graphs.
 #include <initializer_list>
 #include <string>
 #include <string_view>

@@ -40,7 +40,7 @@ Dtype = Any
 # pure-JAX reference (same math). Measured on an H100 inside the jitted LoRA train step
 # (benchmarks/kernels_in_model.py, RESULTS.md "Seventh session"): once the FFI handlers declare
 # themselves CUDA-graph safe, rope (q/k-norm + RoPE) and the two norms are at least as fast as
-# XLA's fusion (0.6B: 314.8 / 317.7 ms per step vs 318.2 ms); swiglu is still 3% slower: XLA merges
+# XLA's fusion (0.6B: 314.8 / 317.7 ms per step vs 318.2 ms); swiglu is still 3.5% slower: XLA merges
 # the gate/up GEMMs and fuses the LoRA adds, the remat's silu(g)*u and both gradients into one
 # pass over their output, a pass a standalone kernel cannot join. `DecoderConfig.kernels` overrides.
 MODEL_KERNELS = ("rope", "rms_norm", "add_rms_norm", "swiglu")
