@@ -36,12 +36,15 @@ from surogate_jax.models import Decoder  # noqa: E402
 out = os.environ.get("OUT", "/tmp")
 size = sys.argv[1]; sets = sys.argv[2:]
 res = []
+user_ops = os.environ.get("SUROGATE_JAX_OPS")  # kept for the sets without "@"
 for ks in sets:
     ks_kernels, _, forced = ks.partition("@")
     if forced:
         os.environ["SUROGATE_JAX_OPS"] = "ref:" + forced
-    else:
+    elif user_ops is None:
         os.environ.pop("SUROGATE_JAX_OPS", None)
+    else:
+        os.environ["SUROGATE_JAX_OPS"] = user_ops
     kernels = tuple(k for k in ks_kernels.split(",") if k and k != "none")
     cfg = S.qwen3(size, True).replace(kernels=kernels)
     model = Decoder(cfg)

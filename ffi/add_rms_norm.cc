@@ -13,7 +13,7 @@
 // with its own w row and dw row. All tensors but rstd and ws share one dtype (f32, bf16, f16).
 // Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
 // device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
-// tests/gpu/test_models_gpu.py runs them inside the jitted decoder's graphs.
+// measured inside jitted train steps (benchmarks/kernels_in_model.py, tests/gpu/test_models_gpu.py).
 #include <initializer_list>
 #include <string>
 #include <utility>

@@ -11,7 +11,7 @@
 // vmapped call (vmap_method="broadcast_all") is just more rows.
 // Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
 // device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
-// tests/gpu/test_models_gpu.py runs them inside the jitted decoder's graphs.
+// measured inside jitted train steps (benchmarks/kernels_in_model.py, tests/gpu/test_models_gpu.py).
 #include <type_traits>
 
 #include "ffi/ffi_common.h"

@@ -15,7 +15,7 @@
 // (one launch per group). x, w, y, dy, dx and dw share one dtype (f32, bf16 or f16).
 // Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
 // device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
-// tests/gpu/test_models_gpu.py runs them inside the jitted decoder's graphs.
+// measured inside jitted train steps (benchmarks/kernels_in_model.py, tests/gpu/test_models_gpu.py).
 #include "ffi/ffi_common.h"
 #include "kernels/rms_norm.h"
 

@@ -22,7 +22,7 @@
 // into dw[g] (one launch per group).
 // Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
 // device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
-// tests/gpu/test_models_gpu.py runs them inside the jitted decoder's graphs.
+// measured inside jitted train steps (benchmarks/kernels_in_model.py, tests/gpu/test_models_gpu.py).
 #include <algorithm>
 
 #include "ffi/ffi_common.h"

@@ -9,7 +9,7 @@
 // (including the batch axes vmap's broadcast_all adds) is just more rows.
 // Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
 // device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
-// tests/gpu/test_models_gpu.py runs them inside the jitted decoder's graphs.
+// measured inside jitted train steps (benchmarks/kernels_in_model.py, tests/gpu/test_models_gpu.py).
 #include <initializer_list>
 #include <string>
 #include <string_view>
@@ -63,7 +63,9 @@ T* Out(ffi::Result<ffi::AnyBuffer>& b) {
 }
 
 ffi::Error CheckAlgo(std::string_view op, int32_t algo) {
-  if (algo < 0 || algo > 3) return InvalidArg(op, "algo must be 0, 1, 2 or 3, got " + std::to_string(algo));
+  if (algo < 0 || algo > 3) {
+    return InvalidArg(op, "algo must be 0, 1, 2 or 3, got " + std::to_string(algo));
+  }
   return ffi::Error::Success();
 }
 

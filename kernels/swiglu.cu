@@ -16,10 +16,11 @@
 //    any math: 8 (6) 16-byte loads in flight per thread. Registers are capped at 64 (4 blocks of
 //    256 threads per SM) so 1024 threads stay resident: ~100-130 KB in flight per SM, well above
 //    the ~25-40 KB Little's law asks for at ~3 TB/s over 132 SMs.
-//  * Inputs are read once: streaming loads (ld.global.cs) keep them from evicting useful lines.
-//  * Four launch variants (algo, swiglu.h): that persistent grid or a one-shot grid, streaming or
-//    plain loads. On the H100 (2026-11-23) the persistent + streaming default ran at 65-85% of copy
-//    bandwidth and 5-13% behind XLA's fusion, so the grid and the load hint are swept; variant 2 (one-shot, plain loads) is the default now.
+//  * Four launch variants (algo, swiglu.h): that persistent grid or a one-shot grid (a block per
+//    row group), streaming (ld.global.cs) or plain loads. On the H100 (2026-11-23) the first
+//    design (persistent + streaming, variant 0) ran at 80-88% of copy bandwidth and 6-10% behind
+//    XLA's fusion; variant 2 (one-shot, plain loads) reached 87-94% and parity, and is the
+//    default (ops/swiglu.py ALGO). The others stay selectable for the next sweep.
 //  * fp32 math, one rounding of each output; sigmoid via __expf (ex2.approx, relative error a few
 //    ulp of fp32, far below bf16's and fp32's test tolerances).
 //  * Scalar path when F or the row stride is not a multiple of the vector or a pointer is not
