@@ -8,18 +8,26 @@ Each op is timed per pass, as in training: "fwd" (the forward alone) and "bwd" (
 given what the forward saved). Comparing whole fwd+bwd chains instead would let XLA fuse the
 reference's forward into its backward (reading x once for both), which a real step cannot do
 when the two passes run layers apart; "fwd+bwd" rows are the sum of the two.
+
+Bandwidth: "% of 3000" is the useful bytes per second over the H100's measured copy bandwidth;
+"% of copy" is the same over what a plain copy of the same number of bytes achieves on this GPU
+(an element-wise uint32 add over bytes/2 in and bytes/2 out, timed the same way): small tensors
+cannot reach 3000 GB/s (launch and tail effects), so this says how close an op is to the device's
+own limit at that size.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import pathlib
 import statistics
 import subprocess
 import sys
 import time
 
 import jax
+import jax.numpy as jnp
 
 PEAK_GBS = 3000.0  # H100 measured device copy bandwidth (read + write)
 
@@ -43,7 +51,23 @@ def time_chain(step, carry, steps: int, repeats: int) -> float:
     return statistics.median(times) / steps
 
 
+_COPY_S: dict[tuple[int, int, int], float] = {}
+
+
+def copy_seconds(nbytes: int, steps: int, repeats: int) -> float:
+    """Seconds per step of an element-wise pass reading nbytes/2 and writing nbytes/2 (memoized)."""
+    key = (nbytes, steps, repeats)
+    if key not in _COPY_S:
+        x = jnp.zeros(max(1, nbytes // 8), jnp.uint32)
+        _COPY_S[key] = time_chain(lambda a: (a + jnp.uint32(1),), (x,), steps, repeats)
+    return _COPY_S[key]
+
+
 def commit() -> str:
+    """The checkout's commit; a snapshot without .git (the GPU machine's) may carry a COMMIT file."""
+    f = pathlib.Path(__file__).resolve().parent.parent / "COMMIT"
+    if f.is_file():
+        return f.read_text().strip()
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -61,9 +85,10 @@ def require_gpu(ffi_available) -> None:
 class Table:
     """Prints the compact markdown table and collects JSON records."""
 
-    def __init__(self, op: str, steps: int, repeats: int):
+    def __init__(self, op: str, steps: int, repeats: int, variant: str = ""):
         self.meta = {
             "op": op,
+            "variant": variant,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": jax.devices()[0].device_kind,
             "jax": jax.__version__,
@@ -73,25 +98,35 @@ class Table:
         }
         self.records: list[dict] = []
         m = self.meta
-        print(f"# {op} on {m['device']}, jax {m['jax']}, commit {m['commit']}, {m['date']}")
-        print("| shape | dtype | pass | ours us | xla us | xla/ours | ours GB/s | % of 3000 |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(f"# {op}{' (' + variant + ')' if variant else ''} on {m['device']}, jax {m['jax']}, "
+              f"commit {m['commit']}, {m['date']}")
+        print("| shape | dtype | pass | ours us | xla us | xla/ours | ours GB/s | % of 3000 | % of copy |")
+        print("|---|---|---|---|---|---|---|---|---|")
 
-    def add(self, shape: str, dtype: str, pass_: str, ours_s: float, xla_s: float, nbytes: int):
+    def add(self, shape: str, dtype: str, pass_: str, ours_s: float, xla_s: float, nbytes: int,
+            copy_s: float | None = None):
+        """copy_s: a same-size copy's seconds (measured here when None)."""
+        if copy_s is None:
+            copy_s = copy_seconds(nbytes, self.meta["steps"], self.meta["repeats"])
         gbs = nbytes / ours_s / 1e9
         rec = {**self.meta, "shape": shape, "dtype": dtype, "pass": pass_, "ours_us": ours_s * 1e6,
                "xla_us": xla_s * 1e6, "speedup_vs_xla": xla_s / ours_s, "bytes": nbytes,
-               "ours_gbs": gbs, "xla_gbs": nbytes / xla_s / 1e9, "pct_peak": 100 * gbs / PEAK_GBS}
+               "ours_gbs": gbs, "xla_gbs": nbytes / xla_s / 1e9, "pct_peak": 100 * gbs / PEAK_GBS,
+               "copy_us": copy_s * 1e6, "pct_copy": 100 * copy_s / ours_s}
         self.records.append(rec)
         print(f"| {shape} | {dtype} | {pass_} | {rec['ours_us']:.1f} | {rec['xla_us']:.1f} | "
-              f"{rec['speedup_vs_xla']:.2f}x | {gbs:.0f} | {rec['pct_peak']:.0f}% |", flush=True)
+              f"{rec['speedup_vs_xla']:.2f}x | {gbs:.0f} | {rec['pct_peak']:.0f}% | {rec['pct_copy']:.0f}% |",
+              flush=True)
 
     def add_passes(self, shape: str, dtype: str, times: dict, nbytes: dict):
         """times[pass] = (ours_s, xla_s) for "fwd" and "bwd"; adds those and their sum."""
+        m = self.meta
+        copy = {p: copy_seconds(nbytes[p], m["steps"], m["repeats"]) for p in ("fwd", "bwd")}
         for p in ("fwd", "bwd"):
-            self.add(shape, dtype, p, *times[p], nbytes[p])
+            self.add(shape, dtype, p, *times[p], nbytes[p], copy[p])
         self.add(shape, dtype, "fwd+bwd", times["fwd"][0] + times["bwd"][0],
-                 times["fwd"][1] + times["bwd"][1], nbytes["fwd"] + nbytes["bwd"])
+                 times["fwd"][1] + times["bwd"][1], nbytes["fwd"] + nbytes["bwd"],
+                 copy["fwd"] + copy["bwd"])
 
     def write(self, path: str | None) -> None:
         if path:

@@ -4,6 +4,7 @@ memory-bandwidth floor.
 
     python benchmarks/bench_add_rms_norm.py [--out results.jsonl] [--steps 10] [--repeats 20]
                                             [--algos 0,1,2,3] [--fwd-only]
+                                            [--fwd-algo K] [--bwd-algo K]
 
 Forward variants (fwd_algo, the same as rms_norm's): each shape's forward is timed for every
 variant in --algos; the main table shows the op's default (ops/add_rms_norm.py FWD_ALGO), the
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import _opbench
 from bench_rms_norm import sweep_report
 from surogate_jax.ops import add_rms_norm_ref, ffi_available, rms_norm_ref
-from surogate_jax.ops.add_rms_norm import FWD_ALGO, _bwd_ffi, _fwd_ffi
+from surogate_jax.ops.add_rms_norm import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi
 
 SHAPES = [(16384, 1024), (16384, 4096), (8192, 5120)]
 DTYPES = [jnp.bfloat16, jnp.float32]
@@ -44,10 +45,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--algos", default="0,1,2,3", help="forward variants to time (fwd_algo)")
     ap.add_argument("--fwd-only", action="store_true", help="skip the backward (sweep only)")
+    ap.add_argument("--fwd-algo", type=int, default=FWD_ALGO, help="forward variant of the main table")
+    ap.add_argument("--bwd-algo", type=int, default=BWD_ALGO, help="backward variant (bwd_algo)")
     args = ap.parse_args()
-    algos = [int(a) for a in args.algos.split(",")]
+    algos = sorted({int(a) for a in args.algos.split(",")} | {args.fwd_algo})
     _opbench.require_gpu(ffi_available)
-    table = _opbench.Table("add_rms_norm", args.steps, args.repeats)
+    table = _opbench.Table("add_rms_norm", args.steps, args.repeats,
+                           variant=f"fwd_algo {args.fwd_algo}, bwd_algo {args.bwd_algo}")
     sweep = []
     key = jax.random.key(0)
     for rows, dim in SHAPES:
@@ -59,7 +63,7 @@ def main() -> None:
             _, s, rstd = jax.jit(lambda x, r, w: _fwd_ffi(x, r, w, EPS))(x, res, w)
 
             xla_fwd = lambda x, r: add_rms_norm_ref(x, r, w, EPS)  # noqa: E731,B023
-            ours_bwd = lambda dy, ds, s, rstd: (_bwd_ffi(dy, ds, s, w, rstd)[0], ds, s, rstd)  # noqa: E731,B023
+            ours_bwd = lambda dy, ds, s, rstd: (_bwd_ffi(dy, ds, s, w, rstd, args.bwd_algo)[0], ds, s, rstd)  # noqa: E731,B023
             xla_bwd = lambda dy, ds, s, rstd: (_xla_bwd(dy, ds, s, w), ds, s, rstd)  # noqa: E731,B023
             xla_s = _opbench.time_chain(xla_fwd, (x, res), args.steps, args.repeats)
             fwd_s = {a: _opbench.time_chain(lambda x, r, a=a: _fwd_ffi(x, r, w, EPS, algo=a)[:2],  # noqa: B023
@@ -68,9 +72,9 @@ def main() -> None:
             nbytes = {"fwd": 4 * elem + 4 * rows, "bwd": 4 * elem + 4 * rows}
             sweep.append({"shape": f"{rows}x{dim}", "dtype": jnp.dtype(dtype).name, "xla_s": xla_s,
                           "bytes": nbytes["fwd"], "algos": fwd_s})
-            if not args.fwd_only and FWD_ALGO in fwd_s:
+            if not args.fwd_only:
                 t = {
-                    "fwd": (fwd_s[FWD_ALGO], xla_s),
+                    "fwd": (fwd_s[args.fwd_algo], xla_s),
                     "bwd": tuple(_opbench.time_chain(f, (dy, ds, s, rstd), args.steps, args.repeats)
                                  for f in (ours_bwd, xla_bwd)),
                 }

@@ -3,6 +3,7 @@ backward, against the memory-bandwidth floor.
 
     python benchmarks/bench_rms_norm.py [--out results.jsonl] [--steps 10] [--repeats 20]
                                         [--algos 0,1,2,3] [--fwd-only]
+                                        [--fwd-algo K] [--bwd-algo K]
 
 Forward variants: every shape's forward is timed for each kernel variant in --algos (the FFI
 attribute fwd_algo, kernels/rms_norm_common.cuh); the main table shows the op's default
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 
 import _opbench
 from surogate_jax.ops import ffi_available, rms_norm_ref
-from surogate_jax.ops.rms_norm import FWD_ALGO, _bwd_ffi, _fwd_ffi
+from surogate_jax.ops.rms_norm import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi
 
 # Qwen3-0.6B / -8B / -14B hidden sizes, and the per-head q/k norm (16 heads x 128).
 SHAPES = [(16384, 1024), (16384, 4096), (8192, 5120), (16384 * 16, 128)]
@@ -70,10 +71,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--algos", default="0,1,2,3", help="forward variants to time (fwd_algo)")
     ap.add_argument("--fwd-only", action="store_true", help="skip the backward (sweep only)")
+    ap.add_argument("--fwd-algo", type=int, default=FWD_ALGO, help="forward variant of the main table")
+    ap.add_argument("--bwd-algo", type=int, default=BWD_ALGO, help="backward variant (bwd_algo)")
     args = ap.parse_args()
-    algos = [int(a) for a in args.algos.split(",")]
+    algos = sorted({int(a) for a in args.algos.split(",")} | {args.fwd_algo})
     _opbench.require_gpu(ffi_available)
-    table = _opbench.Table("rms_norm", args.steps, args.repeats)
+    table = _opbench.Table("rms_norm", args.steps, args.repeats,
+                           variant=f"fwd_algo {args.fwd_algo}, bwd_algo {args.bwd_algo}")
     sweep = []
     key = jax.random.key(0)
     for rows, dim in SHAPES:
@@ -85,7 +89,7 @@ def main() -> None:
             _, rstd = jax.jit(lambda x, w: _fwd_ffi(x, w, EPS))(x, w)
 
             xla_fwd = lambda x: (rms_norm_ref(x, w, EPS),)  # noqa: E731,B023
-            ours_bwd = lambda dy, x, rstd: (_bwd_ffi(dy, x, w, rstd)[0], x, rstd)  # noqa: E731,B023
+            ours_bwd = lambda dy, x, rstd: (_bwd_ffi(dy, x, w, rstd, args.bwd_algo)[0], x, rstd)  # noqa: E731,B023
             xla_bwd = lambda dy, x, rstd: (  # noqa: E731
                 jax.vjp(lambda x: rms_norm_ref(x, w, EPS), x)[1](dy)[0], x, rstd)  # noqa: B023
             xla_s = _opbench.time_chain(xla_fwd, (x,), args.steps, args.repeats)
@@ -95,9 +99,9 @@ def main() -> None:
             nbytes = {"fwd": 2 * elem + 4 * rows, "bwd": 3 * elem + 4 * rows}
             sweep.append({"shape": f"{rows}x{dim}", "dtype": jnp.dtype(dtype).name, "xla_s": xla_s,
                           "bytes": nbytes["fwd"], "algos": fwd_s})
-            if not args.fwd_only and FWD_ALGO in fwd_s:
+            if not args.fwd_only:
                 t = {
-                    "fwd": (fwd_s[FWD_ALGO], xla_s),
+                    "fwd": (fwd_s[args.fwd_algo], xla_s),
                     "bwd": tuple(_opbench.time_chain(f, (dy, x, rstd), args.steps, args.repeats)
                                  for f in (ours_bwd, xla_bwd)),
                 }

@@ -127,8 +127,10 @@ def compiled_memory_gb(compiled) -> dict:
 
 def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int, gpus: int = 1,
         zero_level: int = 1, offload: tuple[str, ...] = (), full_ft: bool = False, optimizer: str = "adamw",
-        baseline_tps: float | None = None, recipe: str = "bf16") -> dict:
+        baseline_tps: float | None = None, recipe: str = "bf16", kernels: tuple[str, ...] | None = None) -> dict:
     cfg = qwen3(size, recompute, full_ft, "residual" in offload)
+    if kernels is not None:  # which model ops run our CUDA kernels (DecoderConfig.kernels)
+        cfg = cfg.replace(kernels=kernels)
     if recipe != "bf16":  # precision recipe of the seven projections (LoRA: frozen base quantized once)
         from surogate_jax.precision.recipe import QuantRecipe
 
@@ -211,12 +213,14 @@ def main():
     ap.add_argument("--optimizer", choices=("adamw", "adamw_8bit"), default="adamw")
     ap.add_argument("--baseline-tps", type=float, help="1-GPU tokens/s: report the scaling efficiency")
     ap.add_argument("--recipe", choices=("bf16", "fp8-hybrid", "nvfp4"), default="bf16", help="precision recipe")
+    ap.add_argument("--kernels", help="comma list of DecoderConfig.kernels ('none' for all-XLA; default: the model's)")
     ap.add_argument("--out")
     a = ap.parse_args()
+    kernels = None if a.kernels is None else tuple(k for k in a.kernels.split(",") if k and k != "none")
     offload = tuple(o for o in OFFLOADS if getattr(a, f"offload_{o}"))
     res = run(a.size, a.steps, a.recompute, a.batch, a.accum, a.seq, gpus=a.gpus, zero_level=a.zero_level,
               offload=offload, full_ft=a.full_ft, optimizer=a.optimizer, baseline_tps=a.baseline_tps,
-              recipe=a.recipe)
+              recipe=a.recipe, kernels=kernels)
     plain = res["gpus"] == 1 and not (offload or a.full_ft or a.optimizer != "adamw" or a.baseline_tps)
     print(json.dumps(res))
     print(table_line(res, plain))

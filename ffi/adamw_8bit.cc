@@ -109,7 +109,7 @@ ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kAdamw8bitUpdateHandler, Adamw8bitUpdate,
+SUROGATE_DEFINE_HANDLER(kAdamw8bitUpdateHandler, Adamw8bitUpdate,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Arg<ffi::AnyBuffer>()   // g
@@ -127,6 +127,6 @@ XLA_FFI_DEFINE_HANDLER(kAdamw8bitUpdateHandler, Adamw8bitUpdate,
                            .Ret<ffi::AnyBuffer>()   // am'
                            .Ret<ffi::AnyBuffer>());  // av'
 
-Targets Adamw8bitTargets() { return {{kOp.data(), kAdamw8bitUpdateHandler}}; }
+Targets Adamw8bitTargets() { return {SUROGATE_TARGET(kOp.data(), kAdamw8bitUpdateHandler)}; }
 
 }  // namespace surogate::ffi_bind

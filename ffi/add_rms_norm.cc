@@ -4,9 +4,10 @@
 //
 //   surogate_add_rms_norm_fwd(x [..., D], res [..., D], w [G.., D]; eps: f32, fwd_algo: i32)
 //       -> y [..., D], res_out [..., D], rstd [...] (f32)
-//   surogate_add_rms_norm_bwd(dy [..., D], dres_out [..., D], res_out [..., D], w [G.., D], rstd [...])
+//   surogate_add_rms_norm_bwd(dy [..., D], dres_out [..., D], res_out [..., D], w [G.., D], rstd [...];
+//                             bwd_algo: i32)
 //       -> dx [..., D], dw [G.., D], ws [.., P, D] (f32, dw partial sums, discarded)
-// fwd_algo picks a forward kernel variant (0 = default; kernels/add_rms_norm.h). dx is the
+// fwd_algo / bwd_algo pick a forward / backward kernel variant (kernels/add_rms_norm.h). dx is the
 // gradient of both x and res. ws is an output rather than XLA FFI scratch for the same
 // reason as in ffi/rms_norm.cc; its P rows cap the backward's persistent grid. A leading batch
 // shape G on w (vmap with broadcast_all) splits the rows into G equal consecutive groups, each
@@ -111,10 +112,14 @@ ffi::Error AddRmsNormFwd(cudaStream_t stream, float eps, int32_t fwd_algo, ffi::
   });
 }
 
-ffi::Error AddRmsNormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer dres_out,
+ffi::Error AddRmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer dy, ffi::AnyBuffer dres_out,
                          ffi::AnyBuffer res_out, ffi::AnyBuffer w, ffi::AnyBuffer rstd,
                          ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw,
                          ffi::Result<ffi::AnyBuffer> ws) {
+  if (bwd_algo < 0 || bwd_algo >= kAddRmsNormBwdAlgos) {
+    return InvalidArg(kBwd, "bwd_algo " + std::to_string(bwd_algo) + " is not in [0, " +
+                                std::to_string(kAddRmsNormBwdAlgos) + ")");
+  }
   int64_t rows = 0, dim = 0, groups = 1;
   if (auto e = RowsAndDim(kBwd, "res_out", res_out, &rows, &dim); e.failure()) return e;
   if (dim == 0) return InvalidArg(kBwd, "the normalized (last) dimension of res_out is empty");
@@ -152,7 +157,7 @@ ffi::Error AddRmsNormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
       const int64_t o = g * per * dim;
       const cudaError_t err =
           add_rms_norm_bwd<T>(dyp + o, drp + o, sp + o, wp + g * dim, rp + g * per, dxp + o,
-                              dwp + g * dim, per, dim, wsp, ws_bytes, stream);
+                              dwp + g * dim, per, dim, wsp, ws_bytes, stream, bwd_algo);
       if (err != cudaSuccess) return CudaError(kBwd, err);
     }
     return ffi::Error::Success();
@@ -161,7 +166,7 @@ ffi::Error AddRmsNormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kAddRmsNormFwdHandler, AddRmsNormFwd,
+SUROGATE_DEFINE_HANDLER(kAddRmsNormFwdHandler, AddRmsNormFwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<float>("eps")
@@ -171,12 +176,12 @@ XLA_FFI_DEFINE_HANDLER(kAddRmsNormFwdHandler, AddRmsNormFwd,
                            .Arg<ffi::AnyBuffer>()   // w
                            .Ret<ffi::AnyBuffer>()   // y
                            .Ret<ffi::AnyBuffer>()   // res_out
-                           .Ret<ffi::AnyBuffer>(),  // rstd
-                       SUROGATE_GRAPH_SAFE);
+                           .Ret<ffi::AnyBuffer>());  // rstd
 
-XLA_FFI_DEFINE_HANDLER(kAddRmsNormBwdHandler, AddRmsNormBwd,
+SUROGATE_DEFINE_HANDLER(kAddRmsNormBwdHandler, AddRmsNormBwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Attr<int32_t>("bwd_algo")
                            .Arg<ffi::AnyBuffer>()   // dy
                            .Arg<ffi::AnyBuffer>()   // dres_out
                            .Arg<ffi::AnyBuffer>()   // res_out
@@ -184,11 +189,10 @@ XLA_FFI_DEFINE_HANDLER(kAddRmsNormBwdHandler, AddRmsNormBwd,
                            .Arg<ffi::AnyBuffer>()   // rstd
                            .Ret<ffi::AnyBuffer>()   // dx (= dres)
                            .Ret<ffi::AnyBuffer>()   // dw
-                           .Ret<ffi::AnyBuffer>(),  // ws (dw partial sums, discarded)
-                       SUROGATE_GRAPH_SAFE);
+                           .Ret<ffi::AnyBuffer>());  // ws (dw partial sums, discarded)
 
 Targets AddRmsNormTargets() {
-  return {{kFwd.data(), kAddRmsNormFwdHandler}, {kBwd.data(), kAddRmsNormBwdHandler}};
+  return {SUROGATE_TARGET(kFwd.data(), kAddRmsNormFwdHandler), SUROGATE_TARGET(kBwd.data(), kAddRmsNormBwdHandler)};
 }
 
 }  // namespace surogate::ffi_bind

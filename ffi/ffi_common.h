@@ -24,8 +24,24 @@ namespace ffi = xla::ffi;
 // the graph of the layer scan's body there (measured in benchmarks/kernels_in_model.py).
 #define SUROGATE_GRAPH_SAFE {::xla::ffi::Traits::kCmdBufferCompatible}
 
-// (target name, handler) pairs an ffi/<op>.cc exports; module.cc registers them all.
-using Targets = std::vector<std::pair<const char*, XLA_FFI_Handler*>>;
+// Every handler in ffi/ is defined twice from one binding: `fn` with SUROGATE_GRAPH_SAFE and
+// `fn##NoGraph` without. Which set is registered is chosen at import (SUROGATE_JAX_FFI_GRAPHS=0
+// picks the second, see surogate_jax/ops/_loader.py): an A/B switch for measurements and a way
+// out should a CUDA / XLA version mis-record one of our calls into a graph.
+#define SUROGATE_DEFINE_HANDLER(fn, impl, binding)                                  \
+  XLA_FFI_DEFINE_HANDLER_EXPLICIT_WITH_TRAITS(fn, impl, binding, SUROGATE_GRAPH_SAFE); \
+  XLA_FFI_DEFINE_HANDLER_EXPLICIT(fn##NoGraph, impl, binding)
+
+// One FFI target an ffi/<op>.cc exports: its name and both handler flavours.
+struct Target {
+  const char* name;
+  XLA_FFI_Handler* graph_safe;
+  XLA_FFI_Handler* no_graph;
+};
+#define SUROGATE_TARGET(name, fn) ::surogate::ffi_bind::Target{name, fn, fn##NoGraph}
+
+// The targets an ffi/<op>.cc exports; module.cc registers them all.
+using Targets = std::vector<Target>;
 
 inline std::string DtypeName(ffi::DataType t) {
   switch (t) {

@@ -219,7 +219,7 @@ ffi::Error Fp8Gemm(cudaStream_t stream, int32_t fast_accum, ffi::AnyBuffer a, ff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kFp8GemmHandler, Fp8Gemm,
+SUROGATE_DEFINE_HANDLER(kFp8GemmHandler, Fp8Gemm,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<int32_t>("fast_accum")
@@ -230,6 +230,6 @@ XLA_FFI_DEFINE_HANDLER(kFp8GemmHandler, Fp8Gemm,
                            .Ret<ffi::AnyBuffer>()   // d
                            .Ret<ffi::AnyBuffer>());  // ws (cuBLASLt workspace, discarded)
 
-Targets Fp8GemmTargets() { return {{kGemm.data(), kFp8GemmHandler}}; }
+Targets Fp8GemmTargets() { return {SUROGATE_TARGET(kGemm.data(), kFp8GemmHandler)}; }
 
 }  // namespace surogate::ffi_bind

@@ -110,7 +110,7 @@ ffi::Error TransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi:
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kFp8QuantizeHandler, QuantizeImpl,
+SUROGATE_DEFINE_HANDLER(kFp8QuantizeHandler, QuantizeImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Arg<ffi::AnyBuffer>()   // x
@@ -118,7 +118,7 @@ XLA_FFI_DEFINE_HANDLER(kFp8QuantizeHandler, QuantizeImpl,
                            .Ret<ffi::AnyBuffer>()   // q
                            .Ret<ffi::AnyBuffer>());  // amax
 
-XLA_FFI_DEFINE_HANDLER(kFp8QuantizeTHandler, QuantizeTImpl,
+SUROGATE_DEFINE_HANDLER(kFp8QuantizeTHandler, QuantizeTImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Arg<ffi::AnyBuffer>()   // x
@@ -127,16 +127,16 @@ XLA_FFI_DEFINE_HANDLER(kFp8QuantizeTHandler, QuantizeTImpl,
                            .Ret<ffi::AnyBuffer>()   // qt
                            .Ret<ffi::AnyBuffer>());  // amax
 
-XLA_FFI_DEFINE_HANDLER(kFp8TransposeHandler, TransposeImpl,
+SUROGATE_DEFINE_HANDLER(kFp8TransposeHandler, TransposeImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Arg<ffi::AnyBuffer>()   // x
                            .Ret<ffi::AnyBuffer>());  // qt
 
 Targets Fp8QuantizeTargets() {
-  return {{kQuant.data(), kFp8QuantizeHandler},
-          {kQuantT.data(), kFp8QuantizeTHandler},
-          {kTranspose.data(), kFp8TransposeHandler}};
+  return {SUROGATE_TARGET(kQuant.data(), kFp8QuantizeHandler),
+          SUROGATE_TARGET(kQuantT.data(), kFp8QuantizeTHandler),
+          SUROGATE_TARGET(kTranspose.data(), kFp8TransposeHandler)};
 }
 
 }  // namespace surogate::ffi_bind

@@ -112,7 +112,7 @@ ffi::Error LmHeadCeGrad(cudaStream_t stream, float z_loss, int32_t algo, ffi::An
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kLmHeadCeLossHandler, LmHeadCeLoss,
+SUROGATE_DEFINE_HANDLER(kLmHeadCeLossHandler, LmHeadCeLoss,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<float>("z_loss")
@@ -120,10 +120,9 @@ XLA_FFI_DEFINE_HANDLER(kLmHeadCeLossHandler, LmHeadCeLoss,
                            .Arg<ffi::AnyBuffer>()   // targets
                            .Arg<ffi::AnyBuffer>()   // weights
                            .Ret<ffi::AnyBuffer>()   // loss
-                           .Ret<ffi::AnyBuffer>(),  // lse
-                       SUROGATE_GRAPH_SAFE);
+                           .Ret<ffi::AnyBuffer>());  // lse
 
-XLA_FFI_DEFINE_HANDLER(kLmHeadCeGradHandler, LmHeadCeGrad,
+SUROGATE_DEFINE_HANDLER(kLmHeadCeGradHandler, LmHeadCeGrad,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<float>("z_loss")
@@ -133,11 +132,10 @@ XLA_FFI_DEFINE_HANDLER(kLmHeadCeGradHandler, LmHeadCeGrad,
                            .Arg<ffi::AnyBuffer>()   // weights
                            .Ret<ffi::AnyBuffer>()   // loss
                            .Ret<ffi::AnyBuffer>()   // lse
-                           .Ret<ffi::AnyBuffer>(),  // dlogits
-                       SUROGATE_GRAPH_SAFE);
+                           .Ret<ffi::AnyBuffer>());  // dlogits
 
 Targets LmHeadCeTargets() {
-  return {{kLoss.data(), kLmHeadCeLossHandler}, {kGrad.data(), kLmHeadCeGradHandler}};
+  return {SUROGATE_TARGET(kLoss.data(), kLmHeadCeLossHandler), SUROGATE_TARGET(kGrad.data(), kLmHeadCeGradHandler)};
 }
 
 }  // namespace surogate::ffi_bind

@@ -41,14 +41,16 @@ NB_MODULE(_ffi, m) {
   m.doc() = "surogate_jax CUDA kernels as XLA FFI handlers (see registrations()).";
   m.def(
       "registrations",
-      []() {
+      [](bool graph_safe) {
         nb::dict out;
         for (auto targets : kOps) {
-          for (const auto& [name, handler] : targets()) {
-            out[name] = nb::capsule(reinterpret_cast<void*>(handler));
+          for (const auto& t : targets()) {
+            out[t.name] = nb::capsule(reinterpret_cast<void*>(graph_safe ? t.graph_safe : t.no_graph));
           }
         }
         return out;
       },
-      "Dict of FFI target name -> PyCapsule of its XLA_FFI_Handler, for platform CUDA.");
+      nb::arg("graph_safe") = true,
+      "Dict of FFI target name -> PyCapsule of its XLA_FFI_Handler, for platform CUDA. graph_safe: "
+      "the handlers declare command-buffer compatibility (XLA may record them into CUDA graphs).");
 }

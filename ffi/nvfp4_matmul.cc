@@ -352,7 +352,7 @@ ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_sca
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kNvfp4SwizzleHandler, SwizzleScales,
+SUROGATE_DEFINE_HANDLER(kNvfp4SwizzleHandler, SwizzleScales,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<int64_t>("rows")
@@ -360,13 +360,13 @@ XLA_FFI_DEFINE_HANDLER(kNvfp4SwizzleHandler, SwizzleScales,
                            .Arg<ffi::AnyBuffer>()   // scales
                            .Ret<ffi::AnyBuffer>());  // swizzled
 
-XLA_FFI_DEFINE_HANDLER(kNvfp4TransposeHandler, TransposeCodes,
+SUROGATE_DEFINE_HANDLER(kNvfp4TransposeHandler, TransposeCodes,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Arg<ffi::AnyBuffer>()   // codes
                            .Ret<ffi::AnyBuffer>());  // transposed codes
 
-XLA_FFI_DEFINE_HANDLER(kNvfp4GemmHandler, Nvfp4Gemm,
+SUROGATE_DEFINE_HANDLER(kNvfp4GemmHandler, Nvfp4Gemm,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Arg<ffi::AnyBuffer>()   // a codes
@@ -379,9 +379,9 @@ XLA_FFI_DEFINE_HANDLER(kNvfp4GemmHandler, Nvfp4Gemm,
                            .Ret<ffi::AnyBuffer>());  // ws (alpha/beta + cuBLASLt workspace, discarded)
 
 Targets Nvfp4MatmulTargets() {
-  return {{kSwizzle.data(), kNvfp4SwizzleHandler},
-          {kTranspose.data(), kNvfp4TransposeHandler},
-          {kGemm.data(), kNvfp4GemmHandler}};
+  return {SUROGATE_TARGET(kSwizzle.data(), kNvfp4SwizzleHandler),
+          SUROGATE_TARGET(kTranspose.data(), kNvfp4TransposeHandler),
+          SUROGATE_TARGET(kGemm.data(), kNvfp4GemmHandler)};
 }
 
 }  // namespace surogate::ffi_bind

@@ -124,14 +124,14 @@ ffi::Error Nvfp4Quantize(cudaStream_t stream, int32_t tile_2d, int32_t four_over
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kNvfp4AmaxHandler, Nvfp4Amax,
+SUROGATE_DEFINE_HANDLER(kNvfp4AmaxHandler, Nvfp4Amax,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<int32_t>("rht_sign_mask")
                            .Arg<ffi::AnyBuffer>()   // x
                            .Ret<ffi::AnyBuffer>());  // amax
 
-XLA_FFI_DEFINE_HANDLER(kNvfp4QuantizeHandler, Nvfp4Quantize,
+SUROGATE_DEFINE_HANDLER(kNvfp4QuantizeHandler, Nvfp4Quantize,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<int32_t>("tile_2d")
@@ -146,7 +146,7 @@ XLA_FFI_DEFINE_HANDLER(kNvfp4QuantizeHandler, Nvfp4Quantize,
                            .Ret<ffi::AnyBuffer>());  // global_scale
 
 Targets Nvfp4QuantizeTargets() {
-  return {{kAmax.data(), kNvfp4AmaxHandler}, {kQuant.data(), kNvfp4QuantizeHandler}};
+  return {SUROGATE_TARGET(kAmax.data(), kNvfp4AmaxHandler), SUROGATE_TARGET(kQuant.data(), kNvfp4QuantizeHandler)};
 }
 
 }  // namespace surogate::ffi_bind

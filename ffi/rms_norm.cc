@@ -3,8 +3,8 @@
 //
 //   surogate_rms_norm_fwd(x [..., D], w [G.., D]; eps: f32, fwd_algo: i32) -> y [..., D], rstd [...] (f32)
 //   (fwd_algo picks a forward kernel variant, 0 = default: see kernels/rms_norm.h)
-//   surogate_rms_norm_bwd(dy [..., D], x [..., D], w [G.., D], rstd [...]) -> dx [..., D], dw [G.., D],
-//                                                                          ws [.., P, D] (f32)
+//   surogate_rms_norm_bwd(dy [..., D], x [..., D], w [G.., D], rstd [...]; bwd_algo: i32)
+//       -> dx [..., D], dw [G.., D], ws [.., P, D] (f32)   (bwd_algo: the backward's variant)
 // ws holds the backward's per-block dw partial sums; it is an output (the caller discards it)
 // rather than XLA FFI scratch, because jax 0.11's GPU runtime refused ScratchAllocator requests.
 // Its P (rows of D floats) caps the backward's persistent grid.
@@ -82,9 +82,13 @@ ffi::Error RmsNormFwd(cudaStream_t stream, float eps, int32_t fwd_algo, ffi::Any
   });
 }
 
-ffi::Error RmsNormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer w,
+ffi::Error RmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
                       ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> ws) {
+  if (bwd_algo < 0 || bwd_algo >= kRmsNormBwdAlgos) {
+    return InvalidArg(kBwd, "bwd_algo " + std::to_string(bwd_algo) + " is not in [0, " +
+                                std::to_string(kRmsNormBwdAlgos) + ")");
+  }
   int64_t rows = 0, dim = 0, groups = 1;
   if (auto e = RowsAndDim(kBwd, "x", x, &rows, &dim); e.failure()) return e;
   if (auto e = WeightGroups(kBwd, x, w, rows, dim, &groups); e.failure()) return e;
@@ -121,7 +125,7 @@ ffi::Error RmsNormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, 
     for (int64_t g = 0; g < groups; ++g) {  // groups run in stream order, so they share `ws`
       const int64_t o = g * per * dim;
       const cudaError_t err = rms_norm_bwd<T>(dyp + o, xp + o, wp + g * dim, rp + g * per, dxp + o,
-                                              dwp + g * dim, per, dim, wsp, ws_bytes, stream);
+                                              dwp + g * dim, per, dim, wsp, ws_bytes, stream, bwd_algo);
       if (err != cudaSuccess) return CudaError(kBwd, err);
     }
     return ffi::Error::Success();
@@ -130,7 +134,7 @@ ffi::Error RmsNormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kRmsNormFwdHandler, RmsNormFwd,
+SUROGATE_DEFINE_HANDLER(kRmsNormFwdHandler, RmsNormFwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<float>("eps")
@@ -138,23 +142,22 @@ XLA_FFI_DEFINE_HANDLER(kRmsNormFwdHandler, RmsNormFwd,
                            .Arg<ffi::AnyBuffer>()   // x
                            .Arg<ffi::AnyBuffer>()   // w
                            .Ret<ffi::AnyBuffer>()   // y
-                           .Ret<ffi::AnyBuffer>(),  // rstd
-                       SUROGATE_GRAPH_SAFE);
+                           .Ret<ffi::AnyBuffer>());  // rstd
 
-XLA_FFI_DEFINE_HANDLER(kRmsNormBwdHandler, RmsNormBwd,
+SUROGATE_DEFINE_HANDLER(kRmsNormBwdHandler, RmsNormBwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Attr<int32_t>("bwd_algo")
                            .Arg<ffi::AnyBuffer>()   // dy
                            .Arg<ffi::AnyBuffer>()   // x
                            .Arg<ffi::AnyBuffer>()   // w
                            .Arg<ffi::AnyBuffer>()   // rstd
                            .Ret<ffi::AnyBuffer>()   // dx
                            .Ret<ffi::AnyBuffer>()   // dw
-                           .Ret<ffi::AnyBuffer>(),  // ws (dw partial sums, discarded)
-                       SUROGATE_GRAPH_SAFE);
+                           .Ret<ffi::AnyBuffer>());  // ws (dw partial sums, discarded)
 
 Targets RmsNormTargets() {
-  return {{kFwd.data(), kRmsNormFwdHandler}, {kBwd.data(), kRmsNormBwdHandler}};
+  return {SUROGATE_TARGET(kFwd.data(), kRmsNormFwdHandler), SUROGATE_TARGET(kBwd.data(), kRmsNormBwdHandler)};
 }
 
 }  // namespace surogate::ffi_bind

@@ -228,7 +228,7 @@ ffi::Error RopeBwd(cudaStream_t stream, float eps, ffi::AnyBuffer dy, ffi::AnyBu
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kRopeFwdHandler, RopeFwd,
+SUROGATE_DEFINE_HANDLER(kRopeFwdHandler, RopeFwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<float>("eps")
@@ -239,10 +239,9 @@ XLA_FFI_DEFINE_HANDLER(kRopeFwdHandler, RopeFwd,
                            .Arg<ffi::AnyBuffer>()   // positions | cos
                            .Arg<ffi::AnyBuffer>()   // inv_freq | sin
                            .Arg<ffi::AnyBuffer>()   // w (ignored unless norm)
-                           .Ret<ffi::AnyBuffer>(),  // y
-                       SUROGATE_GRAPH_SAFE);
+                           .Ret<ffi::AnyBuffer>());  // y
 
-XLA_FFI_DEFINE_HANDLER(kRopeBwdHandler, RopeBwd,
+SUROGATE_DEFINE_HANDLER(kRopeBwdHandler, RopeBwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<float>("eps")
@@ -253,11 +252,10 @@ XLA_FFI_DEFINE_HANDLER(kRopeBwdHandler, RopeBwd,
                            .Arg<ffi::AnyBuffer>()   // w
                            .Ret<ffi::AnyBuffer>()   // dx
                            .Ret<ffi::AnyBuffer>()   // dw
-                           .Ret<ffi::AnyBuffer>(),  // ws (dw partial sums, discarded)
-                       SUROGATE_GRAPH_SAFE);
+                           .Ret<ffi::AnyBuffer>());  // ws (dw partial sums, discarded)
 
 Targets RopeTargets() {
-  return {{kFwd.data(), kRopeFwdHandler}, {kBwd.data(), kRopeBwdHandler}};
+  return {SUROGATE_TARGET(kFwd.data(), kRopeFwdHandler), SUROGATE_TARGET(kBwd.data(), kRopeBwdHandler)};
 }
 
 }  // namespace surogate::ffi_bind

@@ -153,16 +153,15 @@ ffi::Error SwigluPackedBwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer dh,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kSwigluFwdHandler, SwigluFwd,
+SUROGATE_DEFINE_HANDLER(kSwigluFwdHandler, SwigluFwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<int32_t>("algo")  // launch variant (kernels/swiglu.h)
                            .Arg<ffi::AnyBuffer>()   // gate
                            .Arg<ffi::AnyBuffer>()   // up
-                           .Ret<ffi::AnyBuffer>(),  // h
-                       SUROGATE_GRAPH_SAFE);
+                           .Ret<ffi::AnyBuffer>());  // h
 
-XLA_FFI_DEFINE_HANDLER(kSwigluBwdHandler, SwigluBwd,
+SUROGATE_DEFINE_HANDLER(kSwigluBwdHandler, SwigluBwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<int32_t>("algo")  // launch variant (kernels/swiglu.h)
@@ -170,31 +169,28 @@ XLA_FFI_DEFINE_HANDLER(kSwigluBwdHandler, SwigluBwd,
                            .Arg<ffi::AnyBuffer>()   // gate
                            .Arg<ffi::AnyBuffer>()   // up
                            .Ret<ffi::AnyBuffer>()   // dgate
-                           .Ret<ffi::AnyBuffer>(),  // dup
-                       SUROGATE_GRAPH_SAFE);
+                           .Ret<ffi::AnyBuffer>());  // dup
 
-XLA_FFI_DEFINE_HANDLER(kSwigluPackedFwdHandler, SwigluPackedFwd,
+SUROGATE_DEFINE_HANDLER(kSwigluPackedFwdHandler, SwigluPackedFwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<int32_t>("algo")  // launch variant (kernels/swiglu.h)
                            .Arg<ffi::AnyBuffer>()   // gate_up
-                           .Ret<ffi::AnyBuffer>(),  // h
-                       SUROGATE_GRAPH_SAFE);
+                           .Ret<ffi::AnyBuffer>());  // h
 
-XLA_FFI_DEFINE_HANDLER(kSwigluPackedBwdHandler, SwigluPackedBwd,
+SUROGATE_DEFINE_HANDLER(kSwigluPackedBwdHandler, SwigluPackedBwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<int32_t>("algo")  // launch variant (kernels/swiglu.h)
                            .Arg<ffi::AnyBuffer>()   // dh
                            .Arg<ffi::AnyBuffer>()   // gate_up
-                           .Ret<ffi::AnyBuffer>(),  // dgate_up
-                       SUROGATE_GRAPH_SAFE);
+                           .Ret<ffi::AnyBuffer>());  // dgate_up
 
 Targets SwigluTargets() {
-  return {{kFwd.data(), kSwigluFwdHandler},
-          {kBwd.data(), kSwigluBwdHandler},
-          {kPackedFwd.data(), kSwigluPackedFwdHandler},
-          {kPackedBwd.data(), kSwigluPackedBwdHandler}};
+  return {SUROGATE_TARGET(kFwd.data(), kSwigluFwdHandler),
+          SUROGATE_TARGET(kBwd.data(), kSwigluBwdHandler),
+          SUROGATE_TARGET(kPackedFwd.data(), kSwigluPackedFwdHandler),
+          SUROGATE_TARGET(kPackedBwd.data(), kSwigluPackedBwdHandler)};
 }
 
 }  // namespace surogate::ffi_bind

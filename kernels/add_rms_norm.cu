@@ -13,7 +13,8 @@
 
 namespace surogate {
 
-static_assert(kAddRmsNormFwdAlgos == normk::kFwdAlgos, "add_rms_norm.h and the kernels disagree");
+static_assert(kAddRmsNormFwdAlgos == normk::kFwdAlgos && kAddRmsNormBwdAlgos == normk::kBwdAlgos,
+              "add_rms_norm.h and the kernels disagree");
 
 template <typename T>
 cudaError_t add_rms_norm_fwd(const T* x, const T* res, const T* w, T* y, T* res_out, float* rstd,
@@ -25,17 +26,18 @@ cudaError_t add_rms_norm_fwd(const T* x, const T* res, const T* w, T* y, T* res_
 template <typename T>
 cudaError_t add_rms_norm_bwd(const T* dy, const T* dres_out, const T* res_out, const T* w,
                              const float* rstd, T* dx, T* dw, int64_t rows, int64_t dim,
-                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                             void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                             int algo) {
   if (dres_out == nullptr) return cudaErrorInvalidValue;
   return normk::norm_bwd<T, true>(dy, res_out, w, rstd, dres_out, dx, dw, rows, dim, workspace,
-                            workspace_bytes, stream);
+                            workspace_bytes, stream, algo);
 }
 
 #define SUROGATE_ADD_RMS_NORM_INSTANTIATE(T)                                                     \
   template cudaError_t add_rms_norm_fwd<T>(const T*, const T*, const T*, T*, T*, float*, int64_t, \
                                            int64_t, float, cudaStream_t, int);                    \
   template cudaError_t add_rms_norm_bwd<T>(const T*, const T*, const T*, const T*, const float*,  \
-                                           T*, T*, int64_t, int64_t, void*, size_t, cudaStream_t);
+                                           T*, T*, int64_t, int64_t, void*, size_t, cudaStream_t, int);
 
 SUROGATE_ADD_RMS_NORM_INSTANTIATE(float)
 SUROGATE_ADD_RMS_NORM_INSTANTIATE(__nv_bfloat16)

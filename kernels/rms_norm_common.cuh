@@ -31,11 +31,16 @@
 //    partials in shared memory in a fixed order, each block writes one fp32 row of the
 //    workspace [blocks, dim], and a tiny second kernel sums the workspace over blocks (~1-2% of
 //    the bytes). No atomics: results are deterministic.
-//  * Inputs read once use streaming loads (ld.global.cs) so they do not evict w or the workspace.
+//  * Inputs read once use streaming loads (ld.global.cs) so they do not evict w or the workspace
+//    (forward variants 0-3, backward variant 0); forward variant 4 and backward variant 1 use
+//    plain loads instead (for SwiGLU plain loads were 4-9% faster, benchmarks/RESULTS.md).
+//  * Backward rows too long for 2 vectors a thread in one block (fp32 D > 4096, bf16 D > 8192)
+//    take a "wide" register kernel holding 4 vectors a thread (8 scalars), so they still read
+//    each row once and add dres in the same pass.
 //  * 16-byte vectors when dim is a multiple of 16 / sizeof(T) and the pointers are 16-byte
 //    aligned; one element per "vector" otherwise (dim = 7, 1001, ...).
 //  * Loop path (fallback for rows too long for the register path, e.g. 65536, fp32 backward
-//    beyond 4096, scalar dims beyond 2048): the previous two-pass design, the row reduced and
+//    beyond 8192, scalar dims beyond 4096): the previous two-pass design, the row reduced and
 //    then re-read (L1/L2). Residual variants there run the add (forward) or the dres add
 //    (backward) as a separate element-wise pass: correct, slower, for shapes no model here uses.
 #pragma once
@@ -59,6 +64,8 @@ constexpr int kRegVecs = 4;           // vectors per thread in the register path
 // Backward: dy, s (and dres) plus the fp32 dw partials per thread, so a thread holds two 16-byte
 // vectors (four scalars on the scalar path) to stay within its register cap without spilling.
 template <int N> constexpr int kBwdVecs = N == 1 ? 4 : 2;
+// The wide backward (rows beyond the default's kMaxRegBlock threads) holds twice as many.
+template <int N> constexpr int kBwdWideVecs = 2 * kBwdVecs<N>;
 constexpr int kSubWarpThreads = 256;  // block size when row groups are warp slices
 constexpr int kMaxRegBlock = 512;     // largest row group (block) of the register path
 // Register caps (__maxnreg__): at most 72-80 registers (forward) and 64-72 (backward) per thread,
@@ -67,6 +74,15 @@ constexpr int kMaxRegBlock = 512;     // largest row group (block) of the regist
 // which ptxas (nvcc 13, sm_90a) spills nothing for any instantiation.
 template <bool kRes> constexpr int kFwdRegCap = kRes ? 80 : 72;
 template <bool kRes> constexpr int kBwdRegCap = kRes ? 72 : 64;
+// Wide backward caps (V = kBwdWideVecs): the smallest multiples of 8 at which ptxas (nvcc 13,
+// sm_90a) spills nothing; a 16-bit vector thread keeps 4 x 8 fp32 dw partials, hence its higher cap.
+// fp32 D = 5120 with the residual: 320-thread blocks at 96 registers, two blocks resident per SM.
+template <typename T, int N, int V, bool kRes>
+constexpr int bwd_reg_cap() {
+  if (V == kBwdVecs<N>) return kBwdRegCap<kRes>;
+  if (N == 8) return kRes ? 128 : 112;
+  return kRes ? 96 : 88;
+}
 constexpr int kFinalRows = 32;        // threadIdx.y extent of the dw finalize kernel
 
 #define SUROGATE_NORM_TRY(expr)             \
@@ -144,11 +160,12 @@ __device__ __forceinline__ float group_sum(float v, int width, float* red) {
 //   3 "prefetch"  : R = 4 persistent, software pipelined: the group's next row is loaded into a
 //                   second register buffer before the current row's reduction, so loads stay in
 //                   flight through the barrier/rstd/y-store phase that leaves DRAM idle in 0.
+//   4 "plain"     : 1 with plain loads instead of streaming ones (ld.global vs ld.global.cs).
 // Why 0 loses to XLA at D >= 4096 and D = 128 (measured 0.88-0.97x): each persistent block
 // alternates load -> reduce (2 barriers in block mode) -> store, with nothing in flight during
 // the second half; at the 768 resident threads its 72-80 register cap allows, that duty cycle
 // leaves ~25-50 KB in flight per SM on average, at or below what ~3 TB/s needs.
-constexpr int kFwdAlgos = 4;
+constexpr int kFwdAlgos = 5;
 template <typename T, bool kRes, int R, bool kWReg, bool kPrefetch>
 constexpr int fwd_reg_cap() {
   // The row buffers dominate: R packed vectors (4 registers each) of x, and of res with kRes,
@@ -163,7 +180,16 @@ constexpr int fwd_reg_cap() {
   return kFwdRegCap<kRes>;
 }
 
-template <typename T, int N, int R, bool kRes>
+template <typename T, int N, bool kStream>
+__device__ __forceinline__ Raw<T, N> load_in(const T* p) {
+  if constexpr (kStream) {
+    return vec::load_raw_stream<T, N>(p);
+  } else {
+    return vec::load_raw<T, N>(p);
+  }
+}
+
+template <typename T, int N, int R, bool kRes, bool kStream>
 __device__ __forceinline__ void fwd_load_row(const T* __restrict__ x, const T* __restrict__ res,
                                              int64_t row, int64_t rows, int dim, int nvec,
                                              const RowLoop& L, Raw<T, N> (&xr)[R],
@@ -174,13 +200,14 @@ __device__ __forceinline__ void fwd_load_row(const T* __restrict__ x, const T* _
   for (int j = 0; j < R; ++j) {
     const int i = L.lane + j * L.width;
     if (i < nvec) {
-      xr[j] = vec::load_raw_stream<T, N>(x + off + static_cast<int64_t>(i) * N);
-      if constexpr (kRes) rr[j] = vec::load_raw_stream<T, N>(res + off + static_cast<int64_t>(i) * N);
+      xr[j] = load_in<T, N, kStream>(x + off + static_cast<int64_t>(i) * N);
+      if constexpr (kRes) rr[j] = load_in<T, N, kStream>(res + off + static_cast<int64_t>(i) * N);
     }
   }
 }
 
-template <typename T, int N, int R, bool kBlockRow, bool kRes, bool kWReg, bool kPrefetch>
+template <typename T, int N, int R, bool kBlockRow, bool kRes, bool kWReg, bool kPrefetch,
+          bool kStream>
 __global__ void __maxnreg__((fwd_reg_cap<T, kRes, R, kWReg, kPrefetch>()))
     fwd_reg_kernel(const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ w,
                    T* __restrict__ y, T* __restrict__ res_out, float* __restrict__ rstd,
@@ -199,7 +226,9 @@ __global__ void __maxnreg__((fwd_reg_cap<T, kRes, R, kWReg, kPrefetch>()))
     }
   }
   Raw<T, N> xr[R], rr[kRes ? R : 1];
-  if constexpr (kPrefetch) fwd_load_row<T, N, R, kRes>(x, res, L.first + L.sub, rows, dim, nvec, L, xr, rr);
+  if constexpr (kPrefetch) {
+    fwd_load_row<T, N, R, kRes, kStream>(x, res, L.first + L.sub, rows, dim, nvec, L, xr, rr);
+  }
   for (int64_t base = L.first; base < rows; base += L.stride) {
     const int64_t row = base + L.sub;
     const bool active = row < rows;
@@ -207,9 +236,9 @@ __global__ void __maxnreg__((fwd_reg_cap<T, kRes, R, kWReg, kPrefetch>()))
     Raw<T, N> nx[kPrefetch ? R : 1], nr[kPrefetch && kRes ? R : 1];
     if constexpr (kPrefetch) {
       // The next row's loads go out before this row's reduction and stores.
-      fwd_load_row<T, N, R, kRes>(x, res, row + L.stride, rows, dim, nvec, L, nx, nr);
+      fwd_load_row<T, N, R, kRes, kStream>(x, res, row + L.stride, rows, dim, nvec, L, nx, nr);
     } else {
-      fwd_load_row<T, N, R, kRes>(x, res, row, rows, dim, nvec, L, xr, rr);
+      fwd_load_row<T, N, R, kRes, kStream>(x, res, row, rows, dim, nvec, L, xr, rr);
     }
     float ss = 0.f;
     if (active) {
@@ -266,8 +295,8 @@ __global__ void __maxnreg__((fwd_reg_cap<T, kRes, R, kWReg, kPrefetch>()))
 
 // ws: [gridDim.x, dim] fp32; block b writes its dw partial sums to row b. Sub-warp mode needs
 // (blockDim.x / width) x dim floats of dynamic shared memory to add its groups' partials.
-template <typename T, int N, bool kBlockRow, bool kRes>
-__global__ void __maxnreg__(kBwdRegCap<kRes>)
+template <typename T, int N, int V, bool kBlockRow, bool kRes, bool kStream>
+__global__ void __maxnreg__((bwd_reg_cap<T, N, V, kRes>()))
     bwd_reg_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
                    const float* __restrict__ rstd, const T* __restrict__ dres,
                    T* __restrict__ dx, float* __restrict__ ws, int64_t rows, int dim, int width) {
@@ -277,9 +306,9 @@ __global__ void __maxnreg__(kBwdRegCap<kRes>)
   const int nvec = dim / N;
   // w is re-read per row from L1 (not held in registers like in the forward): the backward
   // already holds dy, s (and dres) and the fp32 dw partials, and more would spill.
-  float acc[kBwdVecs<N>][N];
+  float acc[V][N];
 #pragma unroll
-  for (int j = 0; j < kBwdVecs<N>; ++j) {
+  for (int j = 0; j < V; ++j) {
 #pragma unroll
     for (int k = 0; k < N; ++k) acc[j][k] = 0.f;
   }
@@ -287,22 +316,22 @@ __global__ void __maxnreg__(kBwdRegCap<kRes>)
     const int64_t row = base + L.sub;
     const bool active = row < rows;
     const int64_t off = (active ? row : 0) * dim;
-    Raw<T, N> ar[kBwdVecs<N>], br[kBwdVecs<N>], dr[kRes ? kBwdVecs<N> : 1];
+    Raw<T, N> ar[V], br[V], dr[kRes ? V : 1];
     float r = 0.f, dot = 0.f;  // dot = sum(dy * w * s)
     if (active) {
       r = rstd[row];
 #pragma unroll
-      for (int j = 0; j < kBwdVecs<N>; ++j) {
+      for (int j = 0; j < V; ++j) {
         const int i = L.lane + j * L.width;
         if (i < nvec) {
           const int64_t c = off + static_cast<int64_t>(i) * N;
-          ar[j] = vec::load_raw_stream<T, N>(dy + c);
-          br[j] = vec::load_raw_stream<T, N>(x + c);
-          if constexpr (kRes) dr[j] = vec::load_raw_stream<T, N>(dres + c);
+          ar[j] = load_in<T, N, kStream>(dy + c);
+          br[j] = load_in<T, N, kStream>(x + c);
+          if constexpr (kRes) dr[j] = load_in<T, N, kStream>(dres + c);
         }
       }
 #pragma unroll
-      for (int j = 0; j < kBwdVecs<N>; ++j) {
+      for (int j = 0; j < V; ++j) {
         const int i = L.lane + j * L.width;
         if (i < nvec) {
           float a[N], b[N], g[N];
@@ -318,7 +347,7 @@ __global__ void __maxnreg__(kBwdRegCap<kRes>)
     if (!active) continue;
     const float m = r * dot / static_cast<float>(dim);  // mean(g * shat)
 #pragma unroll
-    for (int j = 0; j < kBwdVecs<N>; ++j) {
+    for (int j = 0; j < V; ++j) {
       const int i = L.lane + j * L.width;
       if (i < nvec) {
         float a[N], b[N], g[N], o[N];
@@ -344,7 +373,7 @@ __global__ void __maxnreg__(kBwdRegCap<kRes>)
   const int groups = static_cast<int>(blockDim.x) / width;
   float* part = groups == 1 ? block_ws : smem + static_cast<int64_t>(threadIdx.x / width) * dim;
 #pragma unroll
-  for (int j = 0; j < kBwdVecs<N>; ++j) {
+  for (int j = 0; j < V; ++j) {
     const int i = L.lane + j * L.width;
     if (i < nvec) {
 #pragma unroll
@@ -623,15 +652,15 @@ template <typename T>
 using BwdLoopKernel = void (*)(const T*, const T*, const T*, const float*, T*, float*, int64_t,
                                int, int, bool);
 
-template <typename T, int R, bool kRes, bool kWReg, bool kPrefetch>
+template <typename T, int R, bool kRes, bool kWReg, bool kPrefetch, bool kStream = true>
 FwdRegKernel<T, kRes> fwd_reg_variant(const Plan& p) {
   constexpr int V = kVec<T>;
   if (p.vec == 1) {
-    return p.block_row ? fwd_reg_kernel<T, 1, R, true, kRes, kWReg, kPrefetch>
-                       : fwd_reg_kernel<T, 1, R, false, kRes, kWReg, kPrefetch>;
+    return p.block_row ? fwd_reg_kernel<T, 1, R, true, kRes, kWReg, kPrefetch, kStream>
+                       : fwd_reg_kernel<T, 1, R, false, kRes, kWReg, kPrefetch, kStream>;
   }
-  return p.block_row ? fwd_reg_kernel<T, V, R, true, kRes, kWReg, kPrefetch>
-                     : fwd_reg_kernel<T, V, R, false, kRes, kWReg, kPrefetch>;
+  return p.block_row ? fwd_reg_kernel<T, V, R, true, kRes, kWReg, kPrefetch, kStream>
+                     : fwd_reg_kernel<T, V, R, false, kRes, kWReg, kPrefetch, kStream>;
 }
 
 // Vectors per thread of forward algorithm `algo` (see kFwdAlgos).
@@ -639,21 +668,38 @@ inline int fwd_vecs(int algo) { return algo == 2 ? 8 : kRegVecs; }
 // Whether `algo` runs a persistent (grid-stride) grid; else one row per group.
 inline bool fwd_persistent(int algo) { return algo == 0 || algo == 3; }
 
+// Backward variants (bwd_algo): 0 streaming loads, 1 plain loads; same math and layout.
+constexpr int kBwdAlgos = 2;
+
 template <typename T, bool kRes>
 FwdRegKernel<T, kRes> fwd_reg(const Plan& p, int algo) {
   switch (algo) {
     case 1: return fwd_reg_variant<T, 4, kRes, false, false>(p);
     case 2: return fwd_reg_variant<T, 8, kRes, false, false>(p);
     case 3: return fwd_reg_variant<T, 4, kRes, false, true>(p);
+    case 4: return fwd_reg_variant<T, 4, kRes, false, false, false>(p);
     default: return fwd_reg_variant<T, kRegVecs, kRes, !kRes, false>(p);
   }
 }
 
-template <typename T, bool kRes>
-BwdRegKernel<T, kRes> bwd_reg(const Plan& p) {
+template <typename T, bool kRes, bool kStream>
+BwdRegKernel<T, kRes> bwd_reg_variant(const Plan& p, bool wide) {
   constexpr int V = kVec<T>;
-  if (p.vec == 1) return p.block_row ? bwd_reg_kernel<T, 1, true, kRes> : bwd_reg_kernel<T, 1, false, kRes>;
-  return p.block_row ? bwd_reg_kernel<T, V, true, kRes> : bwd_reg_kernel<T, V, false, kRes>;
+  if (wide) {  // only rows of more than 32 threads (block mode) are long enough to need it
+    return p.vec == 1 ? bwd_reg_kernel<T, 1, kBwdWideVecs<1>, true, kRes, kStream>
+                      : bwd_reg_kernel<T, V, kBwdWideVecs<V>, true, kRes, kStream>;
+  }
+  if (p.vec == 1) {
+    return p.block_row ? bwd_reg_kernel<T, 1, kBwdVecs<1>, true, kRes, kStream>
+                       : bwd_reg_kernel<T, 1, kBwdVecs<1>, false, kRes, kStream>;
+  }
+  return p.block_row ? bwd_reg_kernel<T, V, kBwdVecs<V>, true, kRes, kStream>
+                     : bwd_reg_kernel<T, V, kBwdVecs<V>, false, kRes, kStream>;
+}
+
+template <typename T, bool kRes>
+BwdRegKernel<T, kRes> bwd_reg(const Plan& p, bool wide, int algo) {
+  return algo == 1 ? bwd_reg_variant<T, kRes, false>(p, wide) : bwd_reg_variant<T, kRes, true>(p, wide);
 }
 
 template <typename T>
@@ -713,14 +759,15 @@ cudaError_t norm_fwd(const T* x, const T* res, const T* w, T* y, T* res_out, flo
 }
 
 // Backward: x is the normalized input (s); kRes = false -> plain RMSNorm backward (dres
-// unused), else dx = norm backward + dres. `workspace`: fp32 scratch of workspace_bytes (16-byte
+// unused), else dx = norm backward + dres. `algo` in [0, kBwdAlgos) picks the load hint. `workspace`: fp32 scratch of workspace_bytes (16-byte
 // aligned), at least one row of dim floats; the grid uses at most workspace_bytes / (4 * dim)
 // blocks.
 template <typename T, bool kRes>
 cudaError_t norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, const T* dres, T* dx,
                      T* dw, int64_t rows, int64_t dim, void* workspace, size_t workspace_bytes,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, int algo) {
   if (dim <= 0 || dim > INT_MAX || rows < 0) return cudaErrorInvalidValue;
+  if (algo < 0 || algo >= kBwdAlgos) return cudaErrorInvalidValue;
   if (kRes && dres == nullptr) return cudaErrorInvalidValue;
   if (rows == 0) return cudaMemsetAsync(dw, 0, static_cast<size_t>(dim) * sizeof(T), stream);
   const int64_t ws_rows =
@@ -733,11 +780,20 @@ cudaError_t norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, con
   const int d = static_cast<int>(dim);
   const size_t row_bytes = static_cast<size_t>(dim) * sizeof(float);
   const int vec = pick_vec<T>(dim, {dy, x, w, dres, dx});
-  Plan p = layout_plan(dim, vec, vec == 1 ? kBwdVecs<1> : kBwdVecs<kVec<T>>);
+  const int vecs = vec == 1 ? kBwdVecs<1> : kBwdVecs<kVec<T>>;
+  Plan p = layout_plan(dim, vec, vecs);
+  bool wide = false;
+  if (!p.reg) {  // too long for the default register kernel: the wide one, if it fits
+    const Plan q = layout_plan(dim, vec, 2 * vecs);
+    if (q.reg) {
+      p = q;
+      wide = true;
+    }
+  }
   if (p.reg) {
     const int groups = p.threads / p.width;
     p.smem = groups > 1 ? static_cast<size_t>(groups) * row_bytes : 0;  // <= 16 KiB
-    const auto k = bwd_reg<T, kRes>(p);
+    const auto k = bwd_reg<T, kRes>(p, wide, algo);
     SUROGATE_NORM_TRY(size_grid(k, rows, p));
     p.blocks = static_cast<int>(std::min<int64_t>(p.blocks, ws_rows));
     k<<<p.blocks, p.threads, p.smem, stream>>>(dy, x, w, rstd, dres, dx, ws, rows, d, p.width);

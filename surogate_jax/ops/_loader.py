@@ -10,6 +10,10 @@ everywhere, whatever the caller asked for (used by CPU-only tests and for debugg
 `SUROGATE_JAX_OPS=ref:rope,swiglu` forces it only for the named ops (for A/B measurements), and
 `SUROGATE_JAX_OPS=ref:rms_norm.bwd` only for one pass of an op (its kernel forward with XLA's fusion
 of the reference backward, or `.fwd` the other way round); see `pick`.
+
+`SUROGATE_JAX_FFI_GRAPHS=0` registers handlers that do not declare command-buffer compatibility, so
+XLA runs each of our calls outside its CUDA graphs (default 1: XLA records them into the graphs of
+the layer scan, see ffi/ffi_common.h). Read once, when the extension is registered.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import jax
 _log = logging.getLogger("surogate_jax")
 
 ENV_VAR = "SUROGATE_JAX_OPS"
+GRAPHS_ENV_VAR = "SUROGATE_JAX_FFI_GRAPHS"
 IMPLS = ("auto", "ffi", "ref")
 
 
@@ -40,12 +45,23 @@ def _load() -> str | None:
         )
     except ImportError as e:
         return f"importing surogate_jax._ffi failed: {e}"
+    graphs = graph_safe_handlers()  # a malformed value raises here, it does not fall back
     try:
-        for name, capsule in _ffi.registrations().items():
+        for name, capsule in _ffi.registrations(graph_safe=graphs).items():
             jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     except Exception as e:  # a jax without CUDA support may refuse CUDA targets
         return f"registering the CUDA FFI targets failed ({type(e).__name__}: {e})"
     return None
+
+
+def graph_safe_handlers() -> bool:
+    """Whether the handlers to register declare command-buffer compatibility (SUROGATE_JAX_FFI_GRAPHS)."""
+    v = os.environ.get(GRAPHS_ENV_VAR, "1").strip().lower()
+    if v in ("1", "true", "on", "yes", ""):
+        return True
+    if v in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{GRAPHS_ENV_VAR}={v!r} is not understood; use 1 (default) or 0")
 
 
 @functools.cache

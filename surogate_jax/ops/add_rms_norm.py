@@ -32,7 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from surogate_jax.ops._loader import pick, resolve_impl
 from surogate_jax.ops._sharding import on_shards
-from surogate_jax.ops.rms_norm import FWD_ALGOS, WS_BLOCKS, rms_norm_ref  # noqa: F401 (FWD_ALGOS re-exported)
+from surogate_jax.ops.rms_norm import BWD_ALGOS, FWD_ALGOS, WS_BLOCKS, rms_norm_ref  # noqa: F401 (re-exported)
 from surogate_jax.ops.rms_norm import _fwd_ref as _rms_fwd_ref
 
 OP = "add_rms_norm"  # the name SUROGATE_JAX_OPS=ref:<op> and impl resolution use
@@ -42,6 +42,8 @@ KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Forward kernel variant (FFI attribute `fwd_algo`): the same variants as rms_norm's (FWD_ALGOS,
 # kernels/rms_norm_common.cuh), chosen separately: 1, the fastest on the H100 (RESULTS.md, sixth session).
 FWD_ALGO = 1
+# Backward kernel variant (FFI attribute `bwd_algo`, BWD_ALGOS as rms_norm's): 0 streaming loads.
+BWD_ALGO = 0
 
 
 def add_rms_norm_ref(x: jax.Array, residual: jax.Array, w: jax.Array, eps: float = 1e-6):
@@ -86,12 +88,13 @@ def _fwd_ffi(x, res, w, eps, algo=None):
     return call(x, res, w, eps=np.float32(eps), fwd_algo=np.int32(FWD_ALGO if algo is None else algo))
 
 
-def _bwd_ffi(dy, ds, s, w, rstd):
+def _bwd_ffi(dy, ds, s, w, rstd, algo=None):
     rows = int(np.prod(s.shape[:-1]))
     ws = jax.ShapeDtypeStruct((max(1, min(rows, WS_BLOCKS)), s.shape[-1]), jnp.float32)
     out = (jax.ShapeDtypeStruct(s.shape, s.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype), ws)
     call = jax.ffi.ffi_call(BWD_TARGET, out, vmap_method="broadcast_all")
-    dx, dw, _ = call(dy.astype(s.dtype), ds.astype(s.dtype), s, w, rstd)
+    dx, dw, _ = call(dy.astype(s.dtype), ds.astype(s.dtype), s, w, rstd,
+                     bwd_algo=np.int32(BWD_ALGO if algo is None else algo))
     return dx, dw
 
 

@@ -130,7 +130,7 @@ ALGO_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("algo", [0, 1, 2, 3])
+@pytest.mark.parametrize("algo", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", ALGO_SHAPES, ids=str)
 def test_fwd_algos_match_reference(shape, dtype, algo, assert_close):
@@ -146,3 +146,41 @@ def test_fwd_algos_match_reference(shape, dtype, algo, assert_close):
         assert g.shape == r.shape and g.dtype == r.dtype, name
         assert bool(jnp.all(jnp.isfinite(g))), f"{name} has non-finite values (unwritten?)"
         assert_close(g, r, dt, name)
+
+
+# Backward variants (bwd_algo 0 streaming / 1 plain loads) on shapes that reach every layout: warp
+# slices, blocks, the wide register kernel (fp32 rows of 4097-8192, 16-bit rows of 8193-16384,
+# scalar rows of 2049-4096) and the loop path; dx (with dres added) and dw against the reference
+# backward given the same saved s and rstd, outputs poisoned first.
+BWD_SHAPES = [
+    (1, 7), (13, 128), (31, 1001), (4099, 1024), (257, 3001), (129, 4100), (257, 5120),
+    (33, 9000), (5, 16384), (3, 65536 + 8),
+]
+
+
+@pytest.mark.parametrize("algo", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=str)
+def test_bwd_algos_match_reference(shape, dtype, algo, assert_close):
+    from surogate_jax.ops.add_rms_norm import BWD_ALGOS, _bwd_ffi, _bwd_ref, _fwd_ffi
+
+    assert algo in BWD_ALGOS
+    x, res, w, py, ps = _inputs(shape, dtype)
+    _, s, rstd = jax.jit(lambda x, r, w: _fwd_ffi(x, r, w, EPS))(x, res, w)
+    dy, ds = py.astype(dtype), ps.astype(dtype)
+    want = _bwd_ref(dy, ds, s, w, rstd)  # eagerly, as the forward variants' reference
+    _poison_allocator()
+    got = jax.jit(lambda dy, ds, s, w, r: _bwd_ffi(dy, ds, s, w, r, algo=algo))(dy, ds, s, w, rstd)
+    for name, g, r in zip(("dx", "dw"), got, want):
+        assert g.shape == r.shape and g.dtype == r.dtype, name
+        assert bool(jnp.all(jnp.isfinite(g))), f"{name} has non-finite values (unwritten?)"
+        assert_close(g, r, dtype, name)
+
+
+def test_bad_bwd_algo_is_an_error():
+    from surogate_jax.ops.add_rms_norm import _bwd_ffi
+
+    x, res, w, py, _ = _inputs((8, 128), jnp.bfloat16)
+    rstd = jnp.ones((8,), jnp.float32)
+    with pytest.raises(Exception, match="bwd_algo"):
+        jax.block_until_ready(jax.jit(lambda: _bwd_ffi(x, res, x, w, rstd, algo=5))())
