@@ -130,7 +130,7 @@ ALGO_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("algo", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("algo", [0, 1, 2, 3, 4], ids=lambda a: f"algo{a}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", ALGO_SHAPES, ids=str)
 def test_fwd_algos_match_reference(shape, dtype, algo, assert_close):
@@ -158,7 +158,7 @@ BWD_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("algo", [0, 1])
+@pytest.mark.parametrize("algo", [0, 1], ids=lambda a: f"bwd{a}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", BWD_SHAPES, ids=str)
 def test_bwd_algos_match_reference(shape, dtype, algo, assert_close):
