@@ -179,6 +179,7 @@ def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int
                init_peak_gb_per_gpu=init_peaks, compiled_gb=mem,
                parallel=layout.describe(), remat=cfg.remat_policy, baseline_tps=baseline_tps,
                kernels=list(cfg.kernels), ops_env=os.environ.get("SUROGATE_JAX_OPS", ""),
+               ffi_graphs=os.environ.get("SUROGATE_JAX_FFI_GRAPHS", "1"),
                scaling_efficiency=(tps / len(devices) / baseline_tps) if baseline_tps else None)
     return res
 
