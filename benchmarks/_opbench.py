@@ -2,7 +2,11 @@
 
 Timing: one jitted program applies a step `steps` times in a dependent chain with an
 optimization barrier between steps (so XLA can neither fuse nor overlap steps); the time per step
-is the median over `repeats` calls after warm-up, divided by `steps`.
+is the median over `repeats` calls after warm-up, divided by `steps`. Each call also pays a fixed
+dispatch + synchronize cost (about 0.1 ms, estimated from the same shapes at 10 and 40 steps),
+spread over the steps: at 10 steps it inflated 20-60 us kernels (ours and XLA's alike; H100,
+2026-11-23: rms_norm fwd+bwd at 61-84% of 3000 GB/s with 10 steps, 75-89% with 40), so the
+norm / RoPE / SwiGLU benches chain 40.
 
 Each op is timed per pass, as in training: "fwd" (the forward alone) and "bwd" (the backward alone,
 given what the forward saved). Comparing whole fwd+bwd chains instead would let XLA fuse the

@@ -54,7 +54,7 @@ def _ref(x, a, b, w):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", help="append one JSON line per measurement to this file")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=40, help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--algos", default="0,1,2,3", help="forward variants to time (fwd_algo)")

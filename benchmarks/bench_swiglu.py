@@ -49,7 +49,7 @@ def _steps(packed: bool, algo: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", help="append one JSON line per measurement to this file")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=40, help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--algos", default=str(ALGO), help="launch variants to time (kernels/swiglu.h), e.g. 0,1,2,3")
     args = ap.parse_args()
