@@ -35,11 +35,11 @@ DTYPES = [jnp.bfloat16, jnp.float32]
 EPS = 1e-6
 
 
-def sweep_report(op: str, rows: list[dict], meta: dict) -> list[dict]:
-    """Print the forward-variant table; rows: {shape, dtype, xla_s, bytes, algos: {k: seconds}}.
-    Returns one JSON record per (shape, dtype, algo)."""
+def sweep_report(op: str, rows: list[dict], meta: dict, pass_: str = "fwd") -> list[dict]:
+    """Print the variant table of one pass ("fwd" / "bwd"); rows: {shape, dtype, xla_s, bytes,
+    algos: {k: seconds}}. Returns one JSON record per (shape, dtype, algo)."""
     algos = sorted({k for r in rows for k in r["algos"]})
-    print(f"\n# {op} forward variants (us | GB/s | % of {_opbench.PEAK_GBS:.0f} | xla/ours); * = fastest")
+    print(f"\n# {op} {'forward' if pass_ == 'fwd' else 'backward'} variants (us | GB/s | % of {_opbench.PEAK_GBS:.0f} | xla/ours); * = fastest")
     print("| shape | dtype | xla us | " + " | ".join(f"algo {k}" for k in algos) + " |")
     print("|---|---|---|" + "---|" * len(algos))
     recs = []
@@ -55,7 +55,7 @@ def sweep_report(op: str, rows: list[dict], meta: dict) -> list[dict]:
             mark = " *" if k == best else ""
             cells.append(f"{t * 1e6:.1f}/{gbs:.0f}/{100 * gbs / _opbench.PEAK_GBS:.0f}%/"
                          f"{r['xla_s'] / t:.2f}x{mark}")
-            recs.append({**meta, "shape": r["shape"], "dtype": r["dtype"], "pass": f"fwd algo {k}",
+            recs.append({**meta, "shape": r["shape"], "dtype": r["dtype"], "pass": f"{pass_} algo {k}",
                          "algo": k, "ours_us": t * 1e6, "xla_us": r["xla_s"] * 1e6,
                          "speedup_vs_xla": r["xla_s"] / t, "bytes": r["bytes"], "ours_gbs": gbs,
                          "pct_peak": 100 * gbs / _opbench.PEAK_GBS, "best": k == best})

@@ -4,8 +4,8 @@
 //
 //   surogate_rope_fwd(x [..., H, K], a, b, w; eps: f32, norm: i32, inverse: i32, fwd_algo: i32)
 //       -> y [..., H, K]   (fwd_algo picks a forward kernel variant, 0 = default: kernels/rope.h)
-//   surogate_rope_bwd(dy [..., H, K], x [..., H, K], a, b, w; eps: f32)
-//       -> dx [..., H, K], dw [G.., K], ws [P, K] (f32)
+//   surogate_rope_bwd(dy [..., H, K], x [..., H, K], a, b, w; eps: f32, bwd_algo: i32)
+//       -> dx [..., H, K], dw [G.., K], ws [P, K] (f32)   (bwd_algo: the norm backward's variant)
 // The angle source is told by a's dtype:
 //   int32 a: positions mode, a = positions [...] (x's leading dims), b = inv_freq [G.., K/2] f32;
 //   f32 a  : table mode, a = cos, b = sin, both [..., S] f32 with S >= K/2 (the first K/2 entries
@@ -182,10 +182,14 @@ ffi::Error RopeFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inverse
   });
 }
 
-ffi::Error RopeBwd(cudaStream_t stream, float eps, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+ffi::Error RopeBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                    ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer w,
                    ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw,
                    ffi::Result<ffi::AnyBuffer> ws) {
+  if (bwd_algo < 0 || bwd_algo >= kRopeBwdAlgos) {
+    return InvalidArg(kBwd, "bwd_algo " + std::to_string(bwd_algo) + " is not in [0, " +
+                                std::to_string(kRopeBwdAlgos) + ")");
+  }
   RopeCall c;
   if (auto e = Inspect(kBwd, x, a, b, &w, &c); e.failure()) return e;
   const ffi::DataType t = x.element_type();
@@ -219,7 +223,7 @@ ffi::Error RopeBwd(cudaStream_t stream, float eps, ffi::AnyBuffer dy, ffi::AnyBu
       const cudaError_t err =
           rope_norm_bwd<T>(dyp + o, xp + o, AnglesOf(c, a, b, g), wp + g * c.dim, dxp + o,
                            dwp + g * c.dim, per, c.heads, c.dim, eps, ws->untyped_data(),
-                           ws_bytes, stream);
+                           ws_bytes, stream, bwd_algo);
       if (err != cudaSuccess) return CudaError(kBwd, err);
     }
     return ffi::Error::Success();
@@ -245,6 +249,7 @@ SUROGATE_DEFINE_HANDLER(kRopeBwdHandler, RopeBwd,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Attr<float>("eps")
+                           .Attr<int32_t>("bwd_algo")
                            .Arg<ffi::AnyBuffer>()   // dy
                            .Arg<ffi::AnyBuffer>()   // x
                            .Arg<ffi::AnyBuffer>()   // positions | cos

@@ -383,6 +383,49 @@ __global__ void __launch_bounds__(kThreads, (flat_min_blocks<PER, U>()))
   }
 }
 
+// End of the norm backward kernels: a lane's dw partials (d1, d2: its columns of the two halves)
+// are added over the groups of its warp (they hold the same columns at the same lane), then over
+// the block's warps in shared memory (`red`: kWarpsPerBlock * K floats), in a fixed order, into
+// row blockIdx.x of ws. Every thread of the block must call it.
+template <int V, int PER>
+__device__ __forceinline__ void block_dw_to_ws(float (&d1)[PER][V], float (&d2)[PER][V],
+                                               const Layout& L, int lane, float* red,
+                                               float* __restrict__ ws) {
+  const int K = 2 * L.half;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      for (int o = L.width; o < kWarp; o <<= 1) {
+        d1[i][k] += __shfl_xor_sync(0xffffffffu, d1[i][k], o);
+        d2[i][k] += __shfl_xor_sync(0xffffffffu, d2[i][k], o);
+      }
+    }
+  }
+  const int warp_in_block = static_cast<int>(threadIdx.x) / kWarp;
+  if (static_cast<int>(threadIdx.x) % kWarp < L.width) {  // group 0 covers every column once
+    float* row = red + warp_in_block * K;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int ch = lane_chunk(lane, i, L);
+      if (ch < L.nchunks) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          row[ch * V + k] = d1[i][k];
+          row[L.half + ch * V + k] = d2[i][k];
+        }
+      }
+    }
+  }
+  __syncthreads();
+  for (int col = threadIdx.x; col < K; col += blockDim.x) {
+    float t = 0.f;
+#pragma unroll
+    for (int q = 0; q < kWarpsPerBlock; ++q) t += red[q * K + col];
+    ws[static_cast<int64_t>(blockIdx.x) * K + col] = t;
+  }
+}
+
 // ws: [gridDim.x, K] float32; block b writes its dw partial sums to row b.
 // Dynamic shared memory: kWarpsPerBlock * K floats.
 template <typename T, int V, int PER>
@@ -452,39 +495,137 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  // Groups of a warp hold the same columns at the same lane: add them up (every lane gets here).
+  block_dw_to_ws<V, PER>(d1, d2, L, me.lane, red, ws);
+}
+
+// Element k (a compile-time constant once unrolled) of a packed vector, as float.
+template <typename T, int N>
+__device__ __forceinline__ float elem(const vec::Raw<T, N>& r, int k) {
+  if constexpr (N == 1) {
+    return to_float(r.v);
+  } else {
+    constexpr int P = N / 4;  // elements per 32-bit word
+    const int j = k / P;
+    const uint32_t word = j == 0 ? r.u.x : j == 1 ? r.u.y : j == 2 ? r.u.z : r.u.w;
+    float out[P];
+    vec::detail::unpack_word(T{}, word, out);
+    return out[k % P];
+  }
+}
+
+// Resident 128-thread blocks per SM asked of ptxas: 5 / 4 / 3 for U = 1 / 2 / 4 (register caps
+// 96 / 128 / 168: the largest block counts at which the bf16 vector kernels spill nothing, nvcc 13,
+// sm_90a; one more block each spilled 24-164 bytes). Variant 0 runs at 128 registers, 4 blocks.
+template <int PER, int U>
+constexpr int bwd_flat_min_blocks() {
+  return PER > 1 ? 1 : U == 1 ? 5 : U == 2 ? 4 : 3;
+}
+
+// Norm backward variants 1-3 ("flat", bwd_algo = 1, 2, 3 -> U = 1, 2, 4 heads per unit), written
+// after the forward's variants 1-3 made the forward 1.4x faster; NOT YET RUN ON A GPU (eighth
+// session, no device time left): variant 0 stays the default until tests/gpu/test_rope_gpu.py and
+// bench_rope.py --bwd-algo have run. Why variant 0 may be slow (measured at 41-63% of 3000 GB/s):
+// like the forward's variant 0 it strides over whole tokens per warp (1.55-3.1 uneven rounds for the
+// benchmarked shapes) and loads one head's dy and x at a time, unpacked to fp32, at 128
+// registers (4 blocks per SM). Here a lane group takes units of U heads of one token, strides over units with a grid
+// sized so every group gets the same number of units, issues all U heads' loads (held packed)
+// before any math, and re-reads w from L1; dy and x are unpacked twice (for the two reductions and
+// for the output) instead of holding fp32 copies. Same per-row math and reduction order as variant
+// 0, so dx matches it bitwise (up to FMA contraction); dw sums the same terms in another order.
+template <typename T, int V, int PER, int U>
+__global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
+    rope_norm_bwd_flat_kernel(const T* __restrict__ dy, const T* __restrict__ x, RopeAngles ang,
+                              const T* __restrict__ w, T* __restrict__ dx, float* __restrict__ ws,
+                              int64_t tokens, int heads, Layout L, float eps) {
+  extern __shared__ float red[];
+  using R = vec::Raw<T, V>;
+  const int K = 2 * L.half;
+  const int lw = static_cast<int>(threadIdx.x) % kWarp;
+  const int groups = kWarp / L.width;
+  const int lane = lw % L.width;
+  const int group = lw / L.width;
+  const unsigned mask = L.width == kWarp ? 0xffffffffu : ((1u << L.width) - 1u) << (group * L.width);
+  float d1[PER][V], d2[PER][V];
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      for (int o = L.width; o < kWarp; o <<= 1) {
-        d1[i][k] += __shfl_xor_sync(0xffffffffu, d1[i][k], o);
-        d2[i][k] += __shfl_xor_sync(0xffffffffu, d2[i][k], o);
+    for (int k = 0; k < V; ++k) d1[i][k] = d2[i][k] = 0.f;
+  }
+  const int upt = (heads + U - 1) / U;  // units per token
+  const int64_t units = tokens * upt;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock * groups;
+  for (int64_t unit = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group;
+       unit < units; unit += stride) {  // uniform over a group: its shuffles stay inside it
+    const int64_t tok = unit / upt;
+    const int h0 = static_cast<int>(unit - tok * upt) * U;
+    R ga[U][PER], gb[U][PER], xa[U][PER], xb[U][PER];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t off = (tok * heads + h0 + u) * K;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int ch = lane_chunk(lane, i, L);
+        if (h0 + u < heads && ch < L.nchunks) {
+          ga[u][i] = vec::load_raw_stream<T, V>(dy + off + ch * V);
+          gb[u][i] = vec::load_raw_stream<T, V>(dy + off + L.half + ch * V);
+          xa[u][i] = vec::load_raw_stream<T, V>(x + off + ch * V);
+          xb[u][i] = vec::load_raw_stream<T, V>(x + off + L.half + ch * V);
+        }
       }
     }
-  }
-  const int warp_in_block = static_cast<int>(threadIdx.x) / kWarp;
-  if (static_cast<int>(threadIdx.x) % kWarp < L.width) {  // group 0 covers every column once
-    float* row = red + warp_in_block * K;
+    float c[PER][V], s[PER][V];
+    token_angles<V, PER>(ang, tok, lane, L, -1.f, c, s);  // R(-ang): (cos, -sin)
 #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int ch = lane_chunk(me.lane, i, L);
-      if (ch < L.nchunks) {
+    for (int u = 0; u < U; ++u) {
+      if (h0 + u >= heads) break;  // uniform over the group
+      const int64_t off = (tok * heads + h0 + u) * K;
+      // Element by element from the packed vectors (elem), so only a few fp32 values are live at
+      // a time: unpacking whole rows of dy, x, w and the outputs spilled at the register caps.
+      float ss = 0.f, dot = 0.f;
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-          row[ch * V + k] = d1[i][k];
-          row[L.half + ch * V + k] = d2[i][k];
+      for (int i = 0; i < PER; ++i) {
+        const int ch = lane_chunk(lane, i, L);
+        if (ch < L.nchunks) {
+          const R w1 = vec::load_raw<T, V>(w + ch * V), w2 = vec::load_raw<T, V>(w + L.half + ch * V);
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            const float a = elem(ga[u][i], k), b = elem(gb[u][i], k);
+            const float p = elem(xa[u][i], k), q = elem(xb[u][i], k);
+            const float g1 = a * c[i][k] - b * s[i][k];
+            const float g2 = b * c[i][k] + a * s[i][k];
+            ss += p * p + q * q;
+            dot += g1 * elem(w1, k) * p + g2 * elem(w2, k) * q;
+          }
+        }
+      }
+      ss = group_sum(ss, mask, L.width);
+      dot = group_sum(dot, mask, L.width);
+      const float r = rsqrtf(ss / static_cast<float>(K) + eps);
+      const float m = r * dot / static_cast<float>(K);  // mean(g * w * xhat)
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int ch = lane_chunk(lane, i, L);
+        if (ch < L.nchunks) {
+          const R w1 = vec::load_raw<T, V>(w + ch * V), w2 = vec::load_raw<T, V>(w + L.half + ch * V);
+          float o1[V], o2[V];
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            const float a = elem(ga[u][i], k), b = elem(gb[u][i], k);
+            const float g1 = a * c[i][k] - b * s[i][k];
+            const float g2 = b * c[i][k] + a * s[i][k];
+            const float xh1 = elem(xa[u][i], k) * r, xh2 = elem(xb[u][i], k) * r;
+            o1[k] = r * (g1 * elem(w1, k) - xh1 * m);
+            o2[k] = r * (g2 * elem(w2, k) - xh2 * m);
+            d1[i][k] += g1 * xh1;
+            d2[i][k] += g2 * xh2;
+          }
+          vec::store<T, V>(dx + off + ch * V, o1);
+          vec::store<T, V>(dx + off + L.half + ch * V, o2);
         }
       }
     }
   }
-  __syncthreads();
-  for (int col = threadIdx.x; col < K; col += blockDim.x) {
-    float t = 0.f;
-#pragma unroll
-    for (int q = 0; q < kWarpsPerBlock; ++q) t += red[q * K + col];
-    ws[static_cast<int64_t>(blockIdx.x) * K + col] = t;
-  }
+  block_dw_to_ws<V, PER>(d1, d2, L, lane, red, ws);
 }
 
 // dw[col] = sum over the `parts` rows of ws[:, col]. Block (32, kFinalRows), one column per x.
@@ -672,6 +813,32 @@ BwdKernel<T> bwd_kernel(const Plan& p) {
   return rope_norm_bwd_kernel<T, kVec<T>, kMaxPerVector>;
 }
 
+template <typename T, int U>
+BwdKernel<T> bwd_flat_kernel_u(const Plan& p) {
+  if (p.vec == 1) {
+    switch (p.per) {
+      case 1: return rope_norm_bwd_flat_kernel<T, 1, 1, U>;
+      case 4: return rope_norm_bwd_flat_kernel<T, 1, 4, U>;
+      default: return rope_norm_bwd_flat_kernel<T, 1, kMaxPerScalar, U>;
+    }
+  }
+  if (p.per == 1) return rope_norm_bwd_flat_kernel<T, kVec<T>, 1, U>;
+  return rope_norm_bwd_flat_kernel<T, kVec<T>, kMaxPerVector, U>;
+}
+
+constexpr int kBwdAlgos = 4;
+
+// Norm backward variant `algo` (0: per-token persistent; 1, 2, 3: flat with U = 1, 2, 4).
+template <typename T>
+BwdKernel<T> bwd_kernel(const Plan& p, int algo) {
+  switch (algo) {
+    case 0: return bwd_kernel<T>(p);
+    case 1: return bwd_flat_kernel_u<T, 1>(p);
+    case 2: return bwd_flat_kernel_u<T, 2>(p);
+    default: return bwd_flat_kernel_u<T, 4>(p);
+  }
+}
+
 cudaError_t check_args(const RopeAngles& ang, int64_t tokens, int64_t heads, int64_t head_dim) {
   if (tokens < 0 || heads <= 0 || heads > INT_MAX || head_dim <= 0 || head_dim % 2 != 0 ||
       head_dim > rope_max_head_dim()) {
@@ -691,7 +858,7 @@ bool table_vec4(const RopeAngles& a) {
 }  // namespace
 
 int64_t rope_max_head_dim() { return 1024; }
-static_assert(kRopeFwdAlgos == kFwdAlgos, "rope.h and the kernels disagree");
+static_assert(kRopeFwdAlgos == kFwdAlgos && kRopeBwdAlgos == kBwdAlgos, "rope.h and the kernels disagree");
 
 template <typename T>
 cudaError_t rope_fwd(const T* x, T* y, const RopeAngles& ang, const T* w, int64_t tokens,
@@ -725,9 +892,10 @@ cudaError_t rope_fwd(const T* x, T* y, const RopeAngles& ang, const T* w, int64_
 template <typename T>
 cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const T* w, T* dx,
                           T* dw, int64_t tokens, int64_t heads, int64_t head_dim, float eps,
-                          void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                          void* workspace, size_t workspace_bytes, cudaStream_t stream, int algo) {
   SUROGATE_TRY(check_args(ang, tokens, heads, head_dim));
   if (w == nullptr || dw == nullptr) return cudaErrorInvalidValue;
+  if (algo < 0 || algo >= kBwdAlgos) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaMemsetAsync(dw, 0, static_cast<size_t>(head_dim) * sizeof(T), stream);
   const int64_t half = head_dim / 2;
   const int64_t ws_rows =
@@ -738,10 +906,25 @@ cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const 
   Plan p;
   if (!make_plan(heads, half, pick_vec<T>(half, {dy, x, w, dx}), &p)) return cudaErrorInvalidValue;
   p.smem = static_cast<size_t>(kWarpsPerBlock) * head_dim * sizeof(float);
-  const BwdKernel<T> kernel = bwd_kernel<T>(p);
-  SUROGATE_TRY(size_grid(kernel, tokens, p));
-  // The grid strides over tokens, so fewer workspace rows just mean fewer, longer-lived blocks.
-  p.blocks = static_cast<int>(std::min<int64_t>(p.blocks, ws_rows));
+  const BwdKernel<T> kernel = bwd_kernel<T>(p, algo);
+  if (algo == 0) {
+    SUROGATE_TRY(size_grid(kernel, tokens, p));
+    // The grid strides over tokens, so fewer workspace rows just mean fewer, longer-lived blocks.
+    p.blocks = static_cast<int>(std::min<int64_t>(p.blocks, ws_rows));
+  } else {
+    // Flat: as many blocks as fit (and as the workspace has rows), then shrunk so that every lane
+    // group gets the same number of units (the last block's groups at most one fewer).
+    int sms = 0, per_sm = 0;
+    SUROGATE_TRY(occupancy(kernel, p.smem, &per_sm, &sms));
+    const int64_t U = flat_heads(algo);
+    const int64_t units = tokens * ((heads + U - 1) / U);
+    const int64_t per_block = static_cast<int64_t>(kWarpsPerBlock) * (kWarp / p.L.width);
+    const int64_t need = (units + per_block - 1) / per_block;
+    const int64_t cap = std::max<int64_t>(
+        1, std::min<int64_t>(static_cast<int64_t>(std::max(sms, 1)) * std::max(per_sm, 1), ws_rows));
+    const int64_t rounds = (need + cap - 1) / cap;
+    p.blocks = static_cast<int>(std::max<int64_t>(1, (need + rounds - 1) / rounds));
+  }
   RopeAngles a = ang;
   if (a.positions != nullptr) a.cos = a.sin = nullptr;
   p.L.table_vec4 = table_vec4(a);
@@ -761,7 +944,7 @@ cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const 
                                    int64_t, float, bool, cudaStream_t, int);                     \
   template cudaError_t rope_norm_bwd<T>(const T*, const T*, const RopeAngles&, const T*, T*, T*, \
                                         int64_t, int64_t, int64_t, float, void*, size_t,         \
-                                        cudaStream_t);
+                                        cudaStream_t, int);
 
 SUROGATE_ROPE_INSTANTIATE(float)
 SUROGATE_ROPE_INSTANTIATE(__nv_bfloat16)

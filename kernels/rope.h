@@ -47,6 +47,9 @@ int64_t rope_max_head_dim();
 // grid, a lane group per 1, 2, 4 heads of a token (kernels/rope.cu). Same math; the benchmark
 // picks the default.
 inline constexpr int kRopeFwdAlgos = 4;
+// Norm backward algorithms (`algo`, 0 = default): 0 per-token persistent grid, 1-3 "flat" units of
+// 1 / 2 / 4 heads (kernels/rope.cu; not yet run on a GPU, see there). Same math.
+inline constexpr int kRopeBwdAlgos = 4;
 
 // w == nullptr: rotation only (eps unused).
 template <typename T>
@@ -60,6 +63,7 @@ cudaError_t rope_fwd(const T* x, T* y, const RopeAngles& ang, const T* w, int64_
 template <typename T>
 cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const T* w, T* dx,
                           T* dw, int64_t tokens, int64_t heads, int64_t head_dim, float eps,
-                          void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                          void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                          int algo = 0);
 
 }  // namespace surogate

@@ -58,6 +58,11 @@ WS_BLOCKS = 1024
 FWD_ALGOS = (0, 1, 2, 3)
 # 3: the fastest on the H100 for 12 of the 16 swept shapes, every q/k-norm one (RESULTS.md, sixth session)
 FWD_ALGO = 3
+# Norm backward variant (FFI attribute `bwd_algo`): 0 persistent grid over tokens; 1, 2, 3 "flat"
+# units of 1, 2, 4 heads on a balanced grid (eighth session, not yet run on a GPU: 0 stays the
+# default until tests/gpu/test_rope_gpu.py and bench_rope.py --bwd-algo have run). Same math.
+BWD_ALGOS = (0, 1, 2, 3)
+BWD_ALGO = 0
 
 
 # --- shared formulas (fp32) ---
@@ -140,14 +145,15 @@ def _fwd_ffi(x, a, b, w, *, eps, norm, inverse, algo=None):
                 fwd_algo=np.int32(FWD_ALGO if algo is None else algo))
 
 
-def _bwd_ffi(dy, x, a, b, w, *, eps):
+def _bwd_ffi(dy, x, a, b, w, *, eps, algo=None):
     # Third output: fp32 dw partial sums, one row per block of the kernel's persistent grid (at
     # most WS_BLOCKS blocks); XLA frees it right after the call.
     tokens = int(np.prod(x.shape[:-2]))
     ws = jax.ShapeDtypeStruct((max(1, min(tokens, WS_BLOCKS)), x.shape[-1]), jnp.float32)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype), ws)
     call = jax.ffi.ffi_call(BWD_TARGET, out, vmap_method="broadcast_all")
-    dx, dw, _ = call(dy.astype(x.dtype), x, a, b, w, eps=np.float32(eps))
+    dx, dw, _ = call(dy.astype(x.dtype), x, a, b, w, eps=np.float32(eps),
+                     bwd_algo=np.int32(BWD_ALGO if algo is None else algo))
     return dx, dw
 
 

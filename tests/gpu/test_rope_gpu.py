@@ -243,3 +243,36 @@ def test_fwd_algos_match_reference(shape, dtype, algo, assert_close):
             assert got.shape == want.shape and got.dtype == want.dtype, what
             assert bool(jnp.all(jnp.isfinite(got))), f"{what}: non-finite values (unwritten?)"
             assert_close(got, want, dtype, what)
+
+
+# Norm backward variants (bwd_algo; 1-3 the "flat" kernels, eighth session): dx and dw against the
+# reference backward for both angle sources, on the forward variants' shapes (partial head units for
+# U = 2, 4; scalar and vector paths; 256- and 1024-wide heads; grids of several unit rounds).
+@pytest.mark.parametrize("algo", [0, 1, 2, 3], ids=lambda a: f"bwd{a}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", ALGO_SHAPES, ids=str)
+def test_bwd_algos_match_reference(shape, dtype, algo, assert_close):
+    from surogate_jax.ops.rope import BWD_ALGOS, _bwd_ffi, _bwd_ref
+
+    assert algo in BWD_ALGOS
+    x, w, proj, pos = _inputs(shape, dtype)
+    dy = proj.astype(dtype)
+    inv = _inv_freq(shape[-1])
+    for source in ("positions", "table"):
+        a, b = (pos, inv) if source == "positions" else _tables(pos, inv)
+        want = jax.jit(lambda dy, x, a, b, w: _bwd_ref(dy, x, a, b, w, eps=EPS))(dy, x, a, b, w)  # noqa: B023
+        _poison_allocator()
+        got = jax.jit(lambda dy, x, a, b, w: _bwd_ffi(dy, x, a, b, w, eps=EPS, algo=algo))(dy, x, a, b, w)  # noqa: B023
+        for name, g, r in zip(("dx", "dw"), got, want):
+            what = f"{source} {name}"
+            assert g.shape == r.shape and g.dtype == r.dtype, what
+            assert bool(jnp.all(jnp.isfinite(g))), f"{what}: non-finite values (unwritten?)"
+            assert_close(g, r, dtype, what)
+
+
+def test_bad_bwd_algo_is_an_error():
+    from surogate_jax.ops.rope import _bwd_ffi
+
+    x, w, proj, pos = _inputs((1, 4, 2, 64), jnp.bfloat16)
+    with pytest.raises(Exception, match="bwd_algo"):
+        jax.block_until_ready(jax.jit(lambda: _bwd_ffi(x, x, pos, _inv_freq(64), w, eps=EPS, algo=9))())

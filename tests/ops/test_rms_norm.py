@@ -161,3 +161,21 @@ def test_fwd_algo_reaches_the_kernel_call(algo, monkeypatch):
     x, w = jnp.zeros((4, 8), jnp.bfloat16), jnp.ones((8,), jnp.bfloat16)
     text = jax.jit(lambda x, w: mod._fwd_ffi(x, w, EPS, algo=algo)).lower(x, w).as_text()
     assert f"fwd_algo = {2 if algo is None else algo} : i32" in text
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("algo", [None, 0])
+def test_bwd_algo_reaches_the_kernel_call(op, algo, monkeypatch):
+    """The backward variant travels as the custom call's `bwd_algo` attribute (lowering only)."""
+    import importlib
+
+    mod = importlib.import_module(f"surogate_jax.ops.{op}")
+    monkeypatch.setattr(mod, "BWD_ALGO", 1)
+    x, w, rstd = jnp.zeros((4, 8), jnp.bfloat16), jnp.ones((8,), jnp.bfloat16), jnp.ones((4,), jnp.float32)
+    if op == "rms_norm":
+        fn = lambda dy, x, w, r: mod._bwd_ffi(dy, x, w, r, algo=algo)  # noqa: E731
+        text = jax.jit(fn).lower(x, x, w, rstd).as_text()
+    else:
+        fn = lambda dy, ds, s, w, r: mod._bwd_ffi(dy, ds, s, w, r, algo=algo)  # noqa: E731
+        text = jax.jit(fn).lower(x, x, x, w, rstd).as_text()
+    assert f"bwd_algo = {1 if algo is None else algo} : i32" in text

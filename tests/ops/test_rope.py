@@ -309,3 +309,18 @@ def test_fwd_algo_reaches_the_kernel_call(algo, monkeypatch):
     fn = lambda x, a, b, w: mod._fwd_ffi(x, a, b, w, eps=EPS, norm=True, inverse=False, algo=algo)  # noqa: E731
     text = jax.jit(fn).lower(x, pos, inv, w).as_text()
     assert f"fwd_algo = {1 if algo is None else algo} : i32" in text
+
+
+@pytest.mark.parametrize("algo", [None, 2])
+def test_bwd_algo_reaches_the_kernel_call(algo, monkeypatch):
+    """The norm backward's variant travels as the custom call's `bwd_algo` attribute (lowering only)."""
+    import importlib
+
+    mod = importlib.import_module("surogate_jax.ops.rope")
+
+    monkeypatch.setattr(mod, "BWD_ALGO", 3)
+    x = jnp.zeros((2, 3, 4, 8), jnp.bfloat16)
+    pos, inv, w = jnp.zeros((2, 3), jnp.int32), jnp.ones((4,), jnp.float32), jnp.ones((8,), jnp.bfloat16)
+    fn = lambda dy, x, a, b, w: mod._bwd_ffi(dy, x, a, b, w, eps=EPS, algo=algo)  # noqa: E731
+    text = jax.jit(fn).lower(x, x, pos, inv, w).as_text()
+    assert f"bwd_algo = {3 if algo is None else algo} : i32" in text
