@@ -180,15 +180,6 @@ constexpr int fwd_reg_cap() {
   return kFwdRegCap<kRes>;
 }
 
-template <typename T, int N, bool kStream>
-__device__ __forceinline__ Raw<T, N> load_in(const T* p) {
-  if constexpr (kStream) {
-    return vec::load_raw_stream<T, N>(p);
-  } else {
-    return vec::load_raw<T, N>(p);
-  }
-}
-
 template <typename T, int N, int R, bool kRes, bool kStream>
 __device__ __forceinline__ void fwd_load_row(const T* __restrict__ x, const T* __restrict__ res,
                                              int64_t row, int64_t rows, int dim, int nvec,
@@ -200,8 +191,8 @@ __device__ __forceinline__ void fwd_load_row(const T* __restrict__ x, const T* _
   for (int j = 0; j < R; ++j) {
     const int i = L.lane + j * L.width;
     if (i < nvec) {
-      xr[j] = load_in<T, N, kStream>(x + off + static_cast<int64_t>(i) * N);
-      if constexpr (kRes) rr[j] = load_in<T, N, kStream>(res + off + static_cast<int64_t>(i) * N);
+      xr[j] = vec::load_raw_hint<T, N, kStream>(x + off + static_cast<int64_t>(i) * N);
+      if constexpr (kRes) rr[j] = vec::load_raw_hint<T, N, kStream>(res + off + static_cast<int64_t>(i) * N);
     }
   }
 }
@@ -325,9 +316,9 @@ __global__ void __maxnreg__((bwd_reg_cap<T, N, V, kRes>()))
         const int i = L.lane + j * L.width;
         if (i < nvec) {
           const int64_t c = off + static_cast<int64_t>(i) * N;
-          ar[j] = load_in<T, N, kStream>(dy + c);
-          br[j] = load_in<T, N, kStream>(x + c);
-          if constexpr (kRes) dr[j] = load_in<T, N, kStream>(dres + c);
+          ar[j] = vec::load_raw_hint<T, N, kStream>(dy + c);
+          br[j] = vec::load_raw_hint<T, N, kStream>(x + c);
+          if constexpr (kRes) dr[j] = vec::load_raw_hint<T, N, kStream>(dres + c);
         }
       }
 #pragma unroll

@@ -99,6 +99,17 @@ __device__ __forceinline__ Raw<T, N> load_raw_stream(const T* p) {
   return r;
 }
 
+// load_raw_stream when kStream, else load_raw: kernels with a load-hint template flag (launch
+// variants measured both ways) call this.
+template <typename T, int N, bool kStream>
+__device__ __forceinline__ Raw<T, N> load_raw_hint(const T* p) {
+  if constexpr (kStream) {
+    return load_raw_stream<T, N>(p);
+  } else {
+    return load_raw<T, N>(p);
+  }
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void unpack(const Raw<T, N>& r, float (&out)[N]) {
   if constexpr (N == 1) {

@@ -77,15 +77,6 @@ Grid2 plan(int64_t rows, int64_t nvec, int sms, int unroll, bool one_shot) {
 }
 
 template <typename T, int N, bool kStream>
-__device__ __forceinline__ Raw<T, N> load_in(const T* p) {
-  if constexpr (kStream) {
-    return vec::load_raw_stream<T, N>(p);
-  } else {
-    return vec::load_raw<T, N>(p);
-  }
-}
-
-template <typename T, int N, bool kStream>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     swiglu_fwd_kernel(const T* __restrict__ gate, const T* __restrict__ up, T* __restrict__ h,
                       int64_t rows, int64_t nvec, int64_t ld_in, int64_t ld_out) {
@@ -100,8 +91,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     for (int k = 0; k < kFwdUnroll<N>; ++k) {
       const int64_t r = r0 + k * step;
       if (r < rows) {
-        g[k] = load_in<T, N, kStream>(gate + r * ld_in + col);
-        u[k] = load_in<T, N, kStream>(up + r * ld_in + col);
+        g[k] = vec::load_raw_hint<T, N, kStream>(gate + r * ld_in + col);
+        u[k] = vec::load_raw_hint<T, N, kStream>(up + r * ld_in + col);
       }
     }
 #pragma unroll
@@ -135,9 +126,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     for (int k = 0; k < kBwdUnroll<N>; ++k) {
       const int64_t r = r0 + k * step;
       if (r < rows) {
-        d[k] = load_in<T, N, kStream>(dh + r * ld_dh + col);
-        g[k] = load_in<T, N, kStream>(gate + r * ld_in + col);
-        u[k] = load_in<T, N, kStream>(up + r * ld_in + col);
+        d[k] = vec::load_raw_hint<T, N, kStream>(dh + r * ld_dh + col);
+        g[k] = vec::load_raw_hint<T, N, kStream>(gate + r * ld_in + col);
+        u[k] = vec::load_raw_hint<T, N, kStream>(up + r * ld_in + col);
       }
     }
 #pragma unroll
