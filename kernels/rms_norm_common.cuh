@@ -50,6 +50,7 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "kernels/dw_col_sum.cuh"
 #include "kernels/surogate_vec.cuh"
 
 namespace surogate {
@@ -83,7 +84,6 @@ constexpr int bwd_reg_cap() {
   if (N == 8) return kRes ? 128 : 112;
   return kRes ? 96 : 88;
 }
-constexpr int kFinalRows = 32;        // threadIdx.y extent of the dw finalize kernel
 
 #define SUROGATE_NORM_TRY(expr)             \
   do {                                      \
@@ -497,39 +497,6 @@ __global__ void add_kernel(const T* a, const T* b, T* out, int64_t n) {
   }
 }
 
-// dw[col] = sum over the `parts` rows of ws[:, col]. Block (32, kFinalRows), one column per x;
-// each thread keeps four independent sums so four loads are in flight at once (the workspace
-// is ~1-4% of the backward's bytes, but latency-bound if read one load at a time). The order of
-// additions is fixed, so the result is deterministic.
-template <typename T>
-__global__ void __launch_bounds__(kWarp * kFinalRows)
-    dw_finalize_kernel(const float* __restrict__ ws, T* __restrict__ dw, int parts, int dim) {
-  __shared__ float acc[kFinalRows][kWarp + 1];
-  const int col = blockIdx.x * kWarp + threadIdx.x;
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-  if (col < dim) {
-    const float* c = ws + col;
-    const int64_t step = static_cast<int64_t>(kFinalRows) * dim;
-    int p = threadIdx.y;
-    for (; p + 3 * kFinalRows < parts; p += 4 * kFinalRows) {
-      const float* q = c + static_cast<int64_t>(p) * dim;
-      s0 += q[0];
-      s1 += q[step];
-      s2 += q[2 * step];
-      s3 += q[3 * step];
-    }
-    for (; p < parts; p += kFinalRows) s0 += c[static_cast<int64_t>(p) * dim];
-  }
-  acc[threadIdx.y][threadIdx.x] = (s0 + s1) + (s2 + s3);
-  __syncthreads();
-  if (threadIdx.y == 0 && col < dim) {
-    float t = 0.f;
-#pragma unroll
-    for (int j = 0; j < kFinalRows; ++j) t += acc[j][threadIdx.x];
-    dw[col] = vec::from_float<T>(t);
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Host side: launch plans.
 
@@ -809,10 +776,7 @@ cudaError_t norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, con
     SUROGATE_NORM_TRY(cudaGetLastError());
     if constexpr (kRes) SUROGATE_NORM_TRY(launch_add<T>(dx, dres, dx, rows * dim, stream));
   }
-  const dim3 block(kWarp, kFinalRows);
-  const unsigned grid = static_cast<unsigned>((dim + kWarp - 1) / kWarp);
-  dw_finalize_kernel<T><<<grid, block, 0, stream>>>(ws, dw, p.blocks, d);
-  return cudaGetLastError();
+  return colsum::dw_col_sum<T>(ws, dw, p.blocks, d, stream);
 }
 
 #undef SUROGATE_NORM_TRY

@@ -47,6 +47,7 @@
 #include <cstring>
 #include <initializer_list>
 
+#include "kernels/dw_col_sum.cuh"
 #include "kernels/surogate_vec.cuh"
 
 namespace surogate {
@@ -55,7 +56,6 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kThreads = 128;  // small blocks: finer occupancy steps at ~100 registers
 constexpr int kWarpsPerBlock = kThreads / kWarp;
-constexpr int kFinalRows = 16;  // threadIdx.y extent of the dw finalize kernel
 
 template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
@@ -628,26 +628,6 @@ __global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
   block_dw_to_ws<V, PER>(d1, d2, L, lane, red, ws);
 }
 
-// dw[col] = sum over the `parts` rows of ws[:, col]. Block (32, kFinalRows), one column per x.
-template <typename T>
-__global__ void rope_dw_finalize_kernel(const float* __restrict__ ws, T* __restrict__ dw,
-                                        int parts, int dim) {
-  __shared__ float acc[kFinalRows][kWarp + 1];
-  const int col = blockIdx.x * kWarp + threadIdx.x;
-  float s = 0.f;
-  if (col < dim) {
-    for (int p = threadIdx.y; p < parts; p += kFinalRows) s += ws[static_cast<int64_t>(p) * dim + col];
-  }
-  acc[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < dim) {
-    float t = 0.f;
-#pragma unroll
-    for (int j = 0; j < kFinalRows; ++j) t += acc[j][threadIdx.x];
-    dw[col] = from_float<T>(t);
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Host side: launch plans.
 
@@ -932,11 +912,7 @@ cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const 
   kernel<<<p.blocks, kThreads, p.smem, stream>>>(dy, x, a, w, dx, ws, tokens,
                                                  static_cast<int>(heads), p.L, eps);
   SUROGATE_TRY(cudaGetLastError());
-  const dim3 block(kWarp, kFinalRows);
-  const unsigned grid = static_cast<unsigned>((head_dim + kWarp - 1) / kWarp);
-  rope_dw_finalize_kernel<T><<<grid, block, 0, stream>>>(ws, dw, p.blocks,
-                                                         static_cast<int>(head_dim));
-  return cudaGetLastError();
+  return colsum::dw_col_sum<T>(ws, dw, p.blocks, static_cast<int>(head_dim), stream);
 }
 
 #define SUROGATE_ROPE_INSTANTIATE(T)                                                             \
