@@ -516,15 +516,44 @@ __device__ __forceinline__ float elem(const vec::Raw<T, N>& r, int k) {
 // Resident 128-thread blocks per SM asked of ptxas: 5 / 4 / 3 for U = 1 / 2 / 4 (register caps
 // 96 / 128 / 168: the largest block counts at which the bf16 vector kernels spill nothing, nvcc 13,
 // sm_90a; one more block each spilled 24-164 bytes). Variant 0 runs at 128 registers, 4 blocks.
-template <int PER, int U>
+// A prefetching kernel holds two units' rows, as many registers as one of twice the heads.
+template <int PER, int U, bool kPrefetch>
 constexpr int bwd_flat_min_blocks() {
-  return PER > 1 ? 1 : U == 1 ? 5 : U == 2 ? 4 : 3;
+  constexpr int held = kPrefetch ? 2 * U : U;
+  return PER > 1 ? 1 : held == 1 ? 5 : held == 2 ? 4 : 3;
+}
+
+// One unit's packed rows (U heads of a token: this lane's chunks of dy and x, both halves).
+template <typename T, int V, int PER, int U>
+struct UnitRows {
+  vec::Raw<T, V> ga[U][PER], gb[U][PER], xa[U][PER], xb[U][PER];
+};
+
+template <typename T, int V, int PER, int U, bool kStream>
+__device__ __forceinline__ void load_unit(UnitRows<T, V, PER, U>& r, const T* __restrict__ dy,
+                                          const T* __restrict__ x, int64_t tok, int h0, int heads,
+                                          int lane, const Layout& L) {
+  const int K = 2 * L.half;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t off = (tok * heads + h0 + u) * K;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int ch = lane_chunk(lane, i, L);
+      if (h0 + u < heads && ch < L.nchunks) {
+        r.ga[u][i] = vec::load_raw_hint<T, V, kStream>(dy + off + ch * V);
+        r.gb[u][i] = vec::load_raw_hint<T, V, kStream>(dy + off + L.half + ch * V);
+        r.xa[u][i] = vec::load_raw_hint<T, V, kStream>(x + off + ch * V);
+        r.xb[u][i] = vec::load_raw_hint<T, V, kStream>(x + off + L.half + ch * V);
+      }
+    }
+  }
 }
 
 // Norm backward variants 1-3 ("flat", bwd_algo = 1, 2, 3 -> U = 1, 2, 4 heads per unit), written
-// after the forward's variants 1-3 made the forward 1.4x faster; NOT YET RUN ON A GPU (eighth
-// session, no device time left): variant 0 stays the default until tests/gpu/test_rope_gpu.py and
-// bench_rope.py --bwd-algo have run. Why variant 0 may be slow (measured at 41-63% of 3000 GB/s):
+// after the forward's variants 1-3 made the forward 1.4x faster. On the H100 (ninth session) U = 2
+// was the fastest at 7 of 8 benchmarked shapes (55-69% of 3000 GB/s vs variant 0's 43-63%), so it
+// is the op's default (ops/rope.py BWD_ALGO). Why variant 0 is slow:
 // like the forward's variant 0 it strides over whole tokens per warp (1.55-3.1 uneven rounds for the
 // benchmarked shapes) and loads one head's dy and x at a time, unpacked to fp32, at 128
 // registers (4 blocks per SM). Here a lane group takes units of U heads of one token, strides over units with a grid
@@ -532,13 +561,14 @@ constexpr int bwd_flat_min_blocks() {
 // before any math, and re-reads w from L1; dy and x are unpacked twice (for the two reductions and
 // for the output) instead of holding fp32 copies. Same per-row math and reduction order as variant
 // 0, so dx matches it bitwise (up to FMA contraction); dw sums the same terms in another order.
-template <typename T, int V, int PER, int U>
-__global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
+template <typename T, int V, int PER, int U, bool kStream, bool kPrefetch>
+__global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U, kPrefetch>()))
     rope_norm_bwd_flat_kernel(const T* __restrict__ dy, const T* __restrict__ x, RopeAngles ang,
                               const T* __restrict__ w, T* __restrict__ dx, float* __restrict__ ws,
                               int64_t tokens, int heads, Layout L, float eps) {
   extern __shared__ float red[];
   using R = vec::Raw<T, V>;
+  using Rows = UnitRows<T, V, PER, U>;
   const int K = 2 * L.half;
   const int lw = static_cast<int>(threadIdx.x) % kWarp;
   const int groups = kWarp / L.width;
@@ -554,25 +584,31 @@ __global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
   const int upt = (heads + U - 1) / U;  // units per token
   const int64_t units = tokens * upt;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock * groups;
-  for (int64_t unit = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group;
-       unit < units; unit += stride) {  // uniform over a group: its shuffles stay inside it
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group;
+  Rows cur;
+  if constexpr (kPrefetch) {
+    if (first < units) {
+      const int64_t tok = first / upt;
+      load_unit<T, V, PER, U, kStream>(cur, dy, x, tok, static_cast<int>(first - tok * upt) * U, heads, lane, L);
+    }
+  }
+  for (int64_t unit = first; unit < units; unit += stride) {  // uniform over a group: its shuffles stay inside it
     const int64_t tok = unit / upt;
     const int h0 = static_cast<int>(unit - tok * upt) * U;
-    R ga[U][PER], gb[U][PER], xa[U][PER], xb[U][PER];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t off = (tok * heads + h0 + u) * K;
-#pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        const int ch = lane_chunk(lane, i, L);
-        if (h0 + u < heads && ch < L.nchunks) {
-          ga[u][i] = vec::load_raw_stream<T, V>(dy + off + ch * V);
-          gb[u][i] = vec::load_raw_stream<T, V>(dy + off + L.half + ch * V);
-          xa[u][i] = vec::load_raw_stream<T, V>(x + off + ch * V);
-          xb[u][i] = vec::load_raw_stream<T, V>(x + off + L.half + ch * V);
-        }
+    Rows nxt;
+    if constexpr (kPrefetch) {  // the next unit's loads are in flight during this unit's math
+      const int64_t n = unit + stride;
+      if (n < units) {
+        const int64_t nt = n / upt;
+        load_unit<T, V, PER, U, kStream>(nxt, dy, x, nt, static_cast<int>(n - nt * upt) * U, heads, lane, L);
       }
+    } else {
+      load_unit<T, V, PER, U, kStream>(cur, dy, x, tok, h0, heads, lane, L);
     }
+    const R (&ga)[U][PER] = cur.ga;
+    const R (&gb)[U][PER] = cur.gb;
+    const R (&xa)[U][PER] = cur.xa;
+    const R (&xb)[U][PER] = cur.xb;
     float c[PER][V], s[PER][V];
     token_angles<V, PER>(ang, tok, lane, L, -1.f, c, s);  // R(-ang): (cos, -sin)
 #pragma unroll
@@ -624,6 +660,7 @@ __global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
         }
       }
     }
+    if constexpr (kPrefetch) cur = nxt;
   }
   block_dw_to_ws<V, PER>(d1, d2, L, lane, red, ws);
 }
@@ -793,29 +830,37 @@ BwdKernel<T> bwd_kernel(const Plan& p) {
   return rope_norm_bwd_kernel<T, kVec<T>, kMaxPerVector>;
 }
 
-template <typename T, int U>
+template <typename T, int U, bool kStream, bool kPrefetch>
 BwdKernel<T> bwd_flat_kernel_u(const Plan& p) {
   if (p.vec == 1) {
     switch (p.per) {
-      case 1: return rope_norm_bwd_flat_kernel<T, 1, 1, U>;
-      case 4: return rope_norm_bwd_flat_kernel<T, 1, 4, U>;
-      default: return rope_norm_bwd_flat_kernel<T, 1, kMaxPerScalar, U>;
+      case 1: return rope_norm_bwd_flat_kernel<T, 1, 1, U, kStream, kPrefetch>;
+      case 4: return rope_norm_bwd_flat_kernel<T, 1, 4, U, kStream, kPrefetch>;
+      default: return rope_norm_bwd_flat_kernel<T, 1, kMaxPerScalar, U, kStream, kPrefetch>;
     }
   }
-  if (p.per == 1) return rope_norm_bwd_flat_kernel<T, kVec<T>, 1, U>;
-  return rope_norm_bwd_flat_kernel<T, kVec<T>, kMaxPerVector, U>;
+  if (p.per == 1) return rope_norm_bwd_flat_kernel<T, kVec<T>, 1, U, kStream, kPrefetch>;
+  return rope_norm_bwd_flat_kernel<T, kVec<T>, kMaxPerVector, U, kStream, kPrefetch>;
 }
 
-constexpr int kBwdAlgos = 4;
+constexpr int kBwdAlgos = 7;
 
-// Norm backward variant `algo` (0: per-token persistent; 1, 2, 3: flat with U = 1, 2, 4).
+// Heads per unit of flat norm backward variant `algo` (1-6).
+constexpr int bwd_flat_heads(int algo) { return algo == 1 || algo == 5 ? 1 : algo == 3 ? 4 : 2; }
+
+// Norm backward variant `algo`: 0 per-token persistent; flat with U heads per unit and streaming
+// loads: 1, 2, 3 -> U = 1, 2, 4; 4: U = 2 with plain loads; 5, 6: U = 1, 2 with the next unit's
+// loads issued before this unit's math (prefetch).
 template <typename T>
 BwdKernel<T> bwd_kernel(const Plan& p, int algo) {
   switch (algo) {
     case 0: return bwd_kernel<T>(p);
-    case 1: return bwd_flat_kernel_u<T, 1>(p);
-    case 2: return bwd_flat_kernel_u<T, 2>(p);
-    default: return bwd_flat_kernel_u<T, 4>(p);
+    case 1: return bwd_flat_kernel_u<T, 1, true, false>(p);
+    case 2: return bwd_flat_kernel_u<T, 2, true, false>(p);
+    case 3: return bwd_flat_kernel_u<T, 4, true, false>(p);
+    case 4: return bwd_flat_kernel_u<T, 2, false, false>(p);
+    case 5: return bwd_flat_kernel_u<T, 1, true, true>(p);
+    default: return bwd_flat_kernel_u<T, 2, true, true>(p);
   }
 }
 
@@ -896,7 +941,7 @@ cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const 
     // group gets the same number of units (the last block's groups at most one fewer).
     int sms = 0, per_sm = 0;
     SUROGATE_TRY(occupancy(kernel, p.smem, &per_sm, &sms));
-    const int64_t U = flat_heads(algo);
+    const int64_t U = bwd_flat_heads(algo);
     const int64_t units = tokens * ((heads + U - 1) / U);
     const int64_t per_block = static_cast<int64_t>(kWarpsPerBlock) * (kWarp / p.L.width);
     const int64_t need = (units + per_block - 1) / per_block;

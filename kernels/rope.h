@@ -47,9 +47,10 @@ int64_t rope_max_head_dim();
 // grid, a lane group per 1, 2, 4 heads of a token (kernels/rope.cu). Same math; the benchmark
 // picks the default.
 inline constexpr int kRopeFwdAlgos = 4;
-// Norm backward algorithms (`algo`, 0 = default): 0 per-token persistent grid, 1-3 "flat" units of
-// 1 / 2 / 4 heads (kernels/rope.cu; not yet run on a GPU, see there). Same math.
-inline constexpr int kRopeBwdAlgos = 4;
+// Norm backward algorithms (`algo`): 0 per-token persistent grid, 1-6 "flat" units of 1, 2 or 4
+// heads, streaming or plain loads, with or without prefetch of the next unit (kernels/rope.cu
+// bwd_kernel). Same math; ops/rope.py BWD_ALGO picks the default from the H100 sweep.
+inline constexpr int kRopeBwdAlgos = 7;
 
 // w == nullptr: rotation only (eps unused).
 template <typename T>
