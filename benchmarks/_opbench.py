@@ -13,6 +13,11 @@ given what the forward saved). Comparing whole fwd+bwd chains instead would let 
 reference's forward into its backward (reading x once for both), which a real step cannot do
 when the two passes run layers apart; "fwd+bwd" rows are the sum of the two.
 
+Chains cycle through independent copies of their inputs, enough that one round moves twice the L2
+(`rotation`, from the tenth session on): before, a chain over an 8 MB tensor re-read from L2 what its
+previous step had written, and small-shape figures above 100% of 3000 GB/s or swinging 1.5x
+between runs came from that.
+
 Bandwidth: "% of 3000" is the useful bytes per second over the H100's measured copy bandwidth;
 "% of copy" is the same over what a plain copy of the same number of bytes achieves on this GPU
 (an element-wise uint32 add over bytes/2 in and bytes/2 out, timed the same way): small tensors
@@ -36,21 +41,42 @@ import jax.numpy as jnp
 PEAK_GBS = 3000.0  # H100 measured device copy bandwidth (read + write)
 
 
-def time_chain(step, carry, steps: int, repeats: int) -> float:
-    """Seconds per step of `carry = step(*carry)` run `steps` times in one jitted program."""
+L2_BYTES = 50 * 2**20  # H100 L2 (50 MB; /work/.library/device/KINDS.md)
+MAX_ROTATE = 16
 
-    def run(*c):
-        for _ in range(steps):
-            c = jax.lax.optimization_barrier(tuple(step(*c)))
-        return c
 
-    fn = jax.jit(run)
+def rotation(carry, l2_bytes: int = L2_BYTES, cap: int = MAX_ROTATE) -> int:
+    """Independent copies of `carry` a timed chain cycles through so that one round over them moves
+    at least twice the L2: a chain over one small carry (the 8 MB k tensors) re-reads what the
+    previous step just wrote, from L2, and its time swung 1.5x between runs (tenth session)."""
+    nbytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(carry))
+    return max(1, min(cap, -(-2 * l2_bytes // max(nbytes, 1))))
+
+
+def chain(step, steps: int, r: int):
+    """(carry_0, ..., carry_{r-1}) -> the same after `steps` steps, step i applied to carry i % r."""
+
+    def run(cs):
+        cs = list(cs)
+        for i in range(steps):
+            cs[i % r] = jax.lax.optimization_barrier(tuple(step(*cs[i % r])))
+        return tuple(cs)
+
+    return run
+
+
+def time_chain(step, carry, steps: int, repeats: int, rotate: int | None = None) -> float:
+    """Seconds per step of `carry = step(*carry)` run `steps` times in one jitted program, cycling
+    through `rotate` independent copies of the carry (default: `rotation(carry)`)."""
+    r = rotation(carry) if rotate is None else rotate
+    carries = tuple([tuple(carry)] + [tuple(jax.tree.map(jnp.copy, tuple(carry))) for _ in range(r - 1)])
+    fn = jax.jit(chain(step, steps, r))
     for _ in range(3):
-        jax.block_until_ready(fn(*carry))
+        jax.block_until_ready(fn(carries))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*carry))
+        jax.block_until_ready(fn(carries))
         times.append(time.perf_counter() - t0)
     return statistics.median(times) / steps
 

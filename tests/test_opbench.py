@@ -1,0 +1,45 @@
+"""benchmarks/_opbench.py's pure parts (the timing itself needs a GPU): how many input copies a
+timed chain cycles through, and that the chain applies every step to the right copy."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+PATH = Path(__file__).parents[1] / "benchmarks" / "_opbench.py"
+
+
+@pytest.fixture(scope="module")
+def ob():
+    spec = importlib.util.spec_from_file_location("_opbench", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rotation_moves_twice_the_l2_per_round(ob):
+    mb = 2**20
+    assert ob.rotation((jnp.zeros(mb // 4, jnp.float32),), l2_bytes=10 * mb, cap=64) == 20
+    # two leaves of 3 MB: 6 MB a copy, ceil(20 / 6) = 4 copies
+    two = (jnp.zeros(3 * mb // 2, jnp.bfloat16), jnp.zeros(3 * mb, jnp.int8))
+    assert ob.rotation(two, l2_bytes=10 * mb, cap=64) == 4
+    assert ob.rotation((jnp.zeros(mb // 4, jnp.float32),), l2_bytes=10 * mb, cap=8) == 8
+    assert ob.rotation((jnp.zeros(8 * mb, jnp.float32),), l2_bytes=10 * mb) == 1
+
+
+@pytest.mark.parametrize("steps,r", [(10, 3), (40, 1), (7, 7), (5, 8)])
+def test_chain_cycles_the_copies(ob, steps, r):
+    run = jax.jit(ob.chain(lambda c, k: (c + k, k), steps, r))
+    out = run(tuple((jnp.zeros(()), jnp.float32(j + 1)) for j in range(r)))
+    for j, (c, k) in enumerate(out):  # copy j took every step i with i % r == j
+        assert float(k) == j + 1
+        assert float(c) == (j + 1) * len(range(j, steps, r))
+
+
+def test_time_chain_runs_on_any_backend(ob):
+    t = ob.time_chain(lambda x: (x * 2.0,), (jnp.ones((64,)),), steps=4, repeats=2, rotate=3)
+    assert t > 0
