@@ -2,7 +2,7 @@
 # One device-machine call: build the CUDA extension, run the GPU tests (plus the op and model
 # suites), then the benchmarks; full logs land in $OUT (at most 8 files come back).
 #   run: [SKIP_TESTS=1] bash benchmarks/gpu_session.sh [bench ...]
-#   benches: rms_norm, fwd_sweep (norm/rope forward variants only), fp8_matmul, nvfp4_quantize, nvfp4_matmul, swiglu, add_rms_norm, lm_head_ce, rope, normuon, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
+#   benches: rms_norm, ncu_rope (Nsight Compute on the RoPE kernels), fwd_sweep (norm/rope forward variants only), fp8_matmul, nvfp4_quantize, nvfp4_matmul, swiglu, add_rms_norm, lm_head_ce, rope, normuon, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
 # The GPU image has jax + CUDA 13, nanobind, scikit-build-core, cmake and nvcc, and no network:
 # we install with --no-deps --no-build-isolation into its python3 and build only sm_90a (Hopper).
 set -uo pipefail
@@ -36,6 +36,12 @@ for b in "${benches[@]}"; do
     fwd_sweep) for o in rms_norm add_rms_norm rope; do  # forward variants only (issue 4), --steps 50
                  python3 benchmarks/bench_$o.py --fwd-only --steps 50 --out "$OUT/fwd_sweep.json" 2>&1 | tee "$OUT/fwd_sweep_$o.log" | grep -A30 "forward variants"
                done ;;
+    ncu_rope) for c in "0.6b q|bwd|positions" "0.6b q|bwd|table" "0.6b k|bwd|positions" "8b k|bwd|table" "0.6b q|fwd|positions"; do
+                IFS='|' read -r shp pas src <<< "$c"   # kernel-only durations, DRAM throughput, stall reasons
+                ncu --clock-control none -k 'regex:rope|col_sum' --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                    --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
+                    python3 benchmarks/profile_rope.py --shape "$shp" --pass "$pas" --source "$src" --calls 2
+              done > "$OUT/ncu_rope.log" 2>&1; grep -E "profile_rope|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|^  [a-z_]+.*\(" "$OUT/ncu_rope.log" | head -60 ;;
     normuon) python3 benchmarks/bench_normuon.py --out "$OUT/bench_normuon.json" 2>&1 | tee "$OUT/bench_normuon.log" | tail -16 ;;
     adamw_8bit) python3 benchmarks/bench_adamw_8bit.py --out "$OUT/bench_adamw_8bit.json" 2>&1 | tee "$OUT/bench_adamw_8bit.log" | tail -48 ;;
     nvfp4_quantize) python3 benchmarks/bench_nvfp4_quantize.py --out "$OUT/bench_nvfp4_quantize.json" 2>&1 | tee "$OUT/bench_nvfp4_quantize.log" | tail -16 ;;

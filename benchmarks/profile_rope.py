@@ -1,0 +1,66 @@
+"""Run one RoPE kernel pass a few times at a bench_rope.py shape, for Nsight Compute to profile.
+
+    ncu --clock-control none -k regex:'rope|col_sum' --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        python3 benchmarks/profile_rope.py --shape "0.6b q" --pass bwd --algo 2 [--source table]
+
+Why: the chained timings of bench_rope.py include the launch gaps and, for the norm backward, the
+dw column-sum kernel; ncu gives each kernel's own duration, DRAM throughput and stall reasons, which
+is what decides where the q/k-norm + RoPE backward (55-69% of 3000 GB/s) loses its time.
+`benchmarks/gpu_session.sh ncu_rope` runs it for the default forward and backward variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from bench_rope import EPS, SHAPES
+
+from surogate_jax.ops.rope import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shape", default="0.6b q", choices=list(SHAPES))
+    ap.add_argument("--pass", dest="pass_", default="bwd", choices=("fwd", "bwd"))
+    ap.add_argument("--algo", type=int, help="fwd_algo / bwd_algo (default: the op's)")
+    ap.add_argument("--source", default="positions", choices=("positions", "table"))
+    ap.add_argument("--no-norm", dest="norm", action="store_false", help="rotation only (fwd)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    ap.add_argument("--calls", type=int, default=3)
+    args = ap.parse_args()
+    B, T, H, K = SHAPES[args.shape]
+    dtype = jnp.dtype(args.dtype)
+    kx, kd, kw = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (B, T, H, K), jnp.float32).astype(dtype)
+    dy = jax.random.normal(kd, (B, T, H, K), jnp.float32).astype(dtype)
+    w = (1.0 + 0.1 * jax.random.normal(kw, (K,), jnp.float32)).astype(dtype)
+    pos = jnp.asarray(np.random.default_rng(0).integers(0, T, size=(B, T)), jnp.int32)
+    inv = jnp.asarray(1.0 / 1e6 ** (np.arange(0, K, 2) / K), jnp.float32)
+    if args.source == "positions":
+        a, b = pos, inv
+    else:
+        ang = pos.astype(jnp.float32)[..., None] * inv
+        ang = jnp.concatenate([ang, ang], axis=-1)
+        a, b = jnp.cos(ang), jnp.sin(ang)
+    if args.pass_ == "fwd":
+        algo = FWD_ALGO if args.algo is None else args.algo
+        wn = w if args.norm else jnp.zeros((0,), dtype)
+        fn = jax.jit(lambda x, a, b: _fwd_ffi(x, a, b, wn, eps=EPS, norm=args.norm, inverse=False, algo=algo))
+        call = lambda: fn(x, a, b)  # noqa: E731
+    else:
+        algo = BWD_ALGO if args.algo is None else args.algo
+        fn = jax.jit(lambda dy, x, a, b: _bwd_ffi(dy, x, a, b, w, eps=EPS, algo=algo))
+        call = lambda: fn(dy, x, a, b)  # noqa: E731
+    for _ in range(args.calls):
+        jax.block_until_ready(call())
+    nbytes = x.nbytes * (2 if args.pass_ == "fwd" else 3)
+    print(f"{args.shape} {B}x{T}x{H}x{K} {args.pass_} algo {algo} {args.source} {dtype.name}: "
+          f"{args.calls} calls, {nbytes / 1e6:.1f} MB of rows each (floor {nbytes / 3e12 * 1e6:.1f} us at 3000 GB/s)")
+
+
+if __name__ == "__main__":
+    main()
