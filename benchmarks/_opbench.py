@@ -1,20 +1,16 @@
 """Shared timing and reporting for the per-op benchmarks (bench_<op>.py).
 
-Timing: one jitted program applies a step `steps` times in a dependent chain with an
-optimization barrier between steps (so XLA can neither fuse nor overlap steps); the time per step
-is the median over `repeats` calls after warm-up, divided by `steps`. Each call also pays a fixed
-dispatch + synchronize cost (about 0.1 ms, estimated from the same shapes at 10 and 40 steps),
-spread over the steps: at 10 steps it inflated 20-60 us kernels (ours and XLA's alike; H100,
-2026-11-23: rms_norm fwd+bwd at 61-84% of 3000 GB/s with 10 steps, 75-89% with 40), so the
-norm / RoPE / SwiGLU benches chain 40.
-
-Each op is timed per pass, as in training: "fwd" (the forward alone) and "bwd" (the backward alone,
-given what the forward saved). Comparing whole fwd+bwd chains instead would let XLA fuse the
-reference's forward into its backward (reading x once for both), which a real step cannot do
-when the two passes run layers apart; "fwd+bwd" rows are the sum of the two.
+Timing: one jitted program applies a step in a dependent chain with an optimization barrier
+between steps (so XLA can neither fuse nor overlap steps). Chains of `steps` and `2 * steps`
+steps are timed alternately (median over `repeats` calls each, after warm-up); the time per step
+is their difference over `steps` (added in the tenth session after its GPU run). Each call pays a fixed dispatch +
+synchronize cost (about 0.1 ms, estimated from the same shapes at 10 and 40 steps) that a single
+chain spreads over its steps: at 10 steps it inflated 20-60 us kernels (ours and XLA's alike;
+H100, 2026-11-23: rms_norm fwd+bwd at 61-84% of 3000 GB/s with 10 steps, 75-89% with 40); the
+difference cancels it. Figures up to the tenth session's are single 40-step chains over one carry.
 
 Chains cycle through independent copies of their inputs, enough that one round moves twice the L2
-(`rotation`, from the tenth session on): before, a chain over an 8 MB tensor re-read from L2 what its
+(`rotation`, also added then): before, a chain over an 8 MB tensor re-read from L2 what its
 previous step had written, and small-shape figures above 100% of 3000 GB/s or swinging 1.5x
 between runs came from that.
 
@@ -66,19 +62,31 @@ def chain(step, steps: int, r: int):
 
 
 def time_chain(step, carry, steps: int, repeats: int, rotate: int | None = None) -> float:
-    """Seconds per step of `carry = step(*carry)` run `steps` times in one jitted program, cycling
-    through `rotate` independent copies of the carry (default: `rotation(carry)`)."""
+    """Seconds per step of `carry = step(*carry)` chained in one jitted program, cycling through
+    `rotate` independent copies of the carry (default: `rotation(carry)`).
+
+    Two programs, of `steps` and `2 * steps` steps, are called alternately `repeats` times each;
+    the time per step is the difference of their medians over `steps`, so the fixed cost of a call
+    (dispatch and synchronize, ~0.1 ms: 2.5 us a step at 40 steps, a quarter of a 10 us kernel)
+    cancels. Launch gaps between the kernels of a step stay in, as in a training step."""
     r = rotation(carry) if rotate is None else rotate
     carries = tuple([tuple(carry)] + [tuple(jax.tree.map(jnp.copy, tuple(carry))) for _ in range(r - 1)])
-    fn = jax.jit(chain(step, steps, r))
-    for _ in range(3):
-        jax.block_until_ready(fn(carries))
-    times = []
+    fns = [jax.jit(chain(step, n, r)) for n in (steps, 2 * steps)]
+    for fn in fns:
+        for _ in range(3):
+            jax.block_until_ready(fn(carries))
+    times: list[list[float]] = [[], []]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(carries))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / steps
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(carries))
+            ts.append(time.perf_counter() - t0)
+    one, two = (statistics.median(ts) for ts in times)
+    if two <= one:  # noise larger than `steps` steps: no difference to take
+        print(f"warning: {2 * steps} steps timed no slower than {steps}; per-step time from the longer chain",
+              file=sys.stderr)
+        return two / (2 * steps)
+    return (two - one) / steps
 
 
 _COPY_S: dict[tuple[int, int, int], float] = {}
