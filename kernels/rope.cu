@@ -516,11 +516,9 @@ __device__ __forceinline__ float elem(const vec::Raw<T, N>& r, int k) {
 // Resident 128-thread blocks per SM asked of ptxas: 5 / 4 / 3 for U = 1 / 2 / 4 (register caps
 // 96 / 128 / 168: the largest block counts at which the bf16 vector kernels spill nothing, nvcc 13,
 // sm_90a; one more block each spilled 24-164 bytes). Variant 0 runs at 128 registers, 4 blocks.
-// A prefetching kernel holds two units' rows, as many registers as one of twice the heads.
-template <int PER, int U, bool kPrefetch>
+template <int PER, int U>
 constexpr int bwd_flat_min_blocks() {
-  constexpr int held = kPrefetch ? 2 * U : U;
-  return PER > 1 ? 1 : held == 1 ? 5 : held == 2 ? 4 : 3;
+  return PER > 1 ? 1 : U == 1 ? 5 : U == 2 ? 4 : 3;
 }
 
 // One unit's packed rows (U heads of a token: this lane's chunks of dy and x, both halves).
@@ -561,14 +559,13 @@ __device__ __forceinline__ void load_unit(UnitRows<T, V, PER, U>& r, const T* __
 // before any math, and re-reads w from L1; dy and x are unpacked twice (for the two reductions and
 // for the output) instead of holding fp32 copies. Same per-row math and reduction order as variant
 // 0, so dx matches it bitwise (up to FMA contraction); dw sums the same terms in another order.
-template <typename T, int V, int PER, int U, bool kStream, bool kPrefetch>
-__global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U, kPrefetch>()))
+template <typename T, int V, int PER, int U, bool kStream>
+__global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
     rope_norm_bwd_flat_kernel(const T* __restrict__ dy, const T* __restrict__ x, RopeAngles ang,
                               const T* __restrict__ w, T* __restrict__ dx, float* __restrict__ ws,
                               int64_t tokens, int heads, Layout L, float eps) {
   extern __shared__ float red[];
   using R = vec::Raw<T, V>;
-  using Rows = UnitRows<T, V, PER, U>;
   const int K = 2 * L.half;
   const int lw = static_cast<int>(threadIdx.x) % kWarp;
   const int groups = kWarp / L.width;
@@ -584,27 +581,12 @@ __global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U, kPrefet
   const int upt = (heads + U - 1) / U;  // units per token
   const int64_t units = tokens * upt;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock * groups;
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group;
-  Rows cur;
-  if constexpr (kPrefetch) {
-    if (first < units) {
-      const int64_t tok = first / upt;
-      load_unit<T, V, PER, U, kStream>(cur, dy, x, tok, static_cast<int>(first - tok * upt) * U, heads, lane, L);
-    }
-  }
-  for (int64_t unit = first; unit < units; unit += stride) {  // uniform over a group: its shuffles stay inside it
+  for (int64_t unit = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group;
+       unit < units; unit += stride) {  // uniform over a group: its shuffles stay inside it
     const int64_t tok = unit / upt;
     const int h0 = static_cast<int>(unit - tok * upt) * U;
-    Rows nxt;
-    if constexpr (kPrefetch) {  // the next unit's loads are in flight during this unit's math
-      const int64_t n = unit + stride;
-      if (n < units) {
-        const int64_t nt = n / upt;
-        load_unit<T, V, PER, U, kStream>(nxt, dy, x, nt, static_cast<int>(n - nt * upt) * U, heads, lane, L);
-      }
-    } else {
-      load_unit<T, V, PER, U, kStream>(cur, dy, x, tok, h0, heads, lane, L);
-    }
+    UnitRows<T, V, PER, U> cur;
+    load_unit<T, V, PER, U, kStream>(cur, dy, x, tok, h0, heads, lane, L);
     const R (&ga)[U][PER] = cur.ga;
     const R (&gb)[U][PER] = cur.gb;
     const R (&xa)[U][PER] = cur.xa;
@@ -660,7 +642,6 @@ __global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U, kPrefet
         }
       }
     }
-    if constexpr (kPrefetch) cur = nxt;
   }
   block_dw_to_ws<V, PER>(d1, d2, L, lane, red, ws);
 }
@@ -830,37 +811,37 @@ BwdKernel<T> bwd_kernel(const Plan& p) {
   return rope_norm_bwd_kernel<T, kVec<T>, kMaxPerVector>;
 }
 
-template <typename T, int U, bool kStream, bool kPrefetch>
+template <typename T, int U, bool kStream>
 BwdKernel<T> bwd_flat_kernel_u(const Plan& p) {
   if (p.vec == 1) {
     switch (p.per) {
-      case 1: return rope_norm_bwd_flat_kernel<T, 1, 1, U, kStream, kPrefetch>;
-      case 4: return rope_norm_bwd_flat_kernel<T, 1, 4, U, kStream, kPrefetch>;
-      default: return rope_norm_bwd_flat_kernel<T, 1, kMaxPerScalar, U, kStream, kPrefetch>;
+      case 1: return rope_norm_bwd_flat_kernel<T, 1, 1, U, kStream>;
+      case 4: return rope_norm_bwd_flat_kernel<T, 1, 4, U, kStream>;
+      default: return rope_norm_bwd_flat_kernel<T, 1, kMaxPerScalar, U, kStream>;
     }
   }
-  if (p.per == 1) return rope_norm_bwd_flat_kernel<T, kVec<T>, 1, U, kStream, kPrefetch>;
-  return rope_norm_bwd_flat_kernel<T, kVec<T>, kMaxPerVector, U, kStream, kPrefetch>;
+  if (p.per == 1) return rope_norm_bwd_flat_kernel<T, kVec<T>, 1, U, kStream>;
+  return rope_norm_bwd_flat_kernel<T, kVec<T>, kMaxPerVector, U, kStream>;
 }
 
-constexpr int kBwdAlgos = 7;
+constexpr int kBwdAlgos = 5;
 
-// Heads per unit of flat norm backward variant `algo` (1-6).
-constexpr int bwd_flat_heads(int algo) { return algo == 1 || algo == 5 ? 1 : algo == 3 ? 4 : 2; }
+// Heads per unit of flat norm backward variant `algo` (1-4).
+constexpr int bwd_flat_heads(int algo) { return algo == 1 ? 1 : algo == 3 ? 4 : 2; }
 
 // Norm backward variant `algo`: 0 per-token persistent; flat with U heads per unit and streaming
-// loads: 1, 2, 3 -> U = 1, 2, 4; 4: U = 2 with plain loads; 5, 6: U = 1, 2 with the next unit's
-// loads issued before this unit's math (prefetch).
+// loads: 1, 2, 3 -> U = 1, 2, 4; 4: U = 2 with plain loads (fastest on the smallest, 8 MB, tensors;
+// 5-7% slower elsewhere: RESULTS.md, tenth session). Variants that also issued the next unit's
+// loads before this unit's math (U = 1, 2; c0c0828) were 0.79-1.0x of variant 2 at every
+// benchmarked shape, so they were removed: the backward is not waiting on its loads' latency.
 template <typename T>
 BwdKernel<T> bwd_kernel(const Plan& p, int algo) {
   switch (algo) {
     case 0: return bwd_kernel<T>(p);
-    case 1: return bwd_flat_kernel_u<T, 1, true, false>(p);
-    case 2: return bwd_flat_kernel_u<T, 2, true, false>(p);
-    case 3: return bwd_flat_kernel_u<T, 4, true, false>(p);
-    case 4: return bwd_flat_kernel_u<T, 2, false, false>(p);
-    case 5: return bwd_flat_kernel_u<T, 1, true, true>(p);
-    default: return bwd_flat_kernel_u<T, 2, true, true>(p);
+    case 1: return bwd_flat_kernel_u<T, 1, true>(p);
+    case 2: return bwd_flat_kernel_u<T, 2, true>(p);
+    case 3: return bwd_flat_kernel_u<T, 4, true>(p);
+    default: return bwd_flat_kernel_u<T, 2, false>(p);
   }
 }
 

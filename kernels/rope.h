@@ -47,10 +47,10 @@ int64_t rope_max_head_dim();
 // grid, a lane group per 1, 2, 4 heads of a token (kernels/rope.cu). Same math; the benchmark
 // picks the default.
 inline constexpr int kRopeFwdAlgos = 4;
-// Norm backward algorithms (`algo`): 0 per-token persistent grid, 1-6 "flat" units of 1, 2 or 4
-// heads, streaming or plain loads, with or without prefetch of the next unit (kernels/rope.cu
-// bwd_kernel). Same math; ops/rope.py BWD_ALGO picks the default from the H100 sweep.
-inline constexpr int kRopeBwdAlgos = 7;
+// Norm backward algorithms (`algo`): 0 per-token persistent grid, 1-4 "flat" units of 1, 2 or 4
+// heads, streaming or plain loads (kernels/rope.cu bwd_kernel). Same math; ops/rope.py BWD_ALGO
+// picks the default from the H100 sweep.
+inline constexpr int kRopeBwdAlgos = 5;
 
 // w == nullptr: rotation only (eps unused).
 template <typename T>

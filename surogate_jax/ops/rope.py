@@ -59,10 +59,10 @@ FWD_ALGOS = (0, 1, 2, 3)
 # 3: the fastest on the H100 for 12 of the 16 swept shapes, every q/k-norm one (RESULTS.md, sixth session)
 FWD_ALGO = 3
 # Norm backward variant (FFI attribute `bwd_algo`): 0 persistent grid over tokens; 1, 2, 3 "flat"
-# units of 1, 2, 4 heads on a balanced grid; 4: U = 2 with plain loads; 5, 6: U = 1, 2 with the
-# next unit's loads in flight during this unit's math (kernels/rope.cu). Same math. 2: the fastest
-# of 0-3 on the H100 at 7 of the 8 benchmarked q/k shapes (RESULTS.md, ninth session).
-BWD_ALGOS = (0, 1, 2, 3, 4, 5, 6)
+# units of 1, 2, 4 heads on a balanced grid; 4: U = 2 with plain loads (kernels/rope.cu). Same
+# math. 2: the fastest on the H100 at 6 of the 8 benchmarked q/k shapes (4 at the two 8B k ones;
+# RESULTS.md, ninth and tenth sessions).
+BWD_ALGOS = (0, 1, 2, 3, 4)
 BWD_ALGO = 2
 
 
