@@ -1,11 +1,14 @@
 """Shared test settings: the one dtype-based tolerance rule, and the `gpu` marker's auto-skip.
 
 Tolerances come only from `tolerance(dtype)`; a test that needs more must say why in a comment.
-Tests get the helpers as fixtures (`tolerance`, `assert_close`) so they work whatever pytest's
+Tests get the helpers as fixtures (`tolerance`, `assert_close`, `benchmark_module`) so they work whatever pytest's
 import mode is.
 """
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +73,20 @@ def _tolerance_fixture():
 @pytest.fixture(name="assert_close")
 def _assert_close_fixture():
     return assert_close
+
+
+def benchmark_module(name: str):
+    """benchmarks/<name>.py loaded as a module (benchmarks/ is not a package), for tests of its pure parts."""
+    path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(name="benchmark_module")
+def _benchmark_module_fixture():
+    return benchmark_module
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,22 +3,14 @@ timed chain cycles through, and that the chain applies every step to the right c
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import pytest
 
-PATH = Path(__file__).parents[1] / "benchmarks" / "_opbench.py"
 
-
-@pytest.fixture(scope="module")
-def ob():
-    spec = importlib.util.spec_from_file_location("_opbench", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture
+def ob(benchmark_module):
+    return benchmark_module("_opbench")
 
 
 def test_rotation_moves_twice_the_l2_per_round(ob):

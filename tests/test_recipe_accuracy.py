@@ -4,20 +4,12 @@ The training runs themselves are ordinary `python -m surogate_jax.pretrain` runs
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-PATH = Path(__file__).parents[1] / "benchmarks" / "recipe_accuracy.py"
 
-
-@pytest.fixture(scope="module")
-def ra():
-    spec = importlib.util.spec_from_file_location("recipe_accuracy", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture
+def ra(benchmark_module):
+    return benchmark_module("recipe_accuracy")
 
 
 def test_pieces_cut_at_line_ends_and_lose_nothing(ra):
