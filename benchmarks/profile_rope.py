@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 
+import _opbench
 import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_rope import EPS, SHAPES
 
+from surogate_jax.ops import ffi_available
 from surogate_jax.ops.rope import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi
 
 
@@ -32,6 +34,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     ap.add_argument("--calls", type=int, default=3)
     args = ap.parse_args()
+    if args.pass_ == "bwd" and not args.norm:
+        ap.error("--no-norm is a forward option: the rotation-only backward is the forward with inverse angles")
+    _opbench.require_gpu(ffi_available)
     B, T, H, K = SHAPES[args.shape]
     dtype = jnp.dtype(args.dtype)
     kx, kd, kw = jax.random.split(jax.random.key(0), 3)

@@ -521,33 +521,6 @@ constexpr int bwd_flat_min_blocks() {
   return PER > 1 ? 1 : U == 1 ? 5 : U == 2 ? 4 : 3;
 }
 
-// One unit's packed rows (U heads of a token: this lane's chunks of dy and x, both halves).
-template <typename T, int V, int PER, int U>
-struct UnitRows {
-  vec::Raw<T, V> ga[U][PER], gb[U][PER], xa[U][PER], xb[U][PER];
-};
-
-template <typename T, int V, int PER, int U, bool kStream>
-__device__ __forceinline__ void load_unit(UnitRows<T, V, PER, U>& r, const T* __restrict__ dy,
-                                          const T* __restrict__ x, int64_t tok, int h0, int heads,
-                                          int lane, const Layout& L) {
-  const int K = 2 * L.half;
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t off = (tok * heads + h0 + u) * K;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int ch = lane_chunk(lane, i, L);
-      if (h0 + u < heads && ch < L.nchunks) {
-        r.ga[u][i] = vec::load_raw_hint<T, V, kStream>(dy + off + ch * V);
-        r.gb[u][i] = vec::load_raw_hint<T, V, kStream>(dy + off + L.half + ch * V);
-        r.xa[u][i] = vec::load_raw_hint<T, V, kStream>(x + off + ch * V);
-        r.xb[u][i] = vec::load_raw_hint<T, V, kStream>(x + off + L.half + ch * V);
-      }
-    }
-  }
-}
-
 // Norm backward variants 1-3 ("flat", bwd_algo = 1, 2, 3 -> U = 1, 2, 4 heads per unit), written
 // after the forward's variants 1-3 made the forward 1.4x faster. On the H100 (ninth session) U = 2
 // was the fastest at 7 of 8 benchmarked shapes (55-69% of 3000 GB/s vs variant 0's 43-63%), so it
@@ -585,12 +558,21 @@ __global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
        unit < units; unit += stride) {  // uniform over a group: its shuffles stay inside it
     const int64_t tok = unit / upt;
     const int h0 = static_cast<int>(unit - tok * upt) * U;
-    UnitRows<T, V, PER, U> cur;
-    load_unit<T, V, PER, U, kStream>(cur, dy, x, tok, h0, heads, lane, L);
-    const R (&ga)[U][PER] = cur.ga;
-    const R (&gb)[U][PER] = cur.gb;
-    const R (&xa)[U][PER] = cur.xa;
-    const R (&xb)[U][PER] = cur.xb;
+    R ga[U][PER], gb[U][PER], xa[U][PER], xb[U][PER];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t off = (tok * heads + h0 + u) * K;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int ch = lane_chunk(lane, i, L);
+        if (h0 + u < heads && ch < L.nchunks) {
+          ga[u][i] = vec::load_raw_hint<T, V, kStream>(dy + off + ch * V);
+          gb[u][i] = vec::load_raw_hint<T, V, kStream>(dy + off + L.half + ch * V);
+          xa[u][i] = vec::load_raw_hint<T, V, kStream>(x + off + ch * V);
+          xb[u][i] = vec::load_raw_hint<T, V, kStream>(x + off + L.half + ch * V);
+        }
+      }
+    }
     float c[PER][V], s[PER][V];
     token_angles<V, PER>(ang, tok, lane, L, -1.f, c, s);  // R(-ang): (cos, -sin)
 #pragma unroll
