@@ -13,14 +13,16 @@ def ob(benchmark_module):
     return benchmark_module("_opbench")
 
 
-def test_rotation_moves_twice_the_l2_per_round(ob):
+def test_rotation_reads_a_multiple_of_the_l2_per_round(ob):
     mb = 2**20
-    assert ob.rotation((jnp.zeros(mb // 4, jnp.float32),), l2_bytes=10 * mb, cap=64) == 20
-    # two leaves of 3 MB: 6 MB a copy, ceil(20 / 6) = 4 copies
+    assert ob.rotation((jnp.zeros(mb // 4, jnp.float32),), l2_bytes=10 * mb, cap=64, multiple=2) == 20
+    # two leaves of 3 MB: 6 MB a copy, ceil(20 / 6) = 4 copies; ceil(80 / 6) = 14 at 8x
     two = (jnp.zeros(3 * mb // 2, jnp.bfloat16), jnp.zeros(3 * mb, jnp.int8))
-    assert ob.rotation(two, l2_bytes=10 * mb, cap=64) == 4
+    assert ob.rotation(two, l2_bytes=10 * mb, cap=64, multiple=2) == 4
+    assert ob.rotation(two, l2_bytes=10 * mb, cap=64, multiple=8) == 14
     assert ob.rotation((jnp.zeros(mb // 4, jnp.float32),), l2_bytes=10 * mb, cap=8) == 8
-    assert ob.rotation((jnp.zeros(8 * mb, jnp.float32),), l2_bytes=10 * mb) == 1
+    assert ob.rotation((jnp.zeros(8 * mb, jnp.float32),), l2_bytes=10 * mb, multiple=2) == 1
+    assert ob.rotation((jnp.zeros(mb // 4, jnp.float32),), l2_bytes=mb) == ob.L2_MULTIPLE
 
 
 @pytest.mark.parametrize("steps,r", [(10, 3), (40, 1), (7, 7), (5, 8)])
