@@ -3,6 +3,12 @@
     ncu --clock-control none -k regex:'rope|col_sum' --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
         python3 benchmarks/profile_rope.py --shape "0.6b q" --pass bwd --algo 2 [--source table]
+    ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum \
+        python3 benchmarks/profile_rope.py --impl xla --shape "8b k" --pass bwd --source table
+
+--impl xla profiles XLA's fusion of the reference instead (all its kernels: every kernel launched
+between cudaProfilerStart and cudaProfilerStop, which this script calls around the measured calls
+when cudart can be loaded, so ncu --profile-from-start off skips the setup's kernels).
 
 Why: the chained timings of bench_rope.py include the launch gaps and, for the norm backward, the
 dw column-sum kernel; ncu gives each kernel's own duration, DRAM throughput and stall reasons, which
@@ -20,8 +26,28 @@ import jax.numpy as jnp
 import numpy as np
 from bench_rope import EPS, SHAPES
 
+from bench_rope import _ref
+
 from surogate_jax.ops import ffi_available
 from surogate_jax.ops.rope import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi
+
+
+def _cudart():
+    """libcudart through ctypes (for cudaProfilerStart/Stop), or None: the pip CUDA packages first."""
+    import ctypes
+    import glob
+    import os
+    import site
+
+    roots = [*site.getsitepackages(), os.path.dirname(os.path.dirname(jax.__file__))]
+    cands = [f for r in roots for f in sorted(glob.glob(os.path.join(r, "nvidia", "**", "libcudart.so*"), recursive=True))]
+    cands += sorted(glob.glob("/usr/local/cuda*/lib64/libcudart.so*"))
+    for c in cands:
+        try:
+            return ctypes.CDLL(c)
+        except OSError:
+            continue
+    return None
 
 
 def main() -> None:
@@ -33,6 +59,7 @@ def main() -> None:
     ap.add_argument("--no-norm", dest="norm", action="store_false", help="rotation only (fwd)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--impl", default="ffi", choices=("ffi", "xla"), help="our kernel or XLA's fusion of the reference")
     args = ap.parse_args()
     if args.pass_ == "bwd" and not args.norm:
         ap.error("--no-norm is a forward option: the rotation-only backward is the forward with inverse angles")
@@ -51,7 +78,16 @@ def main() -> None:
         ang = pos.astype(jnp.float32)[..., None] * inv
         ang = jnp.concatenate([ang, ang], axis=-1)
         a, b = jnp.cos(ang), jnp.sin(ang)
-    if args.pass_ == "fwd":
+    if args.impl == "xla":
+        algo = "xla"
+        wn = w if args.norm else None
+        if args.pass_ == "fwd":
+            fn = jax.jit(lambda x, a, b: _ref(x, a, b, wn))
+            call = lambda: fn(x, a, b)  # noqa: E731
+        else:
+            fn = jax.jit(lambda dy, x, a, b: jax.vjp(lambda x, w: _ref(x, a, b, w), x, w)[1](dy))
+            call = lambda: fn(dy, x, a, b)  # noqa: E731
+    elif args.pass_ == "fwd":
         algo = FWD_ALGO if args.algo is None else args.algo
         wn = w if args.norm else jnp.zeros((0,), dtype)
         fn = jax.jit(lambda x, a, b: _fwd_ffi(x, a, b, wn, eps=EPS, norm=args.norm, inverse=False, algo=algo))
@@ -60,8 +96,16 @@ def main() -> None:
         algo = BWD_ALGO if args.algo is None else args.algo
         fn = jax.jit(lambda dy, x, a, b: _bwd_ffi(dy, x, a, b, w, eps=EPS, algo=algo))
         call = lambda: fn(dy, x, a, b)  # noqa: E731
+    jax.block_until_ready(call())  # compile and warm up outside the profiled range
+    rt = _cudart()
+    if rt is None:
+        print("warning: libcudart not found; ncu --profile-from-start off would see nothing, so profile from the start")
+    else:
+        rt.cudaProfilerStart()
     for _ in range(args.calls):
         jax.block_until_ready(call())
+    if rt is not None:
+        rt.cudaProfilerStop()
     nbytes = x.nbytes * (2 if args.pass_ == "fwd" else 3)
     print(f"{args.shape} {B}x{T}x{H}x{K} {args.pass_} algo {algo} {args.source} {dtype.name}: "
           f"{args.calls} calls, {nbytes / 1e6:.1f} MB of rows each (floor {nbytes / 3e12 * 1e6:.1f} us at 3000 GB/s)")

@@ -7,9 +7,7 @@
 // load at a time costs ~0.3 us per row in flight: rope.cu's first version (block 32 x 16, one sum
 // per thread, 528 rows -> 33 serial loads) spent ~10 us per call this way, a third of a 34 us
 // backward (eighth/ninth session). Here a block is 32 columns x kColSumRows row slices, and each
-// thread keeps kColSumInFlight independent sums, so that many loads are in flight at once: up to
-// 32 x 16 = 512 rows take one L2 round trip. Four in flight (ninth session) took 3.4-3.8 us per call
-// for 512 rows under Nsight Compute on the H100 (eleventh session).
+// thread keeps four independent sums so four loads are in flight at once.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,30 +22,27 @@ namespace colsum {
 
 constexpr int kColSumCols = 32;
 constexpr int kColSumRows = 32;
-constexpr int kColSumInFlight = 16;
 
 template <typename T>
 __global__ void __launch_bounds__(kColSumCols * kColSumRows)
     dw_col_sum_kernel(const float* __restrict__ ws, T* __restrict__ dw, int parts, int dim) {
   __shared__ float acc[kColSumRows][kColSumCols + 1];
   const int col = blockIdx.x * kColSumCols + threadIdx.x;
-  float s[kColSumInFlight] = {};
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
   if (col < dim) {
     const float* c = ws + col;
-    for (int p = threadIdx.y; p < parts; p += kColSumInFlight * kColSumRows) {
-#pragma unroll
-      for (int j = 0; j < kColSumInFlight; ++j) {  // all loads issued before the adds need them
-        const int q = p + j * kColSumRows;
-        if (q < parts) s[j] += c[static_cast<int64_t>(q) * dim];
-      }
+    const int64_t step = static_cast<int64_t>(kColSumRows) * dim;
+    int p = threadIdx.y;
+    for (; p + 3 * kColSumRows < parts; p += 4 * kColSumRows) {
+      const float* q = c + static_cast<int64_t>(p) * dim;
+      s0 += q[0];
+      s1 += q[step];
+      s2 += q[2 * step];
+      s3 += q[3 * step];
     }
+    for (; p < parts; p += kColSumRows) s0 += c[static_cast<int64_t>(p) * dim];
   }
-#pragma unroll
-  for (int w = kColSumInFlight / 2; w > 0; w /= 2) {
-#pragma unroll
-    for (int j = 0; j < w; ++j) s[j] += s[j + w];
-  }
-  acc[threadIdx.y][threadIdx.x] = s[0];
+  acc[threadIdx.y][threadIdx.x] = (s0 + s1) + (s2 + s3);
   __syncthreads();
   if (threadIdx.y == 0 && col < dim) {
     float t = 0.f;

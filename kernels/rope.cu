@@ -531,8 +531,7 @@ constexpr int bwd_flat_min_blocks() {
 // sized so every group gets the same number of units, issues all U heads' loads (held packed)
 // before any math, and re-reads w from L1; dy and x are unpacked twice (for the two reductions and
 // for the output) instead of holding fp32 copies. Same per-row math and reduction order as variant
-// 0 (mean = sum * (1/K) here, exact for power-of-two K), so dx matches it bitwise for those (up to
-// FMA contraction); dw sums the same terms in another order.
+// 0, so dx matches it bitwise (up to FMA contraction); dw sums the same terms in another order.
 template <typename T, int V, int PER, int U, bool kStream>
 __global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
     rope_norm_bwd_flat_kernel(const T* __restrict__ dy, const T* __restrict__ x, RopeAngles ang,
@@ -553,22 +552,12 @@ __global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
     for (int k = 0; k < V; ++k) d1[i][k] = d2[i][k] = 0.f;
   }
   const int upt = (heads + U - 1) / U;  // units per token
-  const float inv_k = 1.f / static_cast<float>(K);
-  // Unit u = (token u / upt, heads (u % upt) * U ...): the grid stride is split into whole tokens
-  // and a remainder once, so each unit costs an add and a compare instead of a 64-bit division.
+  const int64_t units = tokens * upt;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock * groups;
-  const int64_t stride_tok = stride / upt;
-  const int stride_rem = static_cast<int>(stride - stride_tok * upt);
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group;
-  int64_t tok = first / upt;
-  int hu = static_cast<int>(first - tok * upt);  // unit within the token
-  for (; tok < tokens; tok += stride_tok, hu += stride_rem) {  // uniform over a group: its shuffles stay inside it
-    if (hu >= upt) {
-      hu -= upt;
-      ++tok;
-      if (tok >= tokens) break;
-    }
-    const int h0 = hu * U;
+  for (int64_t unit = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group;
+       unit < units; unit += stride) {  // uniform over a group: its shuffles stay inside it
+    const int64_t tok = unit / upt;
+    const int h0 = static_cast<int>(unit - tok * upt) * U;
     R ga[U][PER], gb[U][PER], xa[U][PER], xb[U][PER];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -611,8 +600,8 @@ __global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
       }
       ss = group_sum(ss, mask, L.width);
       dot = group_sum(dot, mask, L.width);
-      const float r = rsqrtf(ss * inv_k + eps);
-      const float m = r * dot * inv_k;  // mean(g * w * xhat)
+      const float r = rsqrtf(ss / static_cast<float>(K) + eps);
+      const float m = r * dot / static_cast<float>(K);  // mean(g * w * xhat)
 #pragma unroll
       for (int i = 0; i < PER; ++i) {
         const int ch = lane_chunk(lane, i, L);
