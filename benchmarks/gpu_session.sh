@@ -2,7 +2,7 @@
 # One device-machine call: build the CUDA extension, run the GPU tests (plus the op and model
 # suites), then the benchmarks; full logs land in $OUT (at most 8 files come back).
 #   run: [SKIP_TESTS=1] bash benchmarks/gpu_session.sh [bench ...]
-#   benches: rms_norm, ncu_rope (Nsight Compute on the RoPE kernels), fwd_sweep (norm/rope forward variants only), fp8_matmul, nvfp4_quantize, nvfp4_matmul, swiglu, add_rms_norm, lm_head_ce, rope, normuon, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
+#   benches: rms_norm, calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the RoPE kernels), fwd_sweep (norm/rope forward variants only), fp8_matmul, nvfp4_quantize, nvfp4_matmul, swiglu, add_rms_norm, lm_head_ce, rope, normuon, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
 # The GPU image has jax + CUDA 13, nanobind, scikit-build-core, cmake and nvcc, and no network:
 # we install with --no-deps --no-build-isolation into its python3 and build only sm_90a (Hopper).
 set -uo pipefail
@@ -42,6 +42,7 @@ for b in "${benches[@]}"; do
                     --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
                     python3 benchmarks/profile_rope.py --shape "$shp" --pass "$pas" --source "$src" --calls 2
               done > "$OUT/ncu_rope.log" 2>&1; grep -E "profile_rope|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|^  [a-z_]+.*\(" "$OUT/ncu_rope.log" | head -60 ;;
+    calibrate) python3 benchmarks/calibrate_opbench.py 2>&1 | tee "$OUT/calibrate_opbench.log" | tail -16 ;;
     normuon) python3 benchmarks/bench_normuon.py --out "$OUT/bench_normuon.json" 2>&1 | tee "$OUT/bench_normuon.log" | tail -16 ;;
     adamw_8bit) python3 benchmarks/bench_adamw_8bit.py --out "$OUT/bench_adamw_8bit.json" 2>&1 | tee "$OUT/bench_adamw_8bit.log" | tail -48 ;;
     nvfp4_quantize) python3 benchmarks/bench_nvfp4_quantize.py --out "$OUT/bench_nvfp4_quantize.json" 2>&1 | tee "$OUT/bench_nvfp4_quantize.log" | tail -16 ;;

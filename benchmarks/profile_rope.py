@@ -12,7 +12,8 @@ when cudart can be loaded, so ncu --profile-from-start off skips the setup's ker
 
 Why: the chained timings of bench_rope.py include the launch gaps and, for the norm backward, the
 dw column-sum kernel; ncu gives each kernel's own duration, DRAM throughput and stall reasons, which
-is what decides where the q/k-norm + RoPE backward (42-66% of 3000 GB/s) loses its time.
+is what decides where the q/k-norm + RoPE backward (47-82% of 3000 GB/s kernel-only, eleventh
+session) loses its time.
 `benchmarks/gpu_session.sh ncu_rope` runs it for the default forward and backward variants.
 """
 

@@ -37,3 +37,13 @@ def test_chain_cycles_the_copies(ob, steps, r):
 def test_time_chain_runs_on_any_backend(ob):
     t = ob.time_chain(lambda x: (x * 2.0,), (jnp.ones((64,)),), steps=4, repeats=2, rotate=3)
     assert t > 0
+
+
+def test_rows_faster_than_the_dram_are_marked(ob, capsys):
+    t = ob.Table("x", steps=40, repeats=2)
+    gb = 10**9
+    t.add("ok", "bf16", "fwd", ours_s=1e-3, xla_s=2e-3, nbytes=gb, copy_s=0.5e-3)  # 1000 / 500 / 2000 GB/s
+    t.add("l2", "bf16", "fwd", ours_s=1e-3, xla_s=2e-3, nbytes=gb, copy_s=0.25e-3)  # copy at 4000 GB/s
+    assert [r["above_dram_peak"] for r in t.records] == [False, True]
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ok") or ln.startswith("| l2")]
+    assert "(!)" not in rows[0] and "(!)" in rows[1]
