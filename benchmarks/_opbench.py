@@ -12,16 +12,14 @@ difference cancels it. Figures up to the tenth session's are single 40-step chai
 Chains cycle through independent copies of their inputs, enough that one round reads L2_MULTIPLE
 times the L2 (`rotation`, added in the tenth session): before, a chain over an 8 MB tensor re-read
 from L2 what its previous step had written, and small-shape figures above 100% of 3000 GB/s or
-swinging 1.5x between runs came from that. The eleventh session's GPU run showed that twice the L2
-is not enough (forward figures up to 200% of 3000 GB/s, a plain copy at up to 4.5 TB/s, above
-the HBM3's 3.35 TB/s): the H100's L2 keeps part of a cyclic sweep of twice its size.
-`calibrate_opbench.py` measures the copy at each multiple. Its first run (eleventh session, H100,
-commit 5c3e53e) showed the chained timing itself cannot be trusted below ~100 MB moved a step:
-a copy of 100 MB read 2842-3021 GB/s at every multiple (difference method; the single 40-step
-chain 2228-2406), but copies of 34 MB read 4648-6918 GB/s and of 8 MB 5674-46046 GB/s (the
-difference of two chains whose per-call cost, which grows with the number of input copies, swamps
-the kernels). Rows whose ours, XLA or copy figure is above the DRAM peak are marked "(!)"; for
-those shapes use Nsight Compute's kernel-only durations (profile_rope.py, RESULTS.md).
+swinging 1.5x between runs came from that. `calibrate_opbench.py` checks the method on a plain copy.
+Its first run (eleventh session, H100, commit 5c3e53e) showed the chained timing cannot be trusted
+below ~100 MB moved a step, whatever the rotation: a copy of 100 MB read 2842-3021 GB/s at 2-16x
+the L2 (difference method; the single 40-step chain 2228-2406), but copies of 34 MB read 4648-6918
+GB/s and of 8 MB 5674-46046 GB/s, above the HBM3's 3350 GB/s (the per-call cost, which grows with
+the number of input copies, swamps a few-us kernel and does not cancel in the difference). Rows
+whose ours, XLA or copy figure is above the DRAM peak are marked "(!)"; for those shapes use Nsight
+Compute's kernel-only durations (profile_rope.py, RESULTS.md "Eleventh session").
 
 Bandwidth: "% of 3000" is the useful bytes per second over the H100's measured copy bandwidth;
 "% of copy" is the same over what a plain copy of the same number of bytes achieves on this GPU
@@ -147,6 +145,7 @@ class Table:
             "repeats": repeats,
         }
         self.records: list[dict] = []
+        self._flagged = False  # the "(!)" legend is printed once
         m = self.meta
         print(f"# {op}{' (' + variant + ')' if variant else ''} on {m['device']}, jax {m['jax']}, "
               f"commit {m['commit']}, {m['date']}")
@@ -168,7 +167,7 @@ class Table:
         rec["above_dram_peak"] = max(gbs, nbytes / copy_s / 1e9, rec["xla_gbs"]) > DRAM_PEAK_GBS
         self.records.append(rec)
         flag = " (!)" if rec["above_dram_peak"] else ""
-        if flag and not getattr(self, "_flagged", False):
+        if flag and not self._flagged:
             self._flagged = True
             print(f"(!): ours, XLA's or the copy's bytes/s above the DRAM peak ({DRAM_PEAK_GBS:.0f} GB/s): "
                   "not a DRAM-bound timing; see calibrate_opbench.py", file=sys.stderr)

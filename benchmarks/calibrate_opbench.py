@@ -2,8 +2,8 @@
 plain element-wise copy, which no GPU can run faster than its DRAM allows (H100 80GB HBM3: 3.35
 TB/s peak, ~3.0 TB/s measured). For each size it prints the copy's GB/s with the chain rotating
 through inputs worth 1, 2, 4, 8 and 16 times the L2, by the difference method and by the single
-chain that figures up to the tenth session used. A multiple whose copy stays above the peak lets
-L2 hits into the op figures; _opbench.L2_MULTIPLE should be one whose figure has stopped moving.
+chain that figures up to the tenth session used. A figure above the peak means the timing is wrong
+at that size (L2 hits, or per-call costs that the difference of chains does not cancel).
 
     python benchmarks/calibrate_opbench.py [--sizes-mb 8,34,100] [--steps 40] [--repeats 20]
 """

@@ -25,9 +25,7 @@ import _opbench
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_rope import EPS, SHAPES
-
-from bench_rope import _ref
+from bench_rope import EPS, SHAPES, _ref
 
 from surogate_jax.ops import ffi_available
 from surogate_jax.ops.rope import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi
@@ -100,7 +98,8 @@ def main() -> None:
     jax.block_until_ready(call())  # compile and warm up outside the profiled range
     rt = _cudart()
     if rt is None:
-        print("warning: libcudart not found; ncu --profile-from-start off would see nothing, so profile from the start")
+        print("warning: libcudart not found, so no profiler range: run ncu without --profile-from-start off "
+              "(it then also profiles the setup's kernels)")
     else:
         rt.cudaProfilerStart()
     for _ in range(args.calls):
