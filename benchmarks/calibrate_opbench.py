@@ -11,6 +11,7 @@ at that size (L2 hits, or per-call costs that the difference of chains does not 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import _opbench
@@ -39,17 +40,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
+    try:
+        sizes = [float(v) for v in args.sizes_mb.split(",")]
+        multiples = [int(v) for v in args.multiples.split(",")]
+    except ValueError:
+        ap.error("--sizes-mb and --multiples take comma-separated numbers, e.g. 8,34,100 and 1,2,4")
+    if min(sizes) <= 0 or min(multiples) < 1:
+        ap.error("--sizes-mb must be positive and --multiples at least 1")
     if jax.default_backend() != "gpu":
-        raise SystemExit("error: needs a GPU (the copy's bandwidth is what is being checked)")
+        print("error: needs a GPU (the copy's bandwidth is what is being checked)", file=sys.stderr)
+        raise SystemExit(2)
     step = lambda a: (a + jnp.uint32(1),)  # noqa: E731  (the copy of _opbench.copy_seconds)
     print(f"{jax.devices()[0].device_kind}, commit {_opbench.commit()}; GB/s of a copy moving the given bytes per step")
     print("| MB moved | L2 multiple | copies | difference GB/s | single chain GB/s |")
     print("|---|---|---|---|---|")
-    for mb in (float(s) for s in args.sizes_mb.split(",")):
+    for mb in sizes:
         nbytes = int(mb * 1e6)
         x = jnp.zeros(max(1, nbytes // 8), jnp.uint32)  # read nbytes/2, write nbytes/2
-        for mult in (int(m) for m in args.multiples.split(",")):
-            r = _opbench.rotation((x,), multiple=mult) if mult > 0 else 1
+        for mult in multiples:
+            r = _opbench.rotation((x,), multiple=mult)
             diff = _opbench.time_chain(step, (x,), args.steps, args.repeats, rotate=r)
             single = single_chain_seconds(step, (x,), args.steps, args.repeats, r)
             print(f"| {mb:g} | {mult} | {r} | {nbytes / diff / 1e9:.0f} | {nbytes / single / 1e9:.0f} |", flush=True)
