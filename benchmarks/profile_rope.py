@@ -6,7 +6,9 @@
     ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum \
         python3 benchmarks/profile_rope.py --impl xla --shape "8b k" --pass bwd --source table
 
---impl xla profiles XLA's fusion of the reference instead (all its kernels: every kernel launched
+--impl copy profiles an XLA element-wise fusion that moves the same row bytes (the kernel-only
+floor at that size: small tensors cannot reach the large-copy bandwidth). --impl xla profiles XLA's
+fusion of the reference instead (all its kernels: every kernel launched
 between cudaProfilerStart and cudaProfilerStop, which this script calls around the measured calls
 when cudart can be loaded, so ncu --profile-from-start off skips the setup's kernels).
 
@@ -31,24 +33,6 @@ from surogate_jax.ops import ffi_available
 from surogate_jax.ops.rope import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi
 
 
-def _cudart():
-    """libcudart through ctypes (for cudaProfilerStart/Stop), or None: the pip CUDA packages first."""
-    import ctypes
-    import glob
-    import os
-    import site
-
-    roots = [*site.getsitepackages(), os.path.dirname(os.path.dirname(jax.__file__))]
-    cands = [f for r in roots for f in sorted(glob.glob(os.path.join(r, "nvidia", "**", "libcudart.so*"), recursive=True))]
-    cands += sorted(glob.glob("/usr/local/cuda*/lib64/libcudart.so*"))
-    for c in cands:
-        try:
-            return ctypes.CDLL(c)
-        except OSError:
-            continue
-    return None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shape", default="0.6b q", choices=list(SHAPES))
@@ -58,7 +42,9 @@ def main() -> None:
     ap.add_argument("--no-norm", dest="norm", action="store_false", help="rotation only (fwd)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     ap.add_argument("--calls", type=int, default=3)
-    ap.add_argument("--impl", default="ffi", choices=("ffi", "xla"), help="our kernel or XLA's fusion of the reference")
+    ap.add_argument("--impl", default="ffi", choices=("ffi", "xla", "copy"),
+                    help="our kernel, XLA's fusion of the reference, or 'copy': XLA's element-wise fusion moving "
+                         "the pass's row bytes (fwd y = x + 1, bwd dx = dy + x), the same-size floor")
     args = ap.parse_args()
     if args.pass_ == "bwd" and not args.norm:
         ap.error("--no-norm is a forward option: the rotation-only backward is the forward with inverse angles")
@@ -77,7 +63,15 @@ def main() -> None:
         ang = pos.astype(jnp.float32)[..., None] * inv
         ang = jnp.concatenate([ang, ang], axis=-1)
         a, b = jnp.cos(ang), jnp.sin(ang)
-    if args.impl == "xla":
+    if args.impl == "copy":
+        algo = "copy"
+        if args.pass_ == "fwd":
+            fn = jax.jit(lambda x: x + jnp.asarray(1, dtype))
+            call = lambda: fn(x)  # noqa: E731
+        else:
+            fn = jax.jit(lambda dy, x: dy + x)
+            call = lambda: fn(dy, x)  # noqa: E731
+    elif args.impl == "xla":
         algo = "xla"
         wn = w if args.norm else None
         if args.pass_ == "fwd":
@@ -95,17 +89,7 @@ def main() -> None:
         algo = BWD_ALGO if args.algo is None else args.algo
         fn = jax.jit(lambda dy, x, a, b: _bwd_ffi(dy, x, a, b, w, eps=EPS, algo=algo))
         call = lambda: fn(dy, x, a, b)  # noqa: E731
-    jax.block_until_ready(call())  # compile and warm up outside the profiled range
-    rt = _cudart()
-    if rt is None:
-        print("warning: libcudart not found, so no profiler range: run ncu without --profile-from-start off "
-              "(it then also profiles the setup's kernels)")
-    else:
-        rt.cudaProfilerStart()
-    for _ in range(args.calls):
-        jax.block_until_ready(call())
-    if rt is not None:
-        rt.cudaProfilerStop()
+    _opbench.profile_calls(call, args.calls)
     nbytes = x.nbytes * (2 if args.pass_ == "fwd" else 3)
     print(f"{args.shape} {B}x{T}x{H}x{K} {args.pass_} algo {algo} {args.source} {dtype.name}: "
           f"{args.calls} calls, {nbytes / 1e6:.1f} MB of rows each (floor {nbytes / 3e12 * 1e6:.1f} us at 3000 GB/s)")

@@ -63,8 +63,9 @@ T* Out(ffi::Result<ffi::AnyBuffer>& b) {
 }
 
 ffi::Error CheckAlgo(std::string_view op, int32_t algo) {
-  if (algo < 0 || algo > 3) {
-    return InvalidArg(op, "algo must be 0, 1, 2 or 3, got " + std::to_string(algo));
+  if (algo < 0 || algo >= kSwigluAlgos) {
+    return InvalidArg(op, "algo must be in [0, " + std::to_string(kSwigluAlgos) + "), got " +
+                              std::to_string(algo));
   }
   return ffi::Error::Success();
 }

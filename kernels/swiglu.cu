@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <initializer_list>
+#include <type_traits>
 
 #include "kernels/surogate_vec.cuh"
 
@@ -76,16 +77,35 @@ Grid2 plan(int64_t rows, int64_t nvec, int sms, int unroll, bool one_shot) {
   return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(bx, by)};
 }
 
-template <typename T, int N, bool kStream>
+// Rows of one thread: r0, r0 + step, ... (kUnroll of them), then r0 += next. Grid-wide
+// interleave (kContig false): step = all the grid's rows, so a block's rows lie kUnroll bands apart;
+// contiguous (true): step = blockDim.y, a block's rows are adjacent (one band of DRAM pages).
+template <bool kContig>
+struct RowWalk {
+  int64_t r0, step, next;
+  __device__ __forceinline__ explicit RowWalk(int unroll) {
+    const int64_t by = blockDim.y, gy = gridDim.y;
+    if constexpr (kContig) {
+      r0 = static_cast<int64_t>(blockIdx.y) * by * unroll + threadIdx.y;
+      step = by;
+    } else {
+      r0 = static_cast<int64_t>(blockIdx.y) * by + threadIdx.y;
+      step = gy * by;
+    }
+    next = gy * by * unroll;
+  }
+};
+
+template <typename T, int N, bool kStream, bool kContig>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     swiglu_fwd_kernel(const T* __restrict__ gate, const T* __restrict__ up, T* __restrict__ h,
                       int64_t rows, int64_t nvec, int64_t ld_in, int64_t ld_out) {
   const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (v >= nvec) return;
   const int64_t col = v * N;
-  const int64_t step = static_cast<int64_t>(gridDim.y) * blockDim.y;
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r0 < rows;
-       r0 += step * kFwdUnroll<N>) {
+  const RowWalk<kContig> w(kFwdUnroll<N>);
+  const int64_t step = w.step;
+  for (int64_t r0 = w.r0; r0 < rows; r0 += w.next) {
     Raw<T, N> g[kFwdUnroll<N>], u[kFwdUnroll<N>];
 #pragma unroll
     for (int k = 0; k < kFwdUnroll<N>; ++k) {
@@ -110,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
 }
 
-template <typename T, int N, bool kStream>
+template <typename T, int N, bool kStream, bool kContig>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     swiglu_bwd_kernel(const T* __restrict__ dh, const T* __restrict__ gate,
                       const T* __restrict__ up, T* __restrict__ dgate, T* __restrict__ dup,
@@ -118,9 +138,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (v >= nvec) return;
   const int64_t col = v * N;
-  const int64_t step = static_cast<int64_t>(gridDim.y) * blockDim.y;
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r0 < rows;
-       r0 += step * kBwdUnroll<N>) {
+  const RowWalk<kContig> w(kBwdUnroll<N>);
+  const int64_t step = w.step;
+  for (int64_t r0 = w.r0; r0 < rows; r0 += w.next) {
     Raw<T, N> d[kBwdUnroll<N>], g[kBwdUnroll<N>], u[kBwdUnroll<N>];
 #pragma unroll
     for (int k = 0; k < kBwdUnroll<N>; ++k) {
@@ -181,41 +201,52 @@ cudaError_t check_args(int64_t rows, int64_t F, int64_t ld_in) {
   return cudaSuccess;
 }
 
-template <typename T, int N, bool kStream>
+template <typename T, int N, bool kStream, bool kContig>
 void launch_fwd(const T* gate, const T* up, T* h, int64_t rows, int64_t F, int64_t ld_in, int sms,
                 bool one_shot, cudaStream_t stream) {
   const Grid2 g = plan(rows, F / N, sms, kFwdUnroll<N>, one_shot);
-  swiglu_fwd_kernel<T, N, kStream><<<g.grid, g.block, 0, stream>>>(gate, up, h, rows, F / N, ld_in, F);
+  swiglu_fwd_kernel<T, N, kStream, kContig><<<g.grid, g.block, 0, stream>>>(gate, up, h, rows, F / N, ld_in, F);
 }
 
-template <typename T, int N, bool kStream>
+template <typename T, int N, bool kStream, bool kContig>
 void launch_bwd(const T* dh, const T* gate, const T* up, T* dgate, T* dup, int64_t rows, int64_t F,
                 int64_t ld_in, int sms, bool one_shot, cudaStream_t stream) {
   const Grid2 g = plan(rows, F / N, sms, kBwdUnroll<N>, one_shot);
-  swiglu_bwd_kernel<T, N, kStream><<<g.grid, g.block, 0, stream>>>(dh, gate, up, dgate, dup, rows,
-                                                                   F / N, ld_in, F);
+  swiglu_bwd_kernel<T, N, kStream, kContig><<<g.grid, g.block, 0, stream>>>(dh, gate, up, dgate, dup, rows,
+                                                                            F / N, ld_in, F);
+}
+
+// Variant `algo` (swiglu.h) as its three switches; calls f(one_shot, stream_tag, contig_tag).
+template <typename Fn>
+void with_variant(int algo, Fn&& f) {
+  using S = std::true_type;
+  using P = std::false_type;
+  switch (algo) {
+    case 0: f(false, S{}, P{}); break;
+    case 1: f(true, S{}, P{}); break;
+    case 2: f(true, P{}, P{}); break;
+    case 3: f(false, P{}, P{}); break;
+    case 4: f(true, P{}, S{}); break;
+    default: f(true, S{}, S{}); break;
+  }
 }
 
 }  // namespace
 
-// algo: see swiglu.h (bit pattern: one-shot grid for 1 and 2, streaming loads for 0 and 1).
 template <typename T>
 cudaError_t swiglu_fwd(const T* gate, const T* up, T* h, int64_t rows, int64_t F, int64_t ld_in,
                        cudaStream_t stream, int algo) {
   SUROGATE_TRY(check_args(rows, F, ld_in));
-  if (algo < 0 || algo > 3) return cudaErrorInvalidValue;
+  if (algo < 0 || algo >= kSwigluAlgos) return cudaErrorInvalidValue;
   if (rows == 0 || F == 0) return cudaSuccess;
   int sms = 0;
   SUROGATE_TRY(sm_count(&sms));
-  const bool one_shot = algo == 1 || algo == 2, streaming = algo == 0 || algo == 1;
-  if (vectorizable<T>(F, ld_in, {gate, up, h})) {
-    constexpr int N = kVec<T>;
-    (streaming ? launch_fwd<T, N, true> : launch_fwd<T, N, false>)(gate, up, h, rows, F, ld_in, sms,
-                                                                    one_shot, stream);
-  } else {
-    (streaming ? launch_fwd<T, 1, true> : launch_fwd<T, 1, false>)(gate, up, h, rows, F, ld_in, sms,
-                                                                    one_shot, stream);
-  }
+  const bool vector = vectorizable<T>(F, ld_in, {gate, up, h});
+  with_variant(algo, [&](bool one_shot, auto stream_tag, auto contig_tag) {
+    constexpr bool kS = decltype(stream_tag)::value, kC = decltype(contig_tag)::value;
+    (vector ? launch_fwd<T, kVec<T>, kS, kC> : launch_fwd<T, 1, kS, kC>)(gate, up, h, rows, F, ld_in, sms,
+                                                                        one_shot, stream);
+  });
   return cudaGetLastError();
 }
 
@@ -223,19 +254,16 @@ template <typename T>
 cudaError_t swiglu_bwd(const T* dh, const T* gate, const T* up, T* dgate, T* dup, int64_t rows,
                        int64_t F, int64_t ld_in, cudaStream_t stream, int algo) {
   SUROGATE_TRY(check_args(rows, F, ld_in));
-  if (algo < 0 || algo > 3) return cudaErrorInvalidValue;
+  if (algo < 0 || algo >= kSwigluAlgos) return cudaErrorInvalidValue;
   if (rows == 0 || F == 0) return cudaSuccess;
   int sms = 0;
   SUROGATE_TRY(sm_count(&sms));
-  const bool one_shot = algo == 1 || algo == 2, streaming = algo == 0 || algo == 1;
-  if (vectorizable<T>(F, ld_in, {dh, gate, up, dgate, dup})) {
-    constexpr int N = kVec<T>;
-    (streaming ? launch_bwd<T, N, true> : launch_bwd<T, N, false>)(dh, gate, up, dgate, dup, rows, F,
-                                                                    ld_in, sms, one_shot, stream);
-  } else {
-    (streaming ? launch_bwd<T, 1, true> : launch_bwd<T, 1, false>)(dh, gate, up, dgate, dup, rows, F,
-                                                                    ld_in, sms, one_shot, stream);
-  }
+  const bool vector = vectorizable<T>(F, ld_in, {dh, gate, up, dgate, dup});
+  with_variant(algo, [&](bool one_shot, auto stream_tag, auto contig_tag) {
+    constexpr bool kS = decltype(stream_tag)::value, kC = decltype(contig_tag)::value;
+    (vector ? launch_bwd<T, kVec<T>, kS, kC> : launch_bwd<T, 1, kS, kC>)(dh, gate, up, dgate, dup, rows, F,
+                                                                        ld_in, sms, one_shot, stream);
+  });
   return cudaGetLastError();
 }
 
