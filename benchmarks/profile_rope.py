@@ -30,12 +30,15 @@ import numpy as np
 from bench_rope import EPS, SHAPES, _ref
 
 from surogate_jax.ops import ffi_available
-from surogate_jax.ops.rope import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi
+from surogate_jax.ops.rope import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi, _qk_bwd_ffi, _qk_fwd_ffi
+
+PAIRS = {"0.6b qk": ("0.6b q", "0.6b k"), "8b qk": ("8b q", "8b k")}  # a layer's q and k
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--shape", default="0.6b q", choices=list(SHAPES))
+    ap.add_argument("--shape", default="0.6b q", choices=[*SHAPES, *PAIRS],
+                    help="a bench_rope.py shape, or a q/k pair (rope_qk's paired launch; XLA / copy: both tensors)")
     ap.add_argument("--pass", dest="pass_", default="bwd", choices=("fwd", "bwd"))
     ap.add_argument("--algo", type=int, help="fwd_algo / bwd_algo (default: the op's)")
     ap.add_argument("--source", default="positions", choices=("positions", "table"))
@@ -49,12 +52,13 @@ def main() -> None:
     if args.pass_ == "bwd" and not args.norm:
         ap.error("--no-norm is a forward option: the rotation-only backward is the forward with inverse angles")
     _opbench.require_gpu(ffi_available)
-    B, T, H, K = SHAPES[args.shape]
+    names = PAIRS.get(args.shape, (args.shape,))
+    B, T, _, K = SHAPES[names[0]]
     dtype = jnp.dtype(args.dtype)
-    kx, kd, kw = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(kx, (B, T, H, K), jnp.float32).astype(dtype)
-    dy = jax.random.normal(kd, (B, T, H, K), jnp.float32).astype(dtype)
-    w = (1.0 + 0.1 * jax.random.normal(kw, (K,), jnp.float32)).astype(dtype)
+    keys = iter(jax.random.split(jax.random.key(0), 3 * len(names)))
+    xs = tuple(jax.random.normal(next(keys), SHAPES[n], jnp.float32).astype(dtype) for n in names)
+    dys = tuple(jax.random.normal(next(keys), SHAPES[n], jnp.float32).astype(dtype) for n in names)
+    ws = tuple((1.0 + 0.1 * jax.random.normal(next(keys), (K,), jnp.float32)).astype(dtype) for _ in names)
     pos = jnp.asarray(np.random.default_rng(0).integers(0, T, size=(B, T)), jnp.int32)
     inv = jnp.asarray(1.0 / 1e6 ** (np.arange(0, K, 2) / K), jnp.float32)
     if args.source == "positions":
@@ -63,35 +67,37 @@ def main() -> None:
         ang = pos.astype(jnp.float32)[..., None] * inv
         ang = jnp.concatenate([ang, ang], axis=-1)
         a, b = jnp.cos(ang), jnp.sin(ang)
+    fwd = args.pass_ == "fwd"
     if args.impl == "copy":
         algo = "copy"
-        if args.pass_ == "fwd":
-            fn = jax.jit(lambda x: x + jnp.asarray(1, dtype))
-            call = lambda: fn(x)  # noqa: E731
-        else:
-            fn = jax.jit(lambda dy, x: dy + x)
-            call = lambda: fn(dy, x)  # noqa: E731
+        one = jnp.asarray(1, dtype)
+        fn = jax.jit(lambda dys, xs: tuple(x + one for x in xs) if fwd else tuple(d + x for d, x in zip(dys, xs)))
     elif args.impl == "xla":
         algo = "xla"
-        wn = w if args.norm else None
-        if args.pass_ == "fwd":
-            fn = jax.jit(lambda x, a, b: _ref(x, a, b, wn))
-            call = lambda: fn(x, a, b)  # noqa: E731
+        if fwd:
+            fn = jax.jit(lambda dys, xs: tuple(_ref(x, a, b, w if args.norm else None) for x, w in zip(xs, ws)))
         else:
-            fn = jax.jit(lambda dy, x, a, b: jax.vjp(lambda x, w: _ref(x, a, b, w), x, w)[1](dy))
-            call = lambda: fn(dy, x, a, b)  # noqa: E731
-    elif args.pass_ == "fwd":
+            fn = jax.jit(lambda dys, xs: tuple(
+                jax.vjp(lambda x, w: _ref(x, a, b, w), x, w)[1](d) for d, x, w in zip(dys, xs, ws)))
+    elif fwd:
         algo = FWD_ALGO if args.algo is None else args.algo
-        wn = w if args.norm else jnp.zeros((0,), dtype)
-        fn = jax.jit(lambda x, a, b: _fwd_ffi(x, a, b, wn, eps=EPS, norm=args.norm, inverse=False, algo=algo))
-        call = lambda: fn(x, a, b)  # noqa: E731
+        wn = ws if args.norm else (jnp.zeros((0,), dtype),) * len(xs)
+        kw = {"eps": EPS, "norm": args.norm, "inverse": False, "algo": algo}
+        if len(xs) == 2:  # the paired launch (rope_qk)
+            fn = jax.jit(lambda dys, xs: _qk_fwd_ffi(*xs, a, b, *wn, **kw))
+        else:
+            fn = jax.jit(lambda dys, xs: _fwd_ffi(xs[0], a, b, wn[0], **kw))
     else:
         algo = BWD_ALGO if args.algo is None else args.algo
-        fn = jax.jit(lambda dy, x, a, b: _bwd_ffi(dy, x, a, b, w, eps=EPS, algo=algo))
-        call = lambda: fn(dy, x, a, b)  # noqa: E731
+        if len(xs) == 2:
+            fn = jax.jit(lambda dys, xs: _qk_bwd_ffi(*dys, *xs, a, b, *ws, eps=EPS, algo=algo))
+        else:
+            fn = jax.jit(lambda dys, xs: _bwd_ffi(dys[0], xs[0], a, b, ws[0], eps=EPS, algo=algo))
+    call = lambda: fn(dys, xs)  # noqa: E731
     _opbench.profile_calls(call, args.calls)
-    nbytes = x.nbytes * (2 if args.pass_ == "fwd" else 3)
-    print(f"{args.shape} {B}x{T}x{H}x{K} {args.pass_} algo {algo} {args.source} {dtype.name}: "
+    nbytes = sum(x.nbytes for x in xs) * (2 if fwd else 3)
+    heads = "+".join(str(x.shape[2]) for x in xs)
+    print(f"{args.shape} {B}x{T}x{heads}x{K} {args.pass_} algo {algo} {args.source} {dtype.name}: "
           f"{args.calls} calls, {nbytes / 1e6:.1f} MB of rows each (floor {nbytes / 3e12 * 1e6:.1f} us at 3000 GB/s)")
 
 

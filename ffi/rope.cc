@@ -6,6 +6,10 @@
 //       -> y [..., H, K]   (fwd_algo picks a forward kernel variant, 0 = default: kernels/rope.h)
 //   surogate_rope_bwd(dy [..., H, K], x [..., H, K], a, b, w; eps: f32, bwd_algo: i32)
 //       -> dx [..., H, K], dw [G.., K], ws [P, K] (f32)   (bwd_algo: the norm backward's variant)
+//   surogate_rope_qk_fwd(q, k, a, b, wq, wk; eps, norm, inverse, fwd_algo) -> yq, yk
+//   surogate_rope_qk_bwd(dyq, dyk, q, k, a, b, wq, wk; eps, bwd_algo) -> dq, dk, dwq, dwk, ws
+//       the same for q [..., Hq, K] and k [..., Hk, K] of a layer (same leading dims, angles and
+//       K), in one launch each way (kernels/rope.h rope_fwd_pair / rope_norm_bwd_pair).
 // The angle source is told by a's dtype:
 //   int32 a: positions mode, a = positions [...] (x's leading dims), b = inv_freq [G.., K/2] f32;
 //   f32 a  : table mode, a = cos, b = sin, both [..., S] f32 with S >= K/2 (the first K/2 entries
@@ -24,6 +28,7 @@
 // device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
 // measured inside jitted train steps (benchmarks/kernels_in_model.py, tests/gpu/test_models_gpu.py).
 #include <algorithm>
+#include <tuple>
 
 #include "ffi/ffi_common.h"
 #include "kernels/rope.h"
@@ -33,6 +38,8 @@ namespace {
 
 constexpr std::string_view kFwd = "surogate_rope_fwd";
 constexpr std::string_view kBwd = "surogate_rope_bwd";
+constexpr std::string_view kQkFwd = "surogate_rope_qk_fwd";
+constexpr std::string_view kQkBwd = "surogate_rope_qk_bwd";
 
 // What the handlers need to know about one call, validated.
 struct RopeCall {
@@ -230,6 +237,121 @@ ffi::Error RopeBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyBuf
   });
 }
 
+// q and k of a layer (surogate_rope_qk_*): both inspected as single calls, then required to agree on
+// everything but heads and w.
+ffi::Error InspectPair(std::string_view op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                       const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::AnyBuffer* wq,
+                       const ffi::AnyBuffer* wk, RopeCall* cq, RopeCall* ck) {
+  if (auto e = Inspect(op, q, a, b, wq, cq); e.failure()) return e;
+  if (auto e = Inspect(op, k, a, b, wk, ck); e.failure()) return e;
+  if (q.element_type() != k.element_type()) {
+    return InvalidArg(op, "q is " + DtypeName(q.element_type()) + " but k is " + DtypeName(k.element_type()));
+  }
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (!LeadingDimsEqual(qd, qd.size() - 2, kd, kd.size() - 2) || cq->dim != ck->dim) {
+    return InvalidArg(op, "q " + ShapeStr(q) + " and k " + ShapeStr(k) +
+                              " must share the leading dims and head_dim (heads may differ)");
+  }
+  if (cq->groups != ck->groups || cq->w_groups != ck->w_groups) {
+    return InvalidArg(op, "wq and wk must have the same number of rows");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RopeQkFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inverse, int32_t fwd_algo,
+                     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                     ffi::AnyBuffer wq, ffi::AnyBuffer wk, ffi::Result<ffi::AnyBuffer> yq,
+                     ffi::Result<ffi::AnyBuffer> yk) {
+  if (fwd_algo < 0 || fwd_algo >= kRopeFwdAlgos) {
+    return InvalidArg(kQkFwd, "fwd_algo " + std::to_string(fwd_algo) + " is not in [0, " +
+                                  std::to_string(kRopeFwdAlgos) + ")");
+  }
+  RopeCall cq, ck;
+  if (auto e = InspectPair(kQkFwd, q, k, a, b, norm ? &wq : nullptr, norm ? &wk : nullptr, &cq, &ck);
+      e.failure()) {
+    return e;
+  }
+  for (auto [name, out, like] : {std::tuple<const char*, const ffi::AnyBuffer*, const ffi::AnyBuffer*>{"yq", &*yq, &q},
+                                 {"yk", &*yk, &k}}) {
+    if (auto e = ExpectDtype(kQkFwd, name, *out, q.element_type()); e.failure()) return e;
+    if (auto e = CheckSameShape(kQkFwd, name, *out, *like, name[1] == 'q' ? "q" : "k"); e.failure()) return e;
+  }
+  const int64_t per = cq.tokens / cq.groups, rq = cq.heads * cq.dim, rk = ck.heads * ck.dim;
+  return DispatchFloat(kQkFwd, q.element_type(), [&](auto tag) -> ffi::Error {
+    using T = decltype(tag);
+    for (int64_t g = 0; g < cq.groups; ++g) {
+      const int64_t wo = cq.w_groups > 1 ? g * cq.dim : 0;
+      RopeTensor<T> t0, t1;
+      t0.x = static_cast<const T*>(q.untyped_data()) + g * per * rq;
+      t0.out = static_cast<T*>(yq->untyped_data()) + g * per * rq;
+      t0.w = norm ? static_cast<const T*>(wq.untyped_data()) + wo : nullptr;
+      t0.heads = cq.heads;
+      t1.x = static_cast<const T*>(k.untyped_data()) + g * per * rk;
+      t1.out = static_cast<T*>(yk->untyped_data()) + g * per * rk;
+      t1.w = norm ? static_cast<const T*>(wk.untyped_data()) + wo : nullptr;
+      t1.heads = ck.heads;
+      const cudaError_t err = rope_fwd_pair<T>(t0, t1, AnglesOf(cq, a, b, g), per, cq.dim, eps, inverse != 0,
+                                               stream, fwd_algo);
+      if (err != cudaSuccess) return CudaError(kQkFwd, err);
+    }
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error RopeQkBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyBuffer dyq, ffi::AnyBuffer dyk,
+                     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                     ffi::AnyBuffer wq, ffi::AnyBuffer wk, ffi::Result<ffi::AnyBuffer> dq,
+                     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dwq,
+                     ffi::Result<ffi::AnyBuffer> dwk, ffi::Result<ffi::AnyBuffer> ws) {
+  if (bwd_algo < 0 || bwd_algo >= kRopeBwdAlgos) {
+    return InvalidArg(kQkBwd, "bwd_algo " + std::to_string(bwd_algo) + " is not in [0, " +
+                                  std::to_string(kRopeBwdAlgos) + ")");
+  }
+  RopeCall cq, ck;
+  if (auto e = InspectPair(kQkBwd, q, k, a, b, &wq, &wk, &cq, &ck); e.failure()) return e;
+  if (cq.w_groups != cq.groups) {
+    return InvalidArg(kQkBwd, "wq has " + std::to_string(cq.w_groups) + " rows but inv_freq " +
+                                  std::to_string(cq.freq_groups) + "; dw needs one row per group");
+  }
+  const ffi::DataType t = q.element_type();
+  using Check = std::tuple<const char*, const ffi::AnyBuffer*, const ffi::AnyBuffer*, const char*>;
+  for (auto [name, buf, like, like_name] : {Check{"dyq", &dyq, &q, "q"}, Check{"dyk", &dyk, &k, "k"},
+                                            Check{"dq", &*dq, &q, "q"}, Check{"dk", &*dk, &k, "k"},
+                                            Check{"dwq", &*dwq, &wq, "wq"}, Check{"dwk", &*dwk, &wk, "wk"}}) {
+    if (auto e = ExpectDtype(kQkBwd, name, *buf, t); e.failure()) return e;
+    if (auto e = CheckSameShape(kQkBwd, name, *buf, *like, like_name); e.failure()) return e;
+  }
+  if (auto e = ExpectDtype(kQkBwd, "ws", *ws, ffi::DataType::F32); e.failure()) return e;
+  const size_t ws_bytes = ws->element_count() * sizeof(float);
+  if (ws_bytes < static_cast<size_t>(cq.dim) * sizeof(float)) {
+    return InvalidArg(kQkBwd, "ws has shape " + ShapeStr(*ws) + ", expected at least one row of " +
+                                  std::to_string(cq.dim) + " floats");
+  }
+  const int64_t per = cq.tokens / cq.groups, rq = cq.heads * cq.dim, rk = ck.heads * ck.dim;
+  return DispatchFloat(kQkBwd, t, [&](auto tag) -> ffi::Error {
+    using T = decltype(tag);
+    for (int64_t g = 0; g < cq.groups; ++g) {  // groups run in stream order, so they share `ws`
+      RopeTensor<T> t0, t1;
+      t0.dy = static_cast<const T*>(dyq.untyped_data()) + g * per * rq;
+      t0.x = static_cast<const T*>(q.untyped_data()) + g * per * rq;
+      t0.out = static_cast<T*>(dq->untyped_data()) + g * per * rq;
+      t0.w = static_cast<const T*>(wq.untyped_data()) + g * cq.dim;
+      t0.dw = static_cast<T*>(dwq->untyped_data()) + g * cq.dim;
+      t0.heads = cq.heads;
+      t1.dy = static_cast<const T*>(dyk.untyped_data()) + g * per * rk;
+      t1.x = static_cast<const T*>(k.untyped_data()) + g * per * rk;
+      t1.out = static_cast<T*>(dk->untyped_data()) + g * per * rk;
+      t1.w = static_cast<const T*>(wk.untyped_data()) + g * cq.dim;
+      t1.dw = static_cast<T*>(dwk->untyped_data()) + g * cq.dim;
+      t1.heads = ck.heads;
+      const cudaError_t err = rope_norm_bwd_pair<T>(t0, t1, AnglesOf(cq, a, b, g), per, cq.dim, eps,
+                                                    ws->untyped_data(), ws_bytes, stream, bwd_algo);
+      if (err != cudaSuccess) return CudaError(kQkBwd, err);
+    }
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
 
 SUROGATE_DEFINE_HANDLER(kRopeFwdHandler, RopeFwd,
@@ -259,8 +381,44 @@ SUROGATE_DEFINE_HANDLER(kRopeBwdHandler, RopeBwd,
                            .Ret<ffi::AnyBuffer>()   // dw
                            .Ret<ffi::AnyBuffer>());  // ws (dw partial sums, discarded)
 
+SUROGATE_DEFINE_HANDLER(kRopeQkFwdHandler, RopeQkFwd,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Attr<float>("eps")
+                           .Attr<int32_t>("norm")
+                           .Attr<int32_t>("inverse")
+                           .Attr<int32_t>("fwd_algo")
+                           .Arg<ffi::AnyBuffer>()   // q
+                           .Arg<ffi::AnyBuffer>()   // k
+                           .Arg<ffi::AnyBuffer>()   // positions | cos
+                           .Arg<ffi::AnyBuffer>()   // inv_freq | sin
+                           .Arg<ffi::AnyBuffer>()   // wq (ignored unless norm)
+                           .Arg<ffi::AnyBuffer>()   // wk (ignored unless norm)
+                           .Ret<ffi::AnyBuffer>()   // yq
+                           .Ret<ffi::AnyBuffer>());  // yk
+
+SUROGATE_DEFINE_HANDLER(kRopeQkBwdHandler, RopeQkBwd,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Attr<float>("eps")
+                           .Attr<int32_t>("bwd_algo")
+                           .Arg<ffi::AnyBuffer>()   // dyq
+                           .Arg<ffi::AnyBuffer>()   // dyk
+                           .Arg<ffi::AnyBuffer>()   // q
+                           .Arg<ffi::AnyBuffer>()   // k
+                           .Arg<ffi::AnyBuffer>()   // positions | cos
+                           .Arg<ffi::AnyBuffer>()   // inv_freq | sin
+                           .Arg<ffi::AnyBuffer>()   // wq
+                           .Arg<ffi::AnyBuffer>()   // wk
+                           .Ret<ffi::AnyBuffer>()   // dq
+                           .Ret<ffi::AnyBuffer>()   // dk
+                           .Ret<ffi::AnyBuffer>()   // dwq
+                           .Ret<ffi::AnyBuffer>()   // dwk
+                           .Ret<ffi::AnyBuffer>());  // ws (dw partial sums of both, discarded)
+
 Targets RopeTargets() {
-  return {SUROGATE_TARGET(kFwd.data(), kRopeFwdHandler), SUROGATE_TARGET(kBwd.data(), kRopeBwdHandler)};
+  return {SUROGATE_TARGET(kFwd.data(), kRopeFwdHandler), SUROGATE_TARGET(kBwd.data(), kRopeBwdHandler),
+          SUROGATE_TARGET(kQkFwd.data(), kRopeQkFwdHandler), SUROGATE_TARGET(kQkBwd.data(), kRopeQkBwdHandler)};
 }
 
 }  // namespace surogate::ffi_bind

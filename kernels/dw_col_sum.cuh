@@ -23,11 +23,18 @@ namespace colsum {
 constexpr int kColSumCols = 32;
 constexpr int kColSumRows = 32;
 
+// blockIdx.y == 0: dw0 = sums of rows [0, parts0); 1: dw1 = sums of rows [parts0, parts0 + parts1)
+// (the two tensors of a paired launch, rope.cu).
 template <typename T>
 __global__ void __launch_bounds__(kColSumCols * kColSumRows)
-    dw_col_sum_kernel(const float* __restrict__ ws, T* __restrict__ dw, int parts, int dim) {
+    dw_col_sum_kernel(const float* __restrict__ ws, T* __restrict__ dw0, int parts0, T* __restrict__ dw1,
+                      int parts1, int dim) {
   __shared__ float acc[kColSumRows][kColSumCols + 1];
   const int col = blockIdx.x * kColSumCols + threadIdx.x;
+  const bool second = blockIdx.y != 0;
+  T* __restrict__ dw = second ? dw1 : dw0;
+  const int parts = second ? parts1 : parts0;
+  if (second) ws += static_cast<int64_t>(parts0) * dim;
   float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
   if (col < dim) {
     const float* c = ws + col;
@@ -52,12 +59,14 @@ __global__ void __launch_bounds__(kColSumCols * kColSumRows)
   }
 }
 
-// Enqueues dw = column sums of ws[:parts, :dim] on `stream`.
+// Enqueues dw0 = column sums of ws[:parts0, :dim] and, when dw1 != nullptr, dw1 = those of the
+// next parts1 rows, in one launch on `stream`.
 template <typename T>
-cudaError_t dw_col_sum(const float* ws, T* dw, int parts, int dim, cudaStream_t stream) {
+cudaError_t dw_col_sum(const float* ws, T* dw0, int parts0, int dim, cudaStream_t stream, T* dw1 = nullptr,
+                       int parts1 = 0) {
   const dim3 block(kColSumCols, kColSumRows);
-  const unsigned grid = static_cast<unsigned>((dim + kColSumCols - 1) / kColSumCols);
-  dw_col_sum_kernel<T><<<grid, block, 0, stream>>>(ws, dw, parts, dim);
+  const dim3 grid(static_cast<unsigned>((dim + kColSumCols - 1) / kColSumCols), dw1 != nullptr ? 2u : 1u);
+  dw_col_sum_kernel<T><<<grid, block, 0, stream>>>(ws, dw0, parts0, dw1, parts1, dim);
   return cudaGetLastError();
 }
 

@@ -299,11 +299,13 @@ constexpr int flat_min_blocks() {
   return PER > 1 ? 1 : U == 1 ? 8 : U == 2 ? 6 : 4;
 }
 
+// The flat forward over one tensor, as block `block` of `nblocks` (the kernels below pass
+// blockIdx.x / gridDim.x, or a block range of a two-tensor launch).
 template <typename T, int V, int PER, bool kNorm, int U>
-__global__ void __launch_bounds__(kThreads, (flat_min_blocks<PER, U>()))
-    rope_fwd_flat_kernel(const T* __restrict__ x, T* __restrict__ y, RopeAngles ang,
-                         const T* __restrict__ w, int64_t tokens, int heads, Layout L, float eps,
-                         float sgn) {
+__device__ __forceinline__ void rope_fwd_flat(const T* __restrict__ x, T* __restrict__ y,
+                                              const RopeAngles& ang, const T* __restrict__ w,
+                                              int64_t tokens, int heads, const Layout& L, float eps,
+                                              float sgn, int64_t block, int64_t nblocks) {
   using R = vec::Raw<T, V>;
   const int K = 2 * L.half;
   const int lw = static_cast<int>(threadIdx.x) % kWarp;
@@ -313,8 +315,8 @@ __global__ void __launch_bounds__(kThreads, (flat_min_blocks<PER, U>()))
   const unsigned mask = L.width == kWarp ? 0xffffffffu : ((1u << L.width) - 1u) << (group * L.width);
   const int upt = (heads + U - 1) / U;  // units per token
   const int64_t units = tokens * upt;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock * groups;
-  for (int64_t unit = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group;
+  const int64_t stride = nblocks * kWarpsPerBlock * groups;
+  for (int64_t unit = (block * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group;
        unit < units; unit += stride) {  // uniform over a group: shuffles stay inside it
     const int64_t tok = unit / upt;
     const int h0 = static_cast<int>(unit - tok * upt) * U;
@@ -380,6 +382,42 @@ __global__ void __launch_bounds__(kThreads, (flat_min_blocks<PER, U>()))
         }
       }
     }
+  }
+}
+
+template <typename T, int V, int PER, bool kNorm, int U>
+__global__ void __launch_bounds__(kThreads, (flat_min_blocks<PER, U>()))
+    rope_fwd_flat_kernel(const T* __restrict__ x, T* __restrict__ y, RopeAngles ang,
+                         const T* __restrict__ w, int64_t tokens, int heads, Layout L, float eps,
+                         float sgn) {
+  rope_fwd_flat<T, V, PER, kNorm, U>(x, y, ang, w, tokens, heads, L, eps, sgn, blockIdx.x, gridDim.x);
+}
+
+// q and k of a layer in one launch (same tokens, angles and head_dim; own heads and weights):
+// blocks [0, blocks0) run tensor 0, the rest tensor 1. One launch instead of two saves the
+// second launch's ramp, which dominated the small k tensors (8 MB at Qwen3-8B: 66% of 3000 GB/s
+// forward alone, eleventh session).
+template <typename T>
+struct Pair {
+  const T* in0;
+  const T* in1;
+  T* out0;
+  T* out1;
+  const T* w0;
+  const T* w1;
+  int heads0, heads1;
+  int blocks0;
+};
+
+template <typename T, int V, int PER, bool kNorm, int U>
+__global__ void __launch_bounds__(kThreads, (flat_min_blocks<PER, U>()))
+    rope_fwd_flat_pair_kernel(Pair<T> p, RopeAngles ang, int64_t tokens, Layout L, float eps, float sgn) {
+  const int64_t b = blockIdx.x;
+  if (b < p.blocks0) {
+    rope_fwd_flat<T, V, PER, kNorm, U>(p.in0, p.out0, ang, p.w0, tokens, p.heads0, L, eps, sgn, b, p.blocks0);
+  } else {
+    rope_fwd_flat<T, V, PER, kNorm, U>(p.in1, p.out1, ang, p.w1, tokens, p.heads1, L, eps, sgn, b - p.blocks0,
+                                       static_cast<int64_t>(gridDim.x) - p.blocks0);
   }
 }
 
@@ -532,12 +570,14 @@ constexpr int bwd_flat_min_blocks() {
 // before any math, and re-reads w from L1; dy and x are unpacked twice (for the two reductions and
 // for the output) instead of holding fp32 copies. Same per-row math and reduction order as variant
 // 0, so dx matches it bitwise (up to FMA contraction); dw sums the same terms in another order.
+// The flat norm backward over one tensor as block `block` of `nblocks` (see rope_fwd_flat); its
+// dw partials go to row blockIdx.x of ws. `red`: the block's shared memory (block_dw_to_ws).
 template <typename T, int V, int PER, int U, bool kStream>
-__global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
-    rope_norm_bwd_flat_kernel(const T* __restrict__ dy, const T* __restrict__ x, RopeAngles ang,
-                              const T* __restrict__ w, T* __restrict__ dx, float* __restrict__ ws,
-                              int64_t tokens, int heads, Layout L, float eps) {
-  extern __shared__ float red[];
+__device__ __forceinline__ void rope_norm_bwd_flat(const T* __restrict__ dy, const T* __restrict__ x,
+                                                   const RopeAngles& ang, const T* __restrict__ w,
+                                                   T* __restrict__ dx, float* __restrict__ ws,
+                                                   int64_t tokens, int heads, const Layout& L, float eps,
+                                                   int64_t block, int64_t nblocks, float* red) {
   using R = vec::Raw<T, V>;
   const int K = 2 * L.half;
   const int lw = static_cast<int>(threadIdx.x) % kWarp;
@@ -553,8 +593,8 @@ __global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
   }
   const int upt = (heads + U - 1) / U;  // units per token
   const int64_t units = tokens * upt;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock * groups;
-  for (int64_t unit = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group;
+  const int64_t stride = nblocks * kWarpsPerBlock * groups;
+  for (int64_t unit = (block * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group;
        unit < units; unit += stride) {  // uniform over a group: its shuffles stay inside it
     const int64_t tok = unit / upt;
     const int h0 = static_cast<int>(unit - tok * upt) * U;
@@ -626,6 +666,47 @@ __global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
     }
   }
   block_dw_to_ws<V, PER>(d1, d2, L, lane, red, ws);
+}
+
+template <typename T, int V, int PER, int U, bool kStream>
+__global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
+    rope_norm_bwd_flat_kernel(const T* __restrict__ dy, const T* __restrict__ x, RopeAngles ang,
+                              const T* __restrict__ w, T* __restrict__ dx, float* __restrict__ ws,
+                              int64_t tokens, int heads, Layout L, float eps) {
+  extern __shared__ float red[];
+  rope_norm_bwd_flat<T, V, PER, U, kStream>(dy, x, ang, w, dx, ws, tokens, heads, L, eps, blockIdx.x,
+                                            gridDim.x, red);
+}
+
+// q and k in one launch (rope_fwd_flat_pair_kernel): blocks [0, blocks0) tensor 0, the rest tensor
+// 1; ws rows follow the blocks, so rows [0, blocks0) hold tensor 0's dw partials.
+template <typename T>
+struct GradPair {
+  const T* dy0;
+  const T* dy1;
+  const T* x0;
+  const T* x1;
+  const T* w0;
+  const T* w1;
+  T* dx0;
+  T* dx1;
+  int heads0, heads1;
+  int blocks0;
+};
+
+template <typename T, int V, int PER, int U, bool kStream>
+__global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
+    rope_norm_bwd_flat_pair_kernel(GradPair<T> p, RopeAngles ang, float* __restrict__ ws, int64_t tokens,
+                                   Layout L, float eps) {
+  extern __shared__ float red[];
+  const int64_t b = blockIdx.x;
+  if (b < p.blocks0) {
+    rope_norm_bwd_flat<T, V, PER, U, kStream>(p.dy0, p.x0, ang, p.w0, p.dx0, ws, tokens, p.heads0, L, eps, b,
+                                              p.blocks0, red);
+  } else {
+    rope_norm_bwd_flat<T, V, PER, U, kStream>(p.dy1, p.x1, ang, p.w1, p.dx1, ws, tokens, p.heads1, L, eps,
+                                              b - p.blocks0, static_cast<int64_t>(gridDim.x) - p.blocks0, red);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -923,12 +1004,112 @@ cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const 
   return colsum::dw_col_sum<T>(ws, dw, p.blocks, static_cast<int>(head_dim), stream);
 }
 
+template <typename T>
+cudaError_t rope_fwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1, const RopeAngles& ang,
+                          int64_t tokens, int64_t head_dim, float eps, bool inverse, cudaStream_t stream,
+                          int algo) {
+  SUROGATE_TRY(check_args(ang, tokens, std::max<int64_t>(t0.heads, 1), head_dim));
+  SUROGATE_TRY(check_args(ang, tokens, std::max<int64_t>(t1.heads, 1), head_dim));
+  if ((t0.w == nullptr) != (t1.w == nullptr) || t0.heads <= 0 || t1.heads <= 0) return cudaErrorInvalidValue;
+  auto each = [&]() -> cudaError_t {  // one launch per tensor
+    SUROGATE_TRY(rope_fwd<T>(t0.x, t0.out, ang, t0.w, tokens, t0.heads, head_dim, eps, inverse, stream, algo));
+    return rope_fwd<T>(t1.x, t1.out, ang, t1.w, tokens, t1.heads, head_dim, eps, inverse, stream, algo);
+  };
+  if (algo != kRopePairFwdAlgo) return each();
+  if (tokens == 0) return cudaSuccess;
+  const int64_t half = head_dim / 2;
+  Plan p;
+  if (!make_plan(1, half, pick_vec<T>(half, {t0.x, t0.out, t0.w, t1.x, t1.out, t1.w}), &p)) {
+    return cudaErrorInvalidValue;
+  }
+  constexpr int U = flat_heads(kRopePairFwdAlgo);
+  const int64_t per_block = static_cast<int64_t>(kWarpsPerBlock) * (kWarp / p.L.width);
+  const int64_t b0 = (tokens * ((t0.heads + U - 1) / U) + per_block - 1) / per_block;
+  const int64_t b1 = (tokens * ((t1.heads + U - 1) / U) + per_block - 1) / per_block;
+  // Beyond one grid, or rows of more than one chunk per lane (head_dim > 256 in 16-bit: two inlined
+  // copies of those long-row bodies spill): one launch each.
+  if (b0 + b1 > INT_MAX || p.per != 1) return each();
+  using Kernel = void (*)(Pair<T>, RopeAngles, int64_t, Layout, float, float);
+  const bool norm = t0.w != nullptr;
+  const Kernel kernel = p.vec == 1 ? (norm ? rope_fwd_flat_pair_kernel<T, 1, 1, true, U>
+                                           : rope_fwd_flat_pair_kernel<T, 1, 1, false, U>)
+                                   : (norm ? rope_fwd_flat_pair_kernel<T, kVec<T>, 1, true, U>
+                                           : rope_fwd_flat_pair_kernel<T, kVec<T>, 1, false, U>);
+  RopeAngles a = ang;
+  if (a.positions != nullptr) a.cos = a.sin = nullptr;
+  p.L.table_vec4 = table_vec4(a);
+  const Pair<T> pr{t0.x, t1.x, t0.out, t1.out, t0.w, t1.w, static_cast<int>(t0.heads), static_cast<int>(t1.heads),
+                   static_cast<int>(b0)};
+  kernel<<<static_cast<unsigned>(b0 + b1), kThreads, 0, stream>>>(pr, a, tokens, p.L, eps, inverse ? -1.f : 1.f);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t rope_norm_bwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1, const RopeAngles& ang,
+                               int64_t tokens, int64_t head_dim, float eps, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream, int algo) {
+  SUROGATE_TRY(check_args(ang, tokens, std::max<int64_t>(t0.heads, 1), head_dim));
+  SUROGATE_TRY(check_args(ang, tokens, std::max<int64_t>(t1.heads, 1), head_dim));
+  if (t0.heads <= 0 || t1.heads <= 0) return cudaErrorInvalidValue;
+  auto each = [&]() -> cudaError_t {  // one tensor after the other (stream order: they share ws)
+    SUROGATE_TRY(rope_norm_bwd<T>(t0.dy, t0.x, ang, t0.w, t0.out, t0.dw, tokens, t0.heads, head_dim, eps,
+                                  workspace, workspace_bytes, stream, algo));
+    return rope_norm_bwd<T>(t1.dy, t1.x, ang, t1.w, t1.out, t1.dw, tokens, t1.heads, head_dim, eps, workspace,
+                            workspace_bytes, stream, algo);
+  };
+  const int64_t ws_rows =
+      static_cast<int64_t>(workspace_bytes / (static_cast<size_t>(head_dim) * sizeof(float)));
+  if (algo != kRopePairBwdAlgo || tokens == 0 || ws_rows < 2) return each();
+  if (t0.w == nullptr || t0.dw == nullptr || t1.w == nullptr || t1.dw == nullptr) return cudaErrorInvalidValue;
+  if (workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 16 != 0) return cudaErrorInvalidValue;
+  const int64_t half = head_dim / 2;
+  Plan p;
+  if (!make_plan(1, half, pick_vec<T>(half, {t0.dy, t0.x, t0.w, t0.out, t1.dy, t1.x, t1.w, t1.out}), &p)) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.per != 1) return each();  // long rows: see rope_fwd_pair
+  p.smem = static_cast<size_t>(kWarpsPerBlock) * head_dim * sizeof(float);
+  constexpr int U = bwd_flat_heads(kRopePairBwdAlgo);
+  constexpr bool kStream = kRopePairBwdAlgo != 4;
+  using Kernel = void (*)(GradPair<T>, RopeAngles, float*, int64_t, Layout, float);
+  const Kernel kernel = p.vec == 1 ? rope_norm_bwd_flat_pair_kernel<T, 1, 1, U, kStream>
+                                   : rope_norm_bwd_flat_pair_kernel<T, kVec<T>, 1, U, kStream>;
+  // As rope_norm_bwd's flat grid, over both tensors: the fewest rounds r for which both tensors'
+  // blocks (each sized so its lane groups get equal unit counts) fit the device and the workspace.
+  int sms = 0, per_sm = 0;
+  SUROGATE_TRY(occupancy(kernel, p.smem, &per_sm, &sms));
+  const int64_t per_block = static_cast<int64_t>(kWarpsPerBlock) * (kWarp / p.L.width);
+  const int64_t need0 = (tokens * ((t0.heads + U - 1) / U) + per_block - 1) / per_block;
+  const int64_t need1 = (tokens * ((t1.heads + U - 1) / U) + per_block - 1) / per_block;
+  const int64_t cap = std::max<int64_t>(
+      2, std::min<int64_t>(static_cast<int64_t>(std::max(sms, 1)) * std::max(per_sm, 1), ws_rows));
+  int64_t rounds = std::max<int64_t>(1, (need0 + need1 + cap - 1) / cap);
+  auto blocks = [&](int64_t need) { return (need + rounds - 1) / rounds; };
+  while (blocks(need0) + blocks(need1) > cap) ++rounds;
+  const int64_t b0 = blocks(need0), b1 = blocks(need1);
+  RopeAngles a = ang;
+  if (a.positions != nullptr) a.cos = a.sin = nullptr;
+  p.L.table_vec4 = table_vec4(a);
+  float* ws = static_cast<float*>(workspace);
+  const GradPair<T> pr{t0.dy, t1.dy, t0.x, t1.x, t0.w, t1.w, t0.out, t1.out,
+                       static_cast<int>(t0.heads), static_cast<int>(t1.heads), static_cast<int>(b0)};
+  kernel<<<static_cast<unsigned>(b0 + b1), kThreads, p.smem, stream>>>(pr, a, ws, tokens, p.L, eps);
+  SUROGATE_TRY(cudaGetLastError());
+  return colsum::dw_col_sum<T>(ws, t0.dw, static_cast<int>(b0), static_cast<int>(head_dim), stream, t1.dw,
+                               static_cast<int>(b1));
+}
+
 #define SUROGATE_ROPE_INSTANTIATE(T)                                                             \
   template cudaError_t rope_fwd<T>(const T*, T*, const RopeAngles&, const T*, int64_t, int64_t,  \
                                    int64_t, float, bool, cudaStream_t, int);                     \
   template cudaError_t rope_norm_bwd<T>(const T*, const T*, const RopeAngles&, const T*, T*, T*, \
                                         int64_t, int64_t, int64_t, float, void*, size_t,         \
-                                        cudaStream_t, int);
+                                        cudaStream_t, int);                                      \
+  template cudaError_t rope_fwd_pair<T>(const RopeTensor<T>&, const RopeTensor<T>&, const RopeAngles&,   \
+                                        int64_t, int64_t, float, bool, cudaStream_t, int);               \
+  template cudaError_t rope_norm_bwd_pair<T>(const RopeTensor<T>&, const RopeTensor<T>&,                 \
+                                             const RopeAngles&, int64_t, int64_t, float, void*, size_t,  \
+                                             cudaStream_t, int);
 
 SUROGATE_ROPE_INSTANTIATE(float)
 SUROGATE_ROPE_INSTANTIATE(__nv_bfloat16)

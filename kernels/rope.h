@@ -67,4 +67,33 @@ cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const 
                           void* workspace, size_t workspace_bytes, cudaStream_t stream,
                           int algo = 0);
 
+// One tensor of a pair (q and k of a layer: same tokens, angles and head_dim; own rows, heads and
+// norm weight). Forward: x -> out (y), w as in rope_fwd. Norm backward: dy, x, w -> out (dx), dw.
+template <typename T>
+struct RopeTensor {
+  const T* x = nullptr;
+  const T* dy = nullptr;  // backward only
+  T* out = nullptr;
+  const T* w = nullptr;
+  T* dw = nullptr;  // backward only
+  int64_t heads = 0;
+};
+
+// The pair's forward / norm backward: rope_fwd / rope_norm_bwd of both tensors (both with or both
+// without w). With the variants below both run in one launch (and the backward's two dw column
+// sums in one more); other variants run the two tensors one after another.
+inline constexpr int kRopePairFwdAlgo = 3;
+inline constexpr int kRopePairBwdAlgo = 2;
+
+template <typename T>
+cudaError_t rope_fwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1, const RopeAngles& ang,
+                          int64_t tokens, int64_t head_dim, float eps, bool inverse, cudaStream_t stream,
+                          int algo = kRopePairFwdAlgo);
+
+// workspace as in rope_norm_bwd; the paired launch needs at least two rows of head_dim floats.
+template <typename T>
+cudaError_t rope_norm_bwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1, const RopeAngles& ang,
+                               int64_t tokens, int64_t head_dim, float eps, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream, int algo = kRopePairBwdAlgo);
+
 }  // namespace surogate

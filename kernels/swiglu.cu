@@ -41,10 +41,17 @@ using vec::Raw;
 
 // Rows per thread per iteration (all loads of them are issued before any math); as many as fit
 // in 64 registers without spilling.
-template <int N> constexpr int kFwdUnroll = 4;
-template <int N> constexpr int kBwdUnroll = 2;
+// kWalk (the launch variant's row walk): 0 a thread's rows interleaved across the grid, 1 a
+// block's rows adjacent, 2 one row per thread (XLA's loop-fusion shape: more, smaller blocks at
+// full occupancy instead of loads in flight per thread).
+template <int kWalk> constexpr int kFwdUnroll = kWalk == 2 ? 1 : 4;
+template <int kWalk> constexpr int kBwdUnroll = kWalk == 2 ? 1 : 2;
+// Resident 256-thread blocks asked of ptxas: walk 2 forward 8 (<= 32 registers, 2048 threads),
+// backward 6 (<= 40: at 32 the bf16 backward spilled 56 bytes).
+template <int kWalk> constexpr int kFwdMinBlocks = kWalk == 2 ? 8 : 4;
+template <int kWalk> constexpr int kBwdMinBlocks = kWalk == 2 ? 6 : 4;
 constexpr int kThreads = 256;
-constexpr int kMinBlocks = 4;  // <= 64 registers: 1024 resident threads per SM
+constexpr int kMinBlocks = 4;  // <= 64 registers: 1024 resident threads per SM (walks 0, 1)
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + __expf(-g)); }
 
@@ -96,19 +103,19 @@ struct RowWalk {
   }
 };
 
-template <typename T, int N, bool kStream, bool kContig>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
+template <typename T, int N, bool kStream, int kWalk>
+__global__ void __launch_bounds__(kThreads, kFwdMinBlocks<kWalk>)
     swiglu_fwd_kernel(const T* __restrict__ gate, const T* __restrict__ up, T* __restrict__ h,
                       int64_t rows, int64_t nvec, int64_t ld_in, int64_t ld_out) {
   const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (v >= nvec) return;
   const int64_t col = v * N;
-  const RowWalk<kContig> w(kFwdUnroll<N>);
+  const RowWalk<(kWalk != 0)> w(kFwdUnroll<kWalk>);
   const int64_t step = w.step;
   for (int64_t r0 = w.r0; r0 < rows; r0 += w.next) {
-    Raw<T, N> g[kFwdUnroll<N>], u[kFwdUnroll<N>];
+    Raw<T, N> g[kFwdUnroll<kWalk>], u[kFwdUnroll<kWalk>];
 #pragma unroll
-    for (int k = 0; k < kFwdUnroll<N>; ++k) {
+    for (int k = 0; k < kFwdUnroll<kWalk>; ++k) {
       const int64_t r = r0 + k * step;
       if (r < rows) {
         g[k] = vec::load_raw_hint<T, N, kStream>(gate + r * ld_in + col);
@@ -116,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       }
     }
 #pragma unroll
-    for (int k = 0; k < kFwdUnroll<N>; ++k) {
+    for (int k = 0; k < kFwdUnroll<kWalk>; ++k) {
       const int64_t r = r0 + k * step;
       if (r < rows) {
         float gf[N], uf[N], o[N];
@@ -130,20 +137,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
 }
 
-template <typename T, int N, bool kStream, bool kContig>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
+template <typename T, int N, bool kStream, int kWalk>
+__global__ void __launch_bounds__(kThreads, kBwdMinBlocks<kWalk>)
     swiglu_bwd_kernel(const T* __restrict__ dh, const T* __restrict__ gate,
                       const T* __restrict__ up, T* __restrict__ dgate, T* __restrict__ dup,
                       int64_t rows, int64_t nvec, int64_t ld_in, int64_t ld_dh) {
   const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (v >= nvec) return;
   const int64_t col = v * N;
-  const RowWalk<kContig> w(kBwdUnroll<N>);
+  const RowWalk<(kWalk != 0)> w(kBwdUnroll<kWalk>);
   const int64_t step = w.step;
   for (int64_t r0 = w.r0; r0 < rows; r0 += w.next) {
-    Raw<T, N> d[kBwdUnroll<N>], g[kBwdUnroll<N>], u[kBwdUnroll<N>];
+    Raw<T, N> d[kBwdUnroll<kWalk>], g[kBwdUnroll<kWalk>], u[kBwdUnroll<kWalk>];
 #pragma unroll
-    for (int k = 0; k < kBwdUnroll<N>; ++k) {
+    for (int k = 0; k < kBwdUnroll<kWalk>; ++k) {
       const int64_t r = r0 + k * step;
       if (r < rows) {
         d[k] = vec::load_raw_hint<T, N, kStream>(dh + r * ld_dh + col);
@@ -152,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       }
     }
 #pragma unroll
-    for (int k = 0; k < kBwdUnroll<N>; ++k) {
+    for (int k = 0; k < kBwdUnroll<kWalk>; ++k) {
       const int64_t r = r0 + k * step;
       if (r < rows) {
         float df[N], gf[N], uf[N], dg[N], du[N];
@@ -201,33 +208,37 @@ cudaError_t check_args(int64_t rows, int64_t F, int64_t ld_in) {
   return cudaSuccess;
 }
 
-template <typename T, int N, bool kStream, bool kContig>
+template <typename T, int N, bool kStream, int kWalk>
 void launch_fwd(const T* gate, const T* up, T* h, int64_t rows, int64_t F, int64_t ld_in, int sms,
                 bool one_shot, cudaStream_t stream) {
-  const Grid2 g = plan(rows, F / N, sms, kFwdUnroll<N>, one_shot);
-  swiglu_fwd_kernel<T, N, kStream, kContig><<<g.grid, g.block, 0, stream>>>(gate, up, h, rows, F / N, ld_in, F);
+  const Grid2 g = plan(rows, F / N, sms, kFwdUnroll<kWalk>, one_shot);
+  swiglu_fwd_kernel<T, N, kStream, kWalk><<<g.grid, g.block, 0, stream>>>(gate, up, h, rows, F / N, ld_in, F);
 }
 
-template <typename T, int N, bool kStream, bool kContig>
+template <typename T, int N, bool kStream, int kWalk>
 void launch_bwd(const T* dh, const T* gate, const T* up, T* dgate, T* dup, int64_t rows, int64_t F,
                 int64_t ld_in, int sms, bool one_shot, cudaStream_t stream) {
-  const Grid2 g = plan(rows, F / N, sms, kBwdUnroll<N>, one_shot);
-  swiglu_bwd_kernel<T, N, kStream, kContig><<<g.grid, g.block, 0, stream>>>(dh, gate, up, dgate, dup, rows,
+  const Grid2 g = plan(rows, F / N, sms, kBwdUnroll<kWalk>, one_shot);
+  swiglu_bwd_kernel<T, N, kStream, kWalk><<<g.grid, g.block, 0, stream>>>(dh, gate, up, dgate, dup, rows,
                                                                             F / N, ld_in, F);
 }
 
-// Variant `algo` (swiglu.h) as its three switches; calls f(one_shot, stream_tag, contig_tag).
+// Variant `algo` (swiglu.h) as its three switches; calls f(one_shot, stream_tag, walk_tag).
 template <typename Fn>
 void with_variant(int algo, Fn&& f) {
   using S = std::true_type;
   using P = std::false_type;
+  using W0 = std::integral_constant<int, 0>;
+  using W1 = std::integral_constant<int, 1>;
+  using W2 = std::integral_constant<int, 2>;
   switch (algo) {
-    case 0: f(false, S{}, P{}); break;
-    case 1: f(true, S{}, P{}); break;
-    case 2: f(true, P{}, P{}); break;
-    case 3: f(false, P{}, P{}); break;
-    case 4: f(true, P{}, S{}); break;
-    default: f(true, S{}, S{}); break;
+    case 0: f(false, S{}, W0{}); break;
+    case 1: f(true, S{}, W0{}); break;
+    case 2: f(true, P{}, W0{}); break;
+    case 3: f(false, P{}, W0{}); break;
+    case 4: f(true, P{}, W1{}); break;
+    case 5: f(true, S{}, W1{}); break;
+    default: f(true, P{}, W2{}); break;
   }
 }
 
@@ -242,8 +253,9 @@ cudaError_t swiglu_fwd(const T* gate, const T* up, T* h, int64_t rows, int64_t F
   int sms = 0;
   SUROGATE_TRY(sm_count(&sms));
   const bool vector = vectorizable<T>(F, ld_in, {gate, up, h});
-  with_variant(algo, [&](bool one_shot, auto stream_tag, auto contig_tag) {
-    constexpr bool kS = decltype(stream_tag)::value, kC = decltype(contig_tag)::value;
+  with_variant(algo, [&](bool one_shot, auto stream_tag, auto walk_tag) {
+    constexpr bool kS = decltype(stream_tag)::value;
+    constexpr int kC = decltype(walk_tag)::value;
     (vector ? launch_fwd<T, kVec<T>, kS, kC> : launch_fwd<T, 1, kS, kC>)(gate, up, h, rows, F, ld_in, sms,
                                                                         one_shot, stream);
   });
@@ -259,8 +271,9 @@ cudaError_t swiglu_bwd(const T* dh, const T* gate, const T* up, T* dgate, T* dup
   int sms = 0;
   SUROGATE_TRY(sm_count(&sms));
   const bool vector = vectorizable<T>(F, ld_in, {dh, gate, up, dgate, dup});
-  with_variant(algo, [&](bool one_shot, auto stream_tag, auto contig_tag) {
-    constexpr bool kS = decltype(stream_tag)::value, kC = decltype(contig_tag)::value;
+  with_variant(algo, [&](bool one_shot, auto stream_tag, auto walk_tag) {
+    constexpr bool kS = decltype(stream_tag)::value;
+    constexpr int kC = decltype(walk_tag)::value;
     (vector ? launch_bwd<T, kVec<T>, kS, kC> : launch_bwd<T, 1, kS, kC>)(dh, gate, up, dgate, dup, rows, F,
                                                                         ld_in, sms, one_shot, stream);
   });

@@ -14,7 +14,8 @@
 // with streaming loads, 1 one-shot grid (one block per row group) with streaming loads, 2 one-shot
 // with plain loads, 3 persistent with plain loads; 0-3 give a thread rows that lie a quarter (half)
 // of the grid's rows apart. 4 and 5: one-shot with a block's rows adjacent, plain (4) or streaming
-// (5) loads. ops/swiglu.py chooses (ALGO) from an H100 sweep.
+// (5) loads; 6: one-shot, one row (a 16-byte vector) per thread at full occupancy, plain loads
+// (the shape of XLA's loop fusion). ops/swiglu.py chooses (ALGO) from an H100 sweep.
 //
 // T is float, __nv_bfloat16 or __half. Every launcher enqueues on `stream`, never synchronizes,
 // and returns the first CUDA error it sees (cudaSuccess otherwise).
@@ -29,7 +30,7 @@
 
 namespace surogate {
 
-inline constexpr int kSwigluAlgos = 6;  // launch variants: algo in [0, kSwigluAlgos)
+inline constexpr int kSwigluAlgos = 7;  // launch variants: algo in [0, kSwigluAlgos)
 
 template <typename T>
 cudaError_t swiglu_fwd(const T* gate, const T* up, T* h, int64_t rows, int64_t F, int64_t ld_in,

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from surogate_jax.ops import add_rms_norm, rms_norm, rope, swiglu
+from surogate_jax.ops import add_rms_norm, rms_norm, rope_qk, swiglu
 from surogate_jax.precision import fp8 as fp8_lib
 from surogate_jax.precision import recipe as recipe_lib
 from surogate_jax.precision.recipe import QuantRecipe
@@ -164,30 +164,28 @@ def rope_cos_sin(cfg: DecoderConfig, positions_BT: jax.Array) -> tuple[jax.Array
     return jnp.cos(ang_BTK), jnp.sin(ang_BTK)
 
 
-def apply_rope(
-    x_BTHK: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array, norm_w_K: jax.Array | None = None, eps: float = 1e-6,
+def apply_rope_qk(
+    q_BTHK: jax.Array, k_BTGK: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array,
+    norm_wq_K: jax.Array | None = None, norm_wk_K: jax.Array | None = None, eps: float = 1e-6,
     impl: str | None = None,
-) -> jax.Array:
-    """HF rotate-half RoPE (after a per-head RMSNorm with weight norm_w_K, if given), computed in
-    float32 and rounded once to x's dtype. Runs `surogate_jax.ops.rope`: our fused CUDA kernel on
-    GPU, its pure-JAX reference elsewhere. cos/sin are rope_cos_sin's [B, T, K] tables."""
-    return rope(x_BTHK, table=(cos_BTK, sin_BTK), norm_w=norm_w_K, eps=eps, impl=impl)
+) -> tuple[jax.Array, jax.Array]:
+    """HF rotate-half RoPE of q and k (after a per-head RMSNorm with weights norm_wq_K /
+    norm_wk_K, if given), computed in float32 and rounded once to their dtype. Runs
+    `surogate_jax.ops.rope_qk`: one fused CUDA launch for both on GPU (each way), the pure-JAX
+    reference elsewhere. cos/sin are rope_cos_sin's [B, T, K] tables."""
+    return rope_qk(q_BTHK, k_BTGK, table=(cos_BTK, sin_BTK), norm_wq=norm_wq_K, norm_wk=norm_wk_K, eps=eps, impl=impl)
 
 
-class NormRope(nn.Module):
-    """Qwen3's per-head q/k RMSNorm (weight `scale` [head_dim], HF `q_norm.weight`) fused with RoPE."""
+class NormScale(nn.Module):
+    """The weight `scale` [dim] of Qwen3's per-head q/k RMSNorm (HF `q_norm.weight` /
+    `k_norm.weight`); the norm itself runs fused with RoPE (apply_rope_qk)."""
 
-    eps: float
-    dtype: Dtype
+    dim: int
     param_dtype: Dtype
-    impl: str | None = None  # see DecoderConfig.impl
 
     @nn.compact
-    def __call__(self, x_BTHK, cos_BTK, sin_BTK):
-        scale = _param(
-            self, "scale", nn.initializers.ones, (x_BTHK.shape[-1],), ("head_dim",), self.param_dtype
-        )
-        return apply_rope(x_BTHK.astype(self.dtype), cos_BTK, sin_BTK, scale.astype(self.dtype), self.eps, self.impl)
+    def __call__(self):
+        return _param(self, "scale", nn.initializers.ones, (self.dim,), ("head_dim",), self.param_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,13 +313,12 @@ class Attention(nn.Module):
         q = Linear((H, K), ("embed", "q_heads", "head_dim"), cfg, cfg.qkv_bias, name="q_proj")(x_BTD, layer)
         k = Linear((KV, K), ("embed", "kv_heads", "head_dim"), cfg, cfg.qkv_bias, name="k_proj")(x_BTD, layer)
         v = Linear((KV, K), ("embed", "kv_heads", "head_dim"), cfg, cfg.qkv_bias, name="v_proj")(x_BTD, layer)
-        if cfg.qk_norm:  # per-head RMSNorm fused with RoPE (one kernel each for q and k)
-            norm = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, impl=cfg.impl("rope"))
-            q = NormRope(**norm, name="q_norm")(q, cos_BTK, sin_BTK)
-            k = NormRope(**norm, name="k_norm")(k, cos_BTK, sin_BTK)
-        else:
-            q = apply_rope(q, cos_BTK, sin_BTK, impl=cfg.impl("rope"))
-            k = apply_rope(k, cos_BTK, sin_BTK, impl=cfg.impl("rope"))
+        wq = wk = None
+        if cfg.qk_norm:  # per-head RMSNorm, fused with RoPE
+            wq = NormScale(K, cfg.param_dtype, name="q_norm")().astype(cfg.dtype)
+            wk = NormScale(K, cfg.param_dtype, name="k_norm")().astype(cfg.dtype)
+        q, k = apply_rope_qk(q.astype(cfg.dtype), k.astype(cfg.dtype), cos_BTK, sin_BTK, wq, wk, cfg.rms_norm_eps,
+                             cfg.impl("rope"))
         impl = _attention_impl(cfg, q.dtype)
         if segment_ids_BT is None:
             o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)

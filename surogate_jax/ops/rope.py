@@ -48,6 +48,8 @@ from surogate_jax.ops._sharding import on_shards
 OP = "rope"  # the name SUROGATE_JAX_OPS=ref:<op> and impl resolution use
 FWD_TARGET = "surogate_rope_fwd"
 BWD_TARGET = "surogate_rope_bwd"
+QK_FWD_TARGET = "surogate_rope_qk_fwd"  # rope_qk: q and k of a layer in one launch each way
+QK_BWD_TARGET = "surogate_rope_qk_bwd"
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 1024  # kernels/rope.cu keeps a row in registers
 WS_BLOCKS = 1024
@@ -159,6 +161,36 @@ def _bwd_ffi(dy, x, a, b, w, *, eps, algo=None):
 
 
 
+def _qk_fwd_ffi(q, k, a, b, wq, wk, *, eps, norm, inverse, algo=None):
+    out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype))
+    call = jax.ffi.ffi_call(QK_FWD_TARGET, out, vmap_method="broadcast_all")
+    return tuple(call(q, k, a, b, wq, wk, eps=np.float32(eps), norm=np.int32(norm), inverse=np.int32(inverse),
+                      fwd_algo=np.int32(FWD_ALGO if algo is None else algo)))
+
+
+def _qk_bwd_ffi(dyq, dyk, q, k, a, b, wq, wk, *, eps, algo=None):
+    # ws: both tensors' per-block dw partial sums (rows follow the paired launch's blocks).
+    tokens = int(np.prod(q.shape[:-2]))
+    ws = jax.ShapeDtypeStruct((max(2, min(2 * tokens, WS_BLOCKS)), q.shape[-1]), jnp.float32)
+    out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+           jax.ShapeDtypeStruct(wq.shape, wq.dtype), jax.ShapeDtypeStruct(wk.shape, wk.dtype), ws)
+    call = jax.ffi.ffi_call(QK_BWD_TARGET, out, vmap_method="broadcast_all")
+    dq, dk, dwq, dwk, _ = call(dyq.astype(q.dtype), dyk.astype(k.dtype), q, k, a, b, wq, wk, eps=np.float32(eps),
+                               bwd_algo=np.int32(BWD_ALGO if algo is None else algo))
+    return dq, dk, dwq, dwk
+
+
+def _qk_fwd_ref(q, k, a, b, wq, wk, *, eps, norm, inverse):
+    kw = {"eps": eps, "norm": norm, "inverse": inverse}
+    return _fwd_ref(q, a, b, wq, **kw), _fwd_ref(k, a, b, wk, **kw)
+
+
+def _qk_bwd_ref(dyq, dyk, q, k, a, b, wq, wk, *, eps):
+    dq, dwq = _bwd_ref(dyq, q, a, b, wq, eps=eps)
+    dk, dwk = _bwd_ref(dyk, k, a, b, wk, eps=eps)
+    return dq, dk, dwq, dwk
+
+
 def _by_positions(a) -> bool:
     return bool(jnp.issubdtype(a.dtype, jnp.integer))
 
@@ -231,6 +263,112 @@ def _norm_rope_vjp_bwd(eps, impl, res, dy):
 _norm_rope.defvjp(_norm_rope_vjp_fwd, _norm_rope_vjp_bwd)
 
 
+def _qk_fwd(q, k, a, b, wq, wk, *, eps, norm, inverse, impl):
+    kw = {"eps": eps, "norm": norm, "inverse": inverse}
+    ref = functools.partial(_qk_fwd_ref, **kw)
+    if q.size == 0 or k.size == 0:
+        return ref(q, k, a, b, wq, wk)
+    fn = pick(impl, functools.partial(_qk_fwd_ffi, **kw), ref, OP, "fwd")
+    pos = _by_positions(a)
+    return on_shards(fn, q, k, a, b, wq, wk, batched=(True, True, True, not pos, False, False),
+                     out_batched=(True, True))
+
+
+def _qk_bwd(dyq, dyk, q, k, a, b, wq, wk, *, eps, impl):
+    ref = functools.partial(_qk_bwd_ref, eps=eps)
+    if q.size == 0 or k.size == 0:
+        return ref(dyq, dyk, q, k, a, b, wq, wk)
+    fn = pick(impl, functools.partial(_qk_bwd_ffi, eps=eps), ref, OP, "bwd")
+    pos = _by_positions(a)
+    return on_shards(
+        fn, dyq, dyk, q, k, a, b, wq, wk,
+        batched=(True, True, True, True, True, not pos, False, False), out_batched=(True, True, False, False),
+        out_summed=(False, False, True, True),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _rope_qk(q, k, a, b, impl):
+    return _qk_fwd(q, k, a, b, _no_norm_w(q), _no_norm_w(k), eps=0.0, norm=False, inverse=False, impl=impl)
+
+
+def _rope_qk_vjp_fwd(q, k, a, b, impl):
+    return _rope_qk(q, k, a, b, impl), (a, b)
+
+
+def _rope_qk_vjp_bwd(impl, res, dys):
+    a, b = res
+    dyq, dyk = dys
+    dq, dk = _qk_fwd(dyq, dyk, a, b, _no_norm_w(dyq), _no_norm_w(dyk), eps=0.0, norm=False, inverse=True, impl=impl)
+    return dq, dk, None, None
+
+
+_rope_qk.defvjp(_rope_qk_vjp_fwd, _rope_qk_vjp_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _norm_rope_qk(q, k, a, b, wq, wk, eps, impl):
+    return _qk_fwd(q, k, a, b, wq, wk, eps=eps, norm=True, inverse=False, impl=impl)
+
+
+def _norm_rope_qk_vjp_fwd(q, k, a, b, wq, wk, eps, impl):
+    return _norm_rope_qk(q, k, a, b, wq, wk, eps, impl), (q, k, a, b, wq, wk)
+
+
+def _norm_rope_qk_vjp_bwd(eps, impl, res, dys):
+    q, k, a, b, wq, wk = res
+    dq, dk, dwq, dwk = _qk_bwd(dys[0], dys[1], q, k, a, b, wq, wk, eps=eps, impl=impl)
+    return dq, dk, None, None, dwq, dwk
+
+
+_norm_rope_qk.defvjp(_norm_rope_qk_vjp_fwd, _norm_rope_qk_vjp_bwd)
+
+
+def _angles(name, x, positions, inv_freq, table):
+    """Validated (a, b) for the kernels: (int32 positions, f32 inv_freq) or (f32 cos, f32 sin)."""
+    lead, K = x.shape[:-2], x.shape[-1]
+    if table is None:
+        if positions is None or inv_freq is None:
+            raise ValueError(f"{name}: pass positions and inv_freq, or table=(cos, sin)")
+        if positions.shape != lead or not jnp.issubdtype(positions.dtype, jnp.integer):
+            raise ValueError(f"{name}: positions must be integers of shape {lead}, got {positions.dtype}{positions.shape}")
+        if inv_freq.shape != (K // 2,):
+            raise ValueError(f"{name}: inv_freq must have shape {(K // 2,)}, got {inv_freq.shape}")
+        return positions.astype(jnp.int32), inv_freq.astype(jnp.float32)
+    if positions is not None or inv_freq is not None:
+        raise ValueError(f"{name}: pass either positions and inv_freq or table, not both")
+    cos, sin = table
+    if cos.shape != sin.shape or cos.shape[:-1] != lead or cos.ndim != len(lead) + 1 or cos.shape[-1] < K // 2:
+        raise ValueError(
+            f"{name}: table cos/sin must both have shape {lead} + (S,) with S >= {K // 2}, got {cos.shape} and {sin.shape}"
+        )
+    return cos.astype(jnp.float32), sin.astype(jnp.float32)
+
+
+def _check_x(name, what, x):
+    if x.ndim < 2 or x.shape[-1] % 2:
+        raise ValueError(f"{name}: {what} must be [..., heads, head_dim] with an even head_dim, got {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name}: {what} must be floating point, got {x.dtype}")
+
+
+def _check_w(name, what, w, K):
+    if w is not None and w.shape != (K,):
+        raise ValueError(f"{name}: {what} must have shape {(K,)}, got {w.shape}")
+
+
+def _impl_for(name, x, impl):
+    impl = resolve_impl(impl, OP)
+    K = x.shape[-1]
+    if impl != "ref" and (x.dtype not in KERNEL_DTYPES or K > MAX_HEAD_DIM):
+        if impl == "ffi":
+            raise TypeError(
+                f"{name}: impl='ffi' supports float32/bfloat16/float16 and head_dim <= {MAX_HEAD_DIM}, got {x.dtype}, {K}"
+            )
+        impl = "ref"
+    return impl
+
+
 def rope(
     x: jax.Array,
     positions: jax.Array | None = None,
@@ -248,39 +386,50 @@ def rope(
     variable SUROGATE_JAX_OPS=ref forces the reference. Returns x.dtype, tagged
     `checkpoint_name(y, "rope")` for remat policies.
     """
-    if x.ndim < 2 or x.shape[-1] % 2:
-        raise ValueError(f"rope: x must be [..., heads, head_dim] with an even head_dim, got {x.shape}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"rope: x must be floating point, got {x.dtype}")
-    lead, K = x.shape[:-2], x.shape[-1]
-    if table is None:
-        if positions is None or inv_freq is None:
-            raise ValueError("rope: pass positions and inv_freq, or table=(cos, sin)")
-        if positions.shape != lead or not jnp.issubdtype(positions.dtype, jnp.integer):
-            raise ValueError(f"rope: positions must be integers of shape {lead}, got {positions.dtype}{positions.shape}")
-        if inv_freq.shape != (K // 2,):
-            raise ValueError(f"rope: inv_freq must have shape {(K // 2,)}, got {inv_freq.shape}")
-        a, b = positions.astype(jnp.int32), inv_freq.astype(jnp.float32)
-    else:
-        if positions is not None or inv_freq is not None:
-            raise ValueError("rope: pass either positions and inv_freq or table, not both")
-        cos, sin = table
-        if cos.shape != sin.shape or cos.shape[:-1] != lead or cos.ndim != len(lead) + 1 or cos.shape[-1] < K // 2:
-            raise ValueError(
-                f"rope: table cos/sin must both have shape {lead} + (S,) with S >= {K // 2}, got {cos.shape} and {sin.shape}"
-            )
-        a, b = cos.astype(jnp.float32), sin.astype(jnp.float32)
-    if norm_w is not None and norm_w.shape != (K,):
-        raise ValueError(f"rope: norm_w must have shape {(K,)}, got {norm_w.shape}")
-    impl = resolve_impl(impl, OP)
-    if impl != "ref" and (x.dtype not in KERNEL_DTYPES or K > MAX_HEAD_DIM):
-        if impl == "ffi":
-            raise TypeError(
-                f"rope: impl='ffi' supports float32/bfloat16/float16 and head_dim <= {MAX_HEAD_DIM}, got {x.dtype}, {K}"
-            )
-        impl = "ref"
+    _check_x("rope", "x", x)
+    a, b = _angles("rope", x, positions, inv_freq, table)
+    _check_w("rope", "norm_w", norm_w, x.shape[-1])
+    impl = _impl_for("rope", x, impl)
     if norm_w is None:
         y = _rope(x, a, b, impl)
     else:
         y = _norm_rope(x, a, b, norm_w.astype(x.dtype), float(eps), impl)
     return checkpoint_name(y, "rope")
+
+
+def rope_qk(
+    q: jax.Array,
+    k: jax.Array,
+    positions: jax.Array | None = None,
+    inv_freq: jax.Array | None = None,
+    *,
+    table: tuple[jax.Array, jax.Array] | None = None,
+    norm_wq: jax.Array | None = None,
+    norm_wk: jax.Array | None = None,
+    eps: float = 1e-6,
+    impl: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`rope` of a layer's q [..., Hq, K] and k [..., Hk, K] (same leading dims, dtype and K; the
+    heads may differ): (rope(q, norm_w=norm_wq), rope(k, norm_w=norm_wk)) with the same angles,
+    computed by one kernel launch forward and one (+ the weight gradients' sum) backward, so the
+    small k tensor does not pay a launch ramp of its own. Give both norm weights or neither.
+    Same impl rules and checkpoint name ("rope", on both outputs) as `rope`.
+    """
+    _check_x("rope_qk", "q", q)
+    _check_x("rope_qk", "k", k)
+    if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1] or q.dtype != k.dtype:
+        raise ValueError(
+            f"rope_qk: q {q.dtype}{q.shape} and k {k.dtype}{k.shape} must share dtype, leading dims and head_dim"
+        )
+    if (norm_wq is None) != (norm_wk is None):
+        raise ValueError("rope_qk: pass both norm_wq and norm_wk, or neither")
+    a, b = _angles("rope_qk", q, positions, inv_freq, table)
+    K = q.shape[-1]
+    _check_w("rope_qk", "norm_wq", norm_wq, K)
+    _check_w("rope_qk", "norm_wk", norm_wk, K)
+    impl = _impl_for("rope_qk", q, impl)
+    if norm_wq is None:
+        yq, yk = _rope_qk(q, k, a, b, impl)
+    else:
+        yq, yk = _norm_rope_qk(q, k, a, b, norm_wq.astype(q.dtype), norm_wk.astype(q.dtype), float(eps), impl)
+    return checkpoint_name(yq, "rope"), checkpoint_name(yk, "rope")

@@ -36,8 +36,9 @@ PACKED_BWD_TARGET = "surogate_swiglu_packed_bwd"
 # Launch variant (the FFI attribute `algo`, kernels/swiglu.h): 0 persistent grid + streaming loads,
 # 1 one-shot grid + streaming loads, 2 one-shot + plain loads, 3 persistent + plain loads (a
 # thread's rows a quarter of the grid apart); 4, 5 one-shot with a block's rows adjacent, plain /
-# streaming loads. Same math and results; benchmarks/bench_swiglu.py --algos sweeps them.
-ALGOS = (0, 1, 2, 3, 4, 5)
+# streaming loads; 6 one-shot, one row per thread at full occupancy (XLA's loop-fusion shape).
+# Same math and results; benchmarks/bench_swiglu.py --algos sweeps them.
+ALGOS = (0, 1, 2, 3, 4, 5, 6)
 ALGO = 2  # one-shot grid, plain loads: the fastest on the H100 (RESULTS.md, seventh session)
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
