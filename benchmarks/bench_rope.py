@@ -14,6 +14,10 @@ variant in --bwd-algos (default: the op's BWD_ALGO), the main table uses BWD_ALG
 the first), and a backward sweep table follows the forward one. The k shapes move ~10 MB (a few us of DRAM time), so per-call overheads
 weigh there; --steps 50 amortizes the program launch over more steps.
 
+Last rows: `rope_qk` (a layer's q and k through one paired launch per direction, what the models
+call) vs XLA's fusion of the two rope_ref calls, norm + table mode (84-126 MB a pass, where the
+chained timing holds; see calibrate_opbench.py).
+
 Timing and passes: see benchmarks/_opbench.py (fwd and bwd are timed separately, as in training;
 "fwd+bwd" rows are their sum). The norm backward of both sides also produces the weight gradient
 (accumulated in the carry, so XLA cannot drop it).
@@ -34,7 +38,7 @@ import numpy as np
 from bench_rms_norm import sweep_report
 
 from surogate_jax.ops import ffi_available, rope_ref
-from surogate_jax.ops.rope import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi
+from surogate_jax.ops.rope import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi, _qk_bwd_ffi, _qk_fwd_ffi
 
 # name -> (B, T, H, K)
 SHAPES = {
@@ -51,6 +55,54 @@ def _ref(x, a, b, w):
     if jnp.issubdtype(a.dtype, jnp.integer):
         return rope_ref(x, a, b, norm_w=w, eps=EPS)
     return rope_ref(x, table=(a, b), norm_w=w, eps=EPS)
+
+
+# A layer's q and k through rope_qk's paired launches (the models' call), norm + table mode.
+PAIRS = {"0.6b qk": ("0.6b q", "0.6b k"), "8b qk": ("8b q", "8b k")}
+
+
+def _pairs(table, dtype, steps, repeats) -> None:
+    """Rows for rope_qk (ours: one launch per direction) vs XLA's fusion of two rope_ref calls."""
+    key = jax.random.key(1)
+    for label, (nq, nk) in PAIRS.items():
+        (B, T, Hq, K), (_, _, Hk, _) = SHAPES[nq], SHAPES[nk]
+        ks = jax.random.split(key, 7)
+        key = ks[0]
+        q, k, dq, dk = (jax.random.normal(kk, s, jnp.float32).astype(dtype)
+                        for kk, s in zip(ks[1:5], (SHAPES[nq], SHAPES[nk]) * 2))
+        wq, wk = ((1.0 + 0.1 * jax.random.normal(kk, (K,), jnp.float32)).astype(dtype) for kk in ks[5:7])
+        pos = jnp.asarray(np.random.default_rng(1).integers(0, T, size=(B, T)), jnp.int32)
+        ang = pos.astype(jnp.float32)[..., None] * jnp.asarray(1.0 / 1e6 ** (np.arange(0, K, 2) / K), jnp.float32)
+        ang = jnp.concatenate([ang, ang], axis=-1)
+        a, b = jnp.cos(ang), jnp.sin(ang)
+        acc = jnp.zeros((K,), jnp.float32)
+
+        def ours_fwd(q, k, a, b):
+            return (*_qk_fwd_ffi(q, k, a, b, wq, wk, eps=EPS, norm=True, inverse=False), a, b)  # noqa: B023
+
+        def xla_fwd(q, k, a, b):
+            return _ref(q, a, b, wq), _ref(k, a, b, wk), a, b  # noqa: B023
+
+        def ours_bwd(dyq, dyk, q, k, a, b, aq, ak):
+            gq, gk, gwq, gwk = _qk_bwd_ffi(dyq, dyk, q, k, a, b, wq, wk, eps=EPS)  # noqa: B023
+            return gq, gk, q, k, a, b, aq + gwq.astype(jnp.float32), ak + gwk.astype(jnp.float32)
+
+        def xla_bwd(dyq, dyk, q, k, a, b, aq, ak):
+            gq, gwq = jax.vjp(lambda x, w: _ref(x, a, b, w), q, wq)[1](dyq)  # noqa: B023
+            gk, gwk = jax.vjp(lambda x, w: _ref(x, a, b, w), k, wk)[1](dyk)  # noqa: B023
+            return gq, gk, q, k, a, b, aq + gwq.astype(jnp.float32), ak + gwk.astype(jnp.float32)
+
+        fwd_carry, bwd_carry = (q, k, a, b), (dq, dk, q, k, a, b, acc, acc)
+        t = {
+            "fwd": (_opbench.time_chain(ours_fwd, fwd_carry, steps, repeats),
+                    _opbench.time_chain(xla_fwd, fwd_carry, steps, repeats)),
+            "bwd": (_opbench.time_chain(ours_bwd, bwd_carry, steps, repeats),
+                    _opbench.time_chain(xla_bwd, bwd_carry, steps, repeats)),
+        }
+        elem = (q.size + k.size) * dtype.itemsize
+        angle_bytes = B * T * 2 * 4 * (K // 2)
+        name = f"{label} {B}x{T}x{Hq}+{Hk}x{K} rope_qk norm+rope table"
+        table.add_passes(name, dtype.name, t, {"fwd": 2 * elem + angle_bytes, "bwd": 3 * elem + angle_bytes})
 
 
 def main() -> None:
@@ -134,6 +186,8 @@ def main() -> None:
                         t = {"fwd": (fwd_s[FWD_ALGO], xla_s), "bwd": (ours_bwd_s, xla_bwd_s)}
                         table.add_passes(name, dtype.name, t, nbytes)
         del x, dy, tab
+    if not args.fwd_only:
+        _pairs(table, dtype, args.steps, args.repeats)
     table.write(args.out)
     _opbench.append_jsonl(args.out, sweep_report("rope", sweep, table.meta))
     if bwd_sweep:

@@ -27,12 +27,10 @@ import _opbench
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_rope import EPS, SHAPES, _ref
+from bench_rope import EPS, PAIRS, SHAPES, _ref
 
 from surogate_jax.ops import ffi_available
 from surogate_jax.ops.rope import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi, _qk_bwd_ffi, _qk_fwd_ffi
-
-PAIRS = {"0.6b qk": ("0.6b q", "0.6b k"), "8b qk": ("8b q", "8b k")}  # a layer's q and k
 
 
 def main() -> None:

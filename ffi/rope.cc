@@ -243,15 +243,16 @@ ffi::Error InspectPair(std::string_view op, const ffi::AnyBuffer& q, const ffi::
                        const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::AnyBuffer* wq,
                        const ffi::AnyBuffer* wk, RopeCall* cq, RopeCall* ck) {
   if (auto e = Inspect(op, q, a, b, wq, cq); e.failure()) return e;
-  if (auto e = Inspect(op, k, a, b, wk, ck); e.failure()) return e;
   if (q.element_type() != k.element_type()) {
     return InvalidArg(op, "q is " + DtypeName(q.element_type()) + " but k is " + DtypeName(k.element_type()));
   }
   const auto qd = q.dimensions(), kd = k.dimensions();
-  if (!LeadingDimsEqual(qd, qd.size() - 2, kd, kd.size() - 2) || cq->dim != ck->dim) {
+  if (kd.size() != qd.size() || !LeadingDimsEqual(qd, qd.size() - 2, kd, kd.size() - 2) ||
+      qd[qd.size() - 1] != kd[kd.size() - 1]) {
     return InvalidArg(op, "q " + ShapeStr(q) + " and k " + ShapeStr(k) +
                               " must share the leading dims and head_dim (heads may differ)");
   }
+  if (auto e = Inspect(op, k, a, b, wk, ck); e.failure()) return e;
   if (cq->groups != ck->groups || cq->w_groups != ck->w_groups) {
     return InvalidArg(op, "wq and wk must have the same number of rows");
   }

@@ -31,6 +31,12 @@ FFI kernels `surogate_rope_fwd/bwd` (kernels/rope.cu via ffi/rope.cc), and the p
 `jax.custom_vjp` picking one of them (see ops/_loader.py for `impl`), run per data shard through
 `on_shards` (x, positions and tables split along axis 0; inv_freq and norm_w replicated; the
 weight gradient summed). The output is tagged `checkpoint_name(y, "rope")`.
+
+`rope_qk(q, k, ...)` is the same op for a layer's q [..., Hq, K] and k [..., Hk, K] with shared
+angles and one norm weight each: `surogate_rope_qk_fwd/bwd` run both in one kernel launch per
+direction (blocks split between the tensors; the backward's two weight-gradient sums in one more
+launch), so the small k tensor (8 MB at Qwen3-8B) does not pay a launch ramp of its own. The
+models call it.
 """
 
 from __future__ import annotations

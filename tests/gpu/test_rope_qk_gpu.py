@@ -76,11 +76,13 @@ def test_public_op_matches_reference(shape, dtype, mode, assert_close):
         assert_close(g, r, dtype, f"{mode} {name}")
 
 
-@pytest.mark.parametrize("algo", [0, 1, 2, 3], ids=lambda a: f"fwd{a}")
+# The paired launch (fwd 3 / bwd 2, kernels/rope.h kRopePair*Algo) and one per-tensor fallback each;
+# the single-tensor variants themselves are covered by test_rope_gpu.py.
+@pytest.mark.parametrize("algo", [3, 1], ids=lambda a: f"fwd{a}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", QK_SHAPES, ids=str)
 def test_fwd_variants_match_reference_and_single_kernel(shape, dtype, algo, assert_close):
-    """Every fwd_algo (3: the paired launch; others one launch per tensor) against the reference,
+    """fwd_algo 3 (the paired launch) and 1 (one launch per tensor) against the reference,
     and bitwise against the single-tensor kernel of the same variant (same per-row math)."""
     from surogate_jax.ops.rope import _fwd_ffi, _qk_fwd_ffi, _qk_fwd_ref
 
@@ -105,11 +107,11 @@ def test_fwd_variants_match_reference_and_single_kernel(shape, dtype, algo, asse
                                               err_msg=f"{what}: paired vs single kernel")
 
 
-@pytest.mark.parametrize("algo", range(5), ids=lambda a: f"bwd{a}")
+@pytest.mark.parametrize("algo", [2, 4], ids=lambda a: f"bwd{a}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", QK_SHAPES, ids=str)
 def test_bwd_variants_match_reference(shape, dtype, algo, assert_close):
-    """Every bwd_algo (2: the paired launch + one two-tensor column sum; others per tensor)."""
+    """bwd_algo 2 (the paired launch + one two-tensor column sum) and 4 (per tensor)."""
     from surogate_jax.ops.rope import _qk_bwd_ffi, _qk_bwd_ref
 
     q, k, wq, wk, pq, pk, pos = _qk_inputs(shape, dtype)
