@@ -12,15 +12,22 @@
 // Design (why):
 //  * 2-D grid: x walks 16-byte column vectors of a row, y walks rows. No integer division per
 //    element, and row-strided views (a packed gate_up [rows, 2F]) cost nothing extra.
-//  * Each thread handles 4 rows (backward: 2) per iteration and issues all their loads before
-//    any math: 8 (6) 16-byte loads in flight per thread. Registers are capped at 64 (4 blocks of
-//    256 threads per SM) so 1024 threads stay resident: ~100-130 KB in flight per SM, well above
-//    the ~25-40 KB Little's law asks for at ~3 TB/s over 132 SMs.
-//  * Four launch variants (algo, swiglu.h): that persistent grid or a one-shot grid (a block per
-//    row group), streaming (ld.global.cs) or plain loads. On the H100 (2026-11-23) the first
-//    design (persistent + streaming, variant 0) ran at 80-88% of copy bandwidth and 6-10% behind
-//    XLA's fusion; variant 2 (one-shot, plain loads) reached 87-94% and parity, and is the
-//    default (ops/swiglu.py ALGO). The others stay selectable for the next sweep.
+//  * Variants 0-5: each thread handles 4 rows (backward: 2) per iteration and issues all their
+//    loads before any math: 8 (6) 16-byte loads in flight per thread, registers capped at 64 (4
+//    blocks of 256 threads per SM): ~100-130 KB in flight per SM, well above the ~25-40 KB
+//    Little's law asks for at ~3 TB/s over 132 SMs. Variant 6 gets its bytes in flight from
+//    occupancy instead (2 or 3 loads per thread, 1536-2048 threads per SM).
+//  * Seven launch variants (algo, swiglu.h): that persistent grid or a one-shot grid (a block per
+//    row group), streaming (ld.global.cs) or plain loads, a thread's rows interleaved across the
+//    grid or adjacent, or one row per thread. On the H100 (2026-11-23) the first design
+//    (persistent + streaming, variant 0) ran at 80-88% of copy bandwidth and 6-10% behind XLA's
+//    fusion; variant 2 (one-shot, plain loads) came to 1-5% of XLA in chained timings; under
+//    Nsight Compute (twelfth session) its forward was still 3-5% slower than XLA's loop fusion
+//    (98 vs 94 us at [16384, 3072] bf16), which runs one 8-byte vector per thread in 128-thread
+//    blocks at full occupancy. Variant 6 (one 16-byte vector of one row per thread, 256-thread
+//    blocks, <= 32 registers: 2048 resident threads per SM) matches XLA's fusion in both passes
+//    and is the default (ops/swiglu.py ALGO): many small blocks balance the end of the grid
+//    better than fewer blocks with four rows each. The others stay selectable for sweeps.
 //  * fp32 math, one rounding of each output; sigmoid via __expf (ex2.approx, relative error a few
 //    ulp of fp32, far below bf16's and fp32's test tolerances).
 //  * Scalar path when F or the row stride is not a multiple of the vector or a pointer is not
