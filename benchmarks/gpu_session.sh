@@ -2,7 +2,7 @@
 # One device-machine call: build the CUDA extension, run the GPU tests (plus the op and model
 # suites), then the benchmarks; full logs land in $OUT (at most 8 files come back).
 #   run: [SKIP_TESTS=1] bash benchmarks/gpu_session.sh [bench ...]
-#   benches: rms_norm, calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the RoPE kernels), fwd_sweep (norm/rope forward variants only), fp8_matmul, nvfp4_quantize, nvfp4_matmul, swiglu, add_rms_norm, lm_head_ce, rope, normuon, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
+#   benches: rms_norm, calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the RoPE kernels), ncu_ops (kernel-only ours / XLA / same-bytes copy for rope_qk, swiglu, the norms), fwd_sweep (norm/rope forward variants only), fp8_matmul, nvfp4_quantize, nvfp4_matmul, swiglu, add_rms_norm, lm_head_ce, rope, normuon, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
 # The GPU image has jax + CUDA 13, nanobind, scikit-build-core, cmake and nvcc, and no network:
 # we install with --no-deps --no-build-isolation into its python3 and build only sm_90a (Hopper).
 set -uo pipefail
@@ -42,6 +42,18 @@ for b in "${benches[@]}"; do
                     --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
                     python3 benchmarks/profile_rope.py --shape "$shp" --pass "$pas" --source "$src" --calls 2
               done > "$OUT/ncu_rope.log" 2>&1; grep -E "profile_rope|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|^  [a-z_]+.*\(" "$OUT/ncu_rope.log" | head -60 ;;
+    ncu_ops) M=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__block_size,launch__registers_per_thread
+             NCU="ncu --profile-from-start off --clock-control none --print-units base --csv --metrics $M"
+             { for c in "0.6b qk" "8b qk"; do for p in fwd bwd; do for i in ffi xla copy; do  # kernel-only, ours / XLA / same bytes
+                 echo "=== rope $c $p $i"; $NCU python3 benchmarks/profile_rope.py --shape "$c" --pass $p --source table --impl $i --calls 3
+               done; done; done
+               for c in "16384x3072" "8192x17408"; do for p in fwd bwd; do for i in ffi xla; do
+                 echo "=== swiglu $c $p $i"; $NCU python3 benchmarks/profile_swiglu.py --shape $c --pass $p --impl $i --calls 3
+               done; done; done
+               for c in "rms_norm 16384x1024" "add_rms_norm 16384x1024" "rms_norm 262144x128"; do set -- $c; for p in fwd bwd; do for i in ffi xla copy; do
+                 echo "=== $1 $2 $p $i"; $NCU python3 benchmarks/profile_norm.py --op $1 --shape $2 --pass $p --impl $i --calls 3
+               done; done; done; } > "$OUT/ncu_ops.log" 2>&1
+             python3 benchmarks/ncu_summary.py "$OUT/ncu_ops.log" | tee "$OUT/ncu_ops_summary.txt" ;;
     calibrate) python3 benchmarks/calibrate_opbench.py 2>&1 | tee "$OUT/calibrate_opbench.log" | tail -16 ;;
     normuon) python3 benchmarks/bench_normuon.py --out "$OUT/bench_normuon.json" 2>&1 | tee "$OUT/bench_normuon.log" | tail -16 ;;
     adamw_8bit) python3 benchmarks/bench_adamw_8bit.py --out "$OUT/bench_adamw_8bit.json" 2>&1 | tee "$OUT/bench_adamw_8bit.log" | tail -48 ;;

@@ -1,5 +1,6 @@
 """benchmarks/_opbench.py's pure parts (the timing itself needs a GPU): how many input copies a
-timed chain cycles through, and that the chain applies every step to the right copy."""
+timed chain cycles through, and that the chain applies every step to the right copy; and
+benchmarks/ncu_summary.py's per-call sums of Nsight Compute CSV logs."""
 
 from __future__ import annotations
 
@@ -47,3 +48,37 @@ def test_rows_faster_than_the_dram_are_marked(ob, capsys):
     assert [r["above_dram_peak"] for r in t.records] == [False, True]
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ok") or ln.startswith("| l2")]
     assert "(!)" not in rows[0] and "(!)" in rows[1]
+
+
+NCU_LOG = '''# a header line
+=== ours fwd
+some script output
+"ID","Kernel Name","Metric Name","Metric Value"
+"0","k_a","gpu__time_duration.sum","1,500"
+"0","k_a","dram__bytes_read.sum","2,000,000"
+"0","k_a","dram__bytes_write.sum","1,000,000"
+"1","k_b","gpu__time_duration.sum","500"
+"1","k_b","dram__bytes_read.sum","0"
+"1","k_b","dram__bytes_write.sum","0"
+"2","k_a","gpu__time_duration.sum","1,400"
+"2","k_a","dram__bytes_read.sum","3,000,000"
+"2","k_a","dram__bytes_write.sum","1,000,000"
+"3","k_b","gpu__time_duration.sum","600"
+"3","k_b","dram__bytes_read.sum","1,000,000"
+"3","k_b","dram__bytes_write.sum","0"
+=== broken
+"ID","Kernel Name","Metric Name","Metric Value"
+"0","k_a","gpu__time_duration.sum","1,000"
+'''
+
+
+def test_ncu_summary_sums_each_call(benchmark_module):
+    """Two calls of two kernels each: per-call sums of durations (us), the last call's DRAM MB; a
+    block whose kernels do not split into the calls is reported, not mis-summed."""
+    ncu = benchmark_module("ncu_summary")
+    ours, broken = ncu.summarize(NCU_LOG, calls=2)
+    assert ours["label"] == "ours fwd"
+    assert ours["us"] == [2.0, 2.0]
+    assert ours["read_mb"] == 4.0 and ours["write_mb"] == 1.0
+    assert len(ours["kernels"]) == 2
+    assert broken["label"] == "broken" and "do not split" in broken["error"]
