@@ -2,7 +2,7 @@
 (x and the fused q/k-norm weight), both angle sources (positions x inv_freq computed in-kernel,
 and fp32 cos/sin tables), f32/bf16/f16, odd and large shapes, packed and large positions (up to
 32768, llama3-scaled frequencies), fresh random inputs per test, outputs on poisoned memory,
-jit, vmap, determinism, and the model's wiring."""
+jit, vmap and determinism (the model's wiring: test_rope_qk_gpu.py)."""
 
 from __future__ import annotations
 
@@ -196,21 +196,6 @@ def test_zero_tokens():
                       jax.grad(lambda w: rope(x, pos, inv, norm_w=w, impl="ffi").sum())(w))
     )(x, w)
     assert y.shape == x.shape and np.all(np.asarray(dw, np.float32) == 0)
-
-
-def test_qwen3_attention_uses_the_fused_kernel():
-    """The model's q/k path lowers to our (paired) kernel on GPU."""
-    from surogate_jax.models.llamalike import Decoder
-
-    cfg = DecoderConfig(
-        model_type="qwen3", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, dtype=jnp.bfloat16,
-    )
-    model = Decoder(cfg)
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 24)), jnp.int32)
-    params = model.init(jax.random.key(0), ids)
-    hlo = jax.jit(model.apply).lower(params, ids).as_text()
-    assert "surogate_rope_qk_fwd" in hlo
 
 
 # Forward variants (fwd_algo, also used by the rotation-only backward through `inverse`): each
