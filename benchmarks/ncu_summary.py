@@ -16,6 +16,7 @@ import argparse
 import csv
 import io
 import re
+import sys
 
 
 def _num(s: str) -> float:
@@ -54,16 +55,22 @@ def main() -> None:
     ap.add_argument("logs", nargs="+")
     ap.add_argument("--calls", type=int, default=3, help="--calls the profile script ran with")
     args = ap.parse_args()
+    if args.calls < 1:
+        ap.error("--calls must be >= 1")
     for path in args.logs:
-        with open(path) as f:
-            for s in summarize(f.read(), args.calls):
-                if "error" in s:
-                    print(f"{s['label']:44s} error: {s['error']}")
-                    continue
-                us = " / ".join(f"{t:.1f}" for t in s["us"])
-                print(f"{s['label']:44s} {us} us  read {s['read_mb']:.1f} MB  write {s['write_mb']:.1f} MB  | "
-                      + "; ".join(s["kernels"]))
-
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            print(f"error: cannot read {path}: {e.strerror}", file=sys.stderr)
+            raise SystemExit(2) from None
+        for s in summarize(text, args.calls):
+            if "error" in s:
+                print(f"{s['label']:44s} error: {s['error']}")
+                continue
+            us = " / ".join(f"{t:.1f}" for t in s["us"])
+            print(f"{s['label']:44s} {us} us  read {s['read_mb']:.1f} MB  write {s['write_mb']:.1f} MB  | "
+                  + "; ".join(s["kernels"]))
 
 if __name__ == "__main__":
     main()

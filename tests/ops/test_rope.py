@@ -290,10 +290,15 @@ print("ok")
 '''
 
 
-def test_per_shard_matches_unsharded():
+def run_on_4_cpu_devices(script: str) -> None:
+    """Runs `script` in a fresh process with 4 host CPU devices; it must print "ok"."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], check=False, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_per_shard_matches_unsharded():
+    run_on_4_cpu_devices(SHARD_SCRIPT)
 
 
 @pytest.mark.parametrize("algo", [None, 2])

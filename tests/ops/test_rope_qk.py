@@ -6,15 +6,11 @@ the FFI wrappers carry the variant attributes and the workspace shape (lowering 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_rope import EPS, _inputs, _inv_freq, _tables
+from test_rope import EPS, _inputs, _inv_freq, _tables, run_on_4_cpu_devices
 
 from surogate_jax.ops import rope, rope_qk
 
@@ -144,9 +140,7 @@ print("ok")
 
 
 def test_per_shard_matches_unsharded():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], check=False, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
+    run_on_4_cpu_devices(SHARD_SCRIPT)
 
 
 def test_ffi_wrappers_carry_attributes_and_workspace(monkeypatch):
