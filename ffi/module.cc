@@ -11,6 +11,7 @@ namespace nb = nanobind;
 namespace surogate::ffi_bind {
 Targets RmsNormTargets();
 Targets SwigluTargets();
+Targets SwigluLoraTargets();
 Targets AddRmsNormTargets();
 Targets LmHeadCeTargets();
 Targets RopeTargets();
@@ -26,6 +27,7 @@ namespace {
 using surogate::ffi_bind::Targets;
 constexpr Targets (*kOps[])() = {&surogate::ffi_bind::RmsNormTargets,
                                  &surogate::ffi_bind::SwigluTargets,
+                                 &surogate::ffi_bind::SwigluLoraTargets,
                                  &surogate::ffi_bind::AddRmsNormTargets,
                                  &surogate::ffi_bind::LmHeadCeTargets,
                                  &surogate::ffi_bind::RopeTargets,

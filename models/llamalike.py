@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from surogate_jax.ops import add_rms_norm, rms_norm, rope_qk, swiglu
+from surogate_jax.ops import add_rms_norm, rms_norm, rope_qk, swiglu, swiglu_lora
 from surogate_jax.precision import fp8 as fp8_lib
 from surogate_jax.precision import recipe as recipe_lib
 from surogate_jax.precision.recipe import QuantRecipe
@@ -43,7 +43,7 @@ Dtype = Any
 # XLA's fusion (0.6B: 314.8 / 317.7 ms per step vs 318.2 ms); swiglu is still 3.5% slower: XLA merges
 # the gate/up GEMMs and fuses the LoRA adds, the remat's silu(g)*u and both gradients into one
 # pass over their output, a pass a standalone kernel cannot join. `DecoderConfig.kernels` overrides.
-MODEL_KERNELS = ("rope", "rms_norm", "add_rms_norm", "swiglu")
+MODEL_KERNELS = ("rope", "rms_norm", "add_rms_norm", "swiglu", "swiglu_lora")
 DEFAULT_KERNELS: tuple[str, ...] = ("rope", "rms_norm", "add_rms_norm")
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_residual")
@@ -236,13 +236,22 @@ class Linear(nn.Module):
     in_dims: int = 1  # how many trailing dims of x are contracted
 
     @nn.compact
-    def __call__(self, x, layer=None):
-        """layer: this decoder layer's index (traced; the recipe's skip_quant_* layers need it)."""
+    def __call__(self, x, layer=None, *, lora_parts: bool = False):
+        """layer: this decoder layer's index (traced; the recipe's skip_quant_* layers need it).
+
+        lora_parts: return (kernel, xa, lora_b) in cfg.dtype instead of y, for an op that forms
+        `x @ kernel + scale * (xa @ lora_b)` itself (the MLP's `swiglu_lora`); needs LoRA on this
+        projection, no recipe, no bias. Same parameters either way."""
         cfg = self.cfg
         in_shape = x.shape[x.ndim - self.in_dims :]
         init = nn.initializers.normal(cfg.initializer_range)
         kernel = _param(self, "kernel", init, (*in_shape, *self.out_shape), self.axes, cfg.param_dtype)
         contract = (tuple(range(x.ndim - self.in_dims, x.ndim)), tuple(range(self.in_dims)))
+        if lora_parts:
+            if cfg.recipe is not None or self.use_bias or cfg.lora is None or self.name not in cfg.lora.targets:
+                raise ValueError(f"{self.name}: lora_parts needs LoRA on it, no recipe and no bias")
+            xa, b = self._lora_factors(x, in_shape, contract)
+            return kernel.astype(cfg.dtype), xa, b
         if cfg.recipe is not None and self.name in recipe_lib.QUANT_PROJECTIONS:
             y = self._recipe_matmul(x, kernel, layer)
         else:
@@ -273,6 +282,12 @@ class Linear(nn.Module):
                                  kernel_scale=scale, key=key, layer=layer, num_layers=cfg.num_layers)
 
     def _lora(self, x, in_shape, contract):
+        xa, b = self._lora_factors(x, in_shape, contract)
+        out = jax.lax.dot_general(xa, b, (((xa.ndim - 1,), (0,)), ((), ())))
+        return (out * self.cfg.lora.scale).astype(self.cfg.dtype)
+
+    def _lora_factors(self, x, in_shape, contract):
+        """(dropout(x) @ lora_a, lora_b), both in cfg.dtype: the update is scale * (xa @ lora_b)."""
         cfg, spec = self.cfg, self.cfg.lora
         bound = 1.0 / math.sqrt(math.prod(in_shape))
         a_init = nn.initializers.uniform(2 * bound)  # U[0, 2b) shifted below to U[-b, b)
@@ -289,9 +304,8 @@ class Linear(nn.Module):
         a, b = nn.meta.unbox(a), nn.meta.unbox(b)
         if spec.dropout > 0 and self.has_rng("dropout"):
             x = nn.Dropout(spec.dropout, deterministic=False)(x, rng=self.make_rng("dropout"))
-        h = jax.lax.dot_general(x.astype(cfg.dtype), a.astype(cfg.dtype), (contract, ((), ())))
-        out = jax.lax.dot_general(h, b.astype(cfg.dtype), (((h.ndim - 1,), (0,)), ((), ())))
-        return (out * spec.scale).astype(cfg.dtype)
+        xa = jax.lax.dot_general(x.astype(cfg.dtype), a.astype(cfg.dtype), (contract, ((), ())))
+        return xa, b.astype(cfg.dtype)
 
 
 def _attention_impl(cfg: DecoderConfig, dtype) -> str:
@@ -334,13 +348,29 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     cfg: DecoderConfig
 
+    def _fused_lora(self) -> bool:
+        """swiglu_lora applies: its kernel is on and LoRA (without a recipe) covers gate and up."""
+        cfg = self.cfg
+        return ("swiglu_lora" in cfg.kernels and cfg.recipe is None and cfg.lora is not None
+                and {"gate_proj", "up_proj"} <= set(cfg.lora.targets))
+
     @nn.compact
     def __call__(self, x_BTD, layer=None):
         cfg = self.cfg
         F = cfg.intermediate_size
-        gate = Linear((F,), ("embed", "mlp"), cfg, name="gate_proj")(x_BTD, layer)
-        up = Linear((F,), ("embed", "mlp"), cfg, name="up_proj")(x_BTD, layer)
-        h = swiglu(gate.astype(cfg.dtype), up.astype(cfg.dtype), impl=cfg.impl("swiglu"))  # silu(gate) * up, fp32 math, one rounding
+        gate_proj = Linear((F,), ("embed", "mlp"), cfg, name="gate_proj")
+        up_proj = Linear((F,), ("embed", "mlp"), cfg, name="up_proj")
+        if self._fused_lora():
+            # One GEMM for both frozen projections; the LoRA products are formed in the kernel.
+            wg, xa_g, bg = gate_proj(x_BTD, layer, lora_parts=True)
+            wu, xa_u, bu = up_proj(x_BTD, layer, lora_parts=True)
+            gate_up = x_BTD.astype(cfg.dtype) @ jnp.concatenate([wg, wu], axis=-1)
+            h = swiglu_lora(gate_up, jnp.concatenate([xa_g, xa_u], axis=-1), jnp.stack([bg, bu]),
+                            cfg.lora.scale, impl=cfg.impl("swiglu_lora"))
+        else:
+            gate = gate_proj(x_BTD, layer)
+            up = up_proj(x_BTD, layer)
+            h = swiglu(gate.astype(cfg.dtype), up.astype(cfg.dtype), impl=cfg.impl("swiglu"))  # silu(gate) * up, fp32 math, one rounding
         return Linear((cfg.hidden_size,), ("mlp", "embed"), cfg, name="down_proj")(h, layer)
 
 

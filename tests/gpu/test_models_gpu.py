@@ -73,7 +73,7 @@ def test_kernels_inside_model_match_reference(monkeypatch):
     cfg = CFG.replace(attention_impl="xla", dtype=jnp.float32, kernels=MODEL_KERNELS)
     fwd = jax.jit(lambda p: Decoder(cfg).apply({"params": p}, ids))
     text = fwd.lower(params).as_text()
-    for op in MODEL_KERNELS:
+    for op in set(MODEL_KERNELS) - {"swiglu_lora"}:  # needs LoRA: test_swiglu_lora_gpu.py
         assert f"surogate_{op}_fwd" in text, op
     grad = jax.jit(jax.grad(lambda p: _loss(p, cfg, ids)))
     # Full fp32 matmuls: TF32 (the GPU default) turns 1-ulp norm differences into ~1e-3 ones.

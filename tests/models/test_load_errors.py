@@ -153,6 +153,6 @@ def test_kernels_option_is_validated():
     assert default.impl("rms_norm") is None and default.impl("rope") is None
     assert default.impl("add_rms_norm") is None and default.impl("swiglu") == "ref"
     assert DecoderConfig(**base, kernels=()).impl("rms_norm") == "ref"
-    assert set(MODEL_KERNELS) == {"rope", "rms_norm", "add_rms_norm", "swiglu"}
+    assert set(MODEL_KERNELS) == {"rope", "rms_norm", "add_rms_norm", "swiglu", "swiglu_lora"}
     with _pytest.raises(ValueError, match="kernels"):
         DecoderConfig(**base, kernels=("flash",))

@@ -1,0 +1,264 @@
+// SwiGLU + in-kernel LoRA update of gate and up (see swiglu_lora.h for the math and the contract).
+//
+// Why: inside a LoRA train step the model's SwiGLU inputs are sums, gate = x W_g + s (x A_g) B_g.
+// XLA fuses those adds into its SwiGLU loop fusion; a plain SwiGLU kernel needs them materialized,
+// which cost 3% of the Qwen3-0.6B step (RESULTS.md, thirteenth session). Here the rank-R products
+// are computed in-kernel from xa [rows, 2R] and B [2, R, F], so the [rows, F] LoRA outputs XLA's
+// Triton GEMMs would write (and its fusion read back) never exist.
+//
+// Floor (per element of h, T = bf16): forward reads gate_up (4 B), writes h (2 B): 6 B; backward
+// reads dh + gate_up (6 B), writes dgate_up (4 B): 10 B. xa and B add (2R / F + 2R / 32) elements
+// per element (a few %). [4096, 3072], R = 16: forward 75.5 MB -> 25 us, backward 126 MB -> 42 us at
+// ~3.0 TB/s. The products add 4R FLOPs (2R FMAs) per element: 2.5 GFLOP-FMA-equivalents at R = 16,
+// about 12 us of the H100's fp32 FMA rate, hidden under the loads when enough warps are resident.
+//
+// Design:
+//  * A block owns a 32-row x 256-column tile of h: warp w has rows 4w..4w+3, lane l the 8 columns
+//    8l..8l+7 (one 16-byte bf16 vector). The base loads for all 4 rows are issued first, then the
+//    rank loop runs while they are in flight.
+//  * Rank chunks of 16: xa [32 rows][2][16] and B [2][16][256 cols] as fp32 in shared memory
+//    (36 KB). Per rank step a thread reads 4 float4 of B (conflict-free: a lane's two float4 sit 32
+//    slots apart) and 8 broadcast xa values, then does 64 FMAs (register tile 4 rows x 8 cols x 2).
+//  * fp32 accumulation (like the GEMM XLA would run), rounding to T at the same three places as
+//    the unfused model; sigmoid via __expf as in swiglu.cu.
+#include "kernels/swiglu_lora.h"
+
+#include "kernels/surogate_vec.cuh"
+
+namespace surogate {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTileRows = 32;
+constexpr int kRowsPerThread = 4;  // kTileRows / (kThreads / 32)
+constexpr int kTileCols = 256;     // 32 lanes x 8
+constexpr int kCols = 8;           // per thread
+constexpr int kRankChunk = 16;
+
+template <typename T>
+constexpr int kWords = kCols * static_cast<int>(sizeof(T)) / 16;  // uint4 per 8 elements
+
+// 8 consecutive elements in storage form (bf16/f16: one uint4; f32: two).
+template <typename T>
+struct Raw8 {
+  uint4 u[kWords<T>];
+};
+
+template <typename T, bool kVec>
+__device__ __forceinline__ Raw8<T> load8(const T* p, int64_t n_ok) {
+  Raw8<T> r;
+  if constexpr (kVec) {
+#pragma unroll
+    for (int w = 0; w < kWords<T>; ++w) r.u[w] = reinterpret_cast<const uint4*>(p)[w];
+  } else {
+    T e[kCols];
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) e[j] = j < n_ok ? p[j] : T(0.f);
+    memcpy(&r, e, sizeof(r));
+  }
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack8(const Raw8<T>& r, float (&f)[kCols]) {
+  constexpr int N = vec::kVec<T>;
+#pragma unroll
+  for (int w = 0; w < kWords<T>; ++w) {
+    vec::Raw<T, N> part;
+    part.u = r.u[w];
+    float g[N];
+    vec::unpack(part, g);
+#pragma unroll
+    for (int j = 0; j < N; ++j) f[w * N + j] = g[j];
+  }
+}
+
+template <typename T, bool kVec>
+__device__ __forceinline__ void store8(T* p, const float (&f)[kCols], int64_t n_ok) {
+  if constexpr (kVec) {
+    constexpr int N = vec::kVec<T>;
+#pragma unroll
+    for (int w = 0; w < kWords<T>; ++w) {
+      float g[N];
+#pragma unroll
+      for (int j = 0; j < N; ++j) g[j] = f[w * N + j];
+      vec::store_raw<T, N>(p + w * N, vec::pack<T, N>(g));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      if (j < n_ok) p[j] = vec::from_float<T>(f[j]);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return vec::to_float<T>(vec::from_float<T>(v));
+}
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + __expf(-g)); }
+
+// acc[half][i][j] = sum_k xa[row_i, half*R + k] * B[half, k, col_j] over the whole rank.
+template <typename T, bool kVec>
+__device__ __forceinline__ void lora_products(const T* __restrict__ xa, const T* __restrict__ lora_b,
+                                              int64_t rows, int64_t F, int64_t R, int64_t tile_row,
+                                              int64_t tile_col,
+                                              float (&acc)[2][kRowsPerThread][kCols]) {
+  // xa as fp32, [half][k][row]: a warp's 4 rows are one float4 (a broadcast load). B in storage
+  // form, [half][k][lane]: a lane's 8 columns are one 16-byte word (bf16/f16; f32 uses two).
+  __shared__ __align__(16) float xs[2][kRankChunk][kTileRows];
+  __shared__ Raw8<T> bs[2][kRankChunk][32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i)
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) acc[h][i][j] = 0.f;
+
+  for (int64_t k0 = 0; k0 < R; k0 += kRankChunk) {
+    if (k0 > 0) __syncthreads();  // the previous chunk's reads are done
+    // xa chunk: 2 x 32 rows x 16 values, 4 per thread (consecutive threads walk k: coalesced).
+#pragma unroll
+    for (int q = 0; q < 2 * kTileRows * kRankChunk / kThreads; ++q) {
+      const int idx = tid + q * kThreads;
+      const int k = idx % kRankChunk, r = (idx / kRankChunk) % kTileRows, h = idx / (kRankChunk * kTileRows);
+      const int64_t row = tile_row + r, kk = k0 + k;
+      xs[h][k][r] = (row < rows && kk < R) ? vec::to_float<T>(xa[row * 2 * R + h * R + kk]) : 0.f;
+    }
+    // B chunk: 2 x 16 rank rows x 256 columns, one 8-column word per thread and step.
+#pragma unroll
+    for (int q = 0; q < 2 * kRankChunk * 32 / kThreads; ++q) {
+      const int idx = tid + q * kThreads;  // (half, k, lane8)
+      const int l8 = idx % 32, k = (idx / 32) % kRankChunk, h = idx / (32 * kRankChunk);
+      const int64_t col = tile_col + l8 * kCols, kk = k0 + k;
+      if (kk < R && col < F) {
+        bs[h][k][l8] = load8<T, kVec>(lora_b + (h * R + kk) * F + col, F - col);
+      } else {
+        Raw8<T> z;  // all-zero bits: 0 in every storage type
+#pragma unroll
+        for (int w = 0; w < kWords<T>; ++w) z.u[w] = make_uint4(0u, 0u, 0u, 0u);
+        bs[h][k][l8] = z;
+      }
+    }
+    __syncthreads();
+    const int kn = static_cast<int>(R - k0 < kRankChunk ? R - k0 : kRankChunk);
+#pragma unroll 2
+    for (int k = 0; k < kn; ++k) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float b[kCols];
+        unpack8<T>(bs[h][k][lane], b);
+        const float4 a4 = *reinterpret_cast<const float4*>(&xs[h][k][warp * kRowsPerThread]);
+        const float a[kRowsPerThread] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+        for (int i = 0; i < kRowsPerThread; ++i)
+#pragma unroll
+          for (int j = 0; j < kCols; ++j) acc[h][i][j] = fmaf(a[i], b[j], acc[h][i][j]);
+      }
+    }
+  }
+}
+
+// base + round(round(acc) * scale), each step rounded to T like the unfused model.
+template <typename T>
+__device__ __forceinline__ float with_lora(float base, float acc, float scale) {
+  return round_to<T>(base + round_to<T>(round_to<T>(acc) * scale));
+}
+
+template <typename T, bool kBwd, bool kVec>
+__global__ void __launch_bounds__(kThreads, 2)
+    swiglu_lora_kernel(const T* __restrict__ dh, const T* __restrict__ gate_up,
+                       const T* __restrict__ xa, const T* __restrict__ lora_b, T* __restrict__ out,
+                       int64_t rows, int64_t F, int64_t R, float scale) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t tile_row = static_cast<int64_t>(blockIdx.x) * kTileRows;
+  const int64_t tile_col = static_cast<int64_t>(blockIdx.y) * kTileCols;
+  const int64_t row0 = tile_row + warp * kRowsPerThread;
+  const int64_t col = tile_col + lane * kCols;
+  const bool col_ok = col < F;
+  const int64_t n_ok = F - col;
+
+  float acc[2][kRowsPerThread][kCols];
+  lora_products<T, kVec>(xa, lora_b, rows, F, R, tile_row, tile_col, acc);
+  if (!col_ok) return;
+
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int64_t row = row0 + i;
+    if (row >= rows) break;
+    float g[kCols], u[kCols];
+    unpack8<T>(load8<T, kVec>(gate_up + row * 2 * F + col, n_ok), g);
+    unpack8<T>(load8<T, kVec>(gate_up + row * 2 * F + F + col, n_ok), u);
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      g[j] = with_lora<T>(g[j], acc[0][i][j], scale);
+      u[j] = with_lora<T>(u[j], acc[1][i][j], scale);
+    }
+    if constexpr (!kBwd) {
+      float h[kCols];
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) h[j] = g[j] * sigmoid(g[j]) * u[j];
+      store8<T, kVec>(out + row * F + col, h, n_ok);
+    } else {
+      float d[kCols], dg[kCols], du[kCols];
+      unpack8<T>(load8<T, kVec>(dh + row * F + col, n_ok), d);
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        const float s = sigmoid(g[j]);
+        dg[j] = d[j] * u[j] * s * (1.f + g[j] * (1.f - s));
+        du[j] = d[j] * g[j] * s;
+      }
+      store8<T, kVec>(out + row * 2 * F + col, dg, n_ok);
+      store8<T, kVec>(out + row * 2 * F + F + col, du, n_ok);
+    }
+  }
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <typename T, bool kBwd>
+cudaError_t launch(const T* dh, const T* gate_up, const T* xa, const T* lora_b, T* out,
+                   int64_t rows, int64_t F, int64_t R, float scale, cudaStream_t stream) {
+  if (rows <= 0 || F <= 0) return cudaSuccess;
+  if (R <= 0) return cudaErrorInvalidValue;
+  const int64_t gx = (rows + kTileRows - 1) / kTileRows, gy = (F + kTileCols - 1) / kTileCols;
+  if (gx > 0x7fffffff || gy > 65535) return cudaErrorInvalidValue;
+  const bool vec = F % kCols == 0 && aligned16(gate_up) && aligned16(lora_b) && aligned16(out) &&
+                   (!kBwd || aligned16(dh));
+  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
+  if (vec) {
+    swiglu_lora_kernel<T, kBwd, true><<<grid, kThreads, 0, stream>>>(dh, gate_up, xa, lora_b, out, rows, F, R, scale);
+  } else {
+    swiglu_lora_kernel<T, kBwd, false><<<grid, kThreads, 0, stream>>>(dh, gate_up, xa, lora_b, out, rows, F, R, scale);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t swiglu_lora_fwd(const T* gate_up, const T* xa, const T* lora_b, T* h, int64_t rows,
+                            int64_t F, int64_t R, float scale, cudaStream_t stream) {
+  return launch<T, false>(nullptr, gate_up, xa, lora_b, h, rows, F, R, scale, stream);
+}
+
+template <typename T>
+cudaError_t swiglu_lora_bwd(const T* dh, const T* gate_up, const T* xa, const T* lora_b,
+                            T* dgate_up, int64_t rows, int64_t F, int64_t R, float scale,
+                            cudaStream_t stream) {
+  return launch<T, true>(dh, gate_up, xa, lora_b, dgate_up, rows, F, R, scale, stream);
+}
+
+#define SUROGATE_SWIGLU_LORA_INSTANTIATE(T)                                                        \
+  template cudaError_t swiglu_lora_fwd<T>(const T*, const T*, const T*, T*, int64_t, int64_t,     \
+                                          int64_t, float, cudaStream_t);                          \
+  template cudaError_t swiglu_lora_bwd<T>(const T*, const T*, const T*, const T*, T*, int64_t,    \
+                                          int64_t, int64_t, float, cudaStream_t);
+SUROGATE_SWIGLU_LORA_INSTANTIATE(float)
+SUROGATE_SWIGLU_LORA_INSTANTIATE(__nv_bfloat16)
+SUROGATE_SWIGLU_LORA_INSTANTIATE(__half)
+#undef SUROGATE_SWIGLU_LORA_INSTANTIATE
+
+}  // namespace surogate
