@@ -7,8 +7,9 @@
 --impl ffi: `swiglu_lora` on our kernel; xla: XLA's compilation of the model's unfused formula
 (`swiglu_lora_ref`: the LoRA GEMMs, then the adds fused with SwiGLU); copy: an XLA element-wise
 fusion moving the pass's row bytes (fwd gate + up; bwd (dh + gate, dh + up)), the floor.
-fwd: h. bwd: the op's whole VJP (dgate_up, dxa, dlora_b), so ncu's per-call sum counts the
-LoRA-gradient GEMMs on both sides.
+fwd: h (xla: with its LoRA GEMMs). bwd: the kernel pass, dgate_up from dh (xla: the same values,
+`_bwd_ref`, with its LoRA GEMMs); the LoRA factors' gradient GEMMs, the same on both sides in the
+model, are left out (under ncu the whole VJP's cuBLAS GEMMs crashed the profiled process).
 
 Why: inside the LoRA train step the SwiGLU inputs are sums; the in-kernel LoRA products are what
 should make this faster than XLA's fusion (which writes and reads the [rows, F] LoRA outputs).
@@ -17,6 +18,7 @@ should make this faster than XLA's fusion (which writes and reads the [rows, F] 
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import _opbench
 import jax
@@ -26,6 +28,7 @@ from profile_swiglu import _shape
 from surogate_jax.ops import ffi_available, swiglu_lora, swiglu_lora_ref
 
 SCALE = 2.0
+sl = importlib.import_module("surogate_jax.ops.swiglu_lora")
 
 
 def main() -> None:
@@ -52,8 +55,9 @@ def main() -> None:
         jfn = jax.jit(fn)
         _opbench.profile_calls(lambda: jfn(gu, xa, b), args.calls)
     else:
-        fn = (lambda d, g, x, bb: jax.vjp(op, g, x, bb)[1](d)) if op else (
-            lambda d, g, x, bb: jnp.concatenate([d + g[:, :F], d + g[:, F:]], axis=-1))
+        fn = {"ffi": lambda d, g, x, bb: sl._bwd_ffi(d, g, x, bb, SCALE),
+              "xla": lambda d, g, x, bb: sl._bwd_ref(d, g, x, bb, SCALE),
+              "copy": lambda d, g, x, bb: jnp.concatenate([d + g[:, :F], d + g[:, F:]], axis=-1)}[args.impl]
         jfn = jax.jit(fn)
         _opbench.profile_calls(lambda: jfn(dh, gu, xa, b), args.calls)
     nbytes = rows * F * dtype.itemsize * (3 if args.pass_ == "fwd" else 5)

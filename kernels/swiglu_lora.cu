@@ -23,6 +23,8 @@
 //    the unfused model; sigmoid via __expf as in swiglu.cu.
 #include "kernels/swiglu_lora.h"
 
+#include <type_traits>
+
 #include "kernels/surogate_vec.cuh"
 
 namespace surogate {
@@ -97,6 +99,10 @@ __device__ __forceinline__ float round_to(float v) {
   return vec::to_float<T>(vec::from_float<T>(v));
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 __device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + __expf(-g)); }
 
 // acc[half][i][j] = sum_k xa[row_i, half*R + k] * B[half, k, col_j] over the whole rank.
@@ -161,6 +167,122 @@ __device__ __forceinline__ void lora_products(const T* __restrict__ xa, const T*
   }
 }
 
+// 16-bit types: the rank products on tensor cores (mma.sync m16n8k16, fp32 accumulate). Warp w
+// computes rows 16 (w & 1) .. +16 and columns 64 (w >> 1) .. +64 of the tile for both halves
+// (2 x 8 MMAs per 16-rank chunk), rounds them to T (the model's first rounding) and leaves them in
+// shared memory `lo` [2][32][kLoStride] for the element-wise epilogue, which reads them back in its
+// own 16-byte-vector layout.
+constexpr int kXsStride = 24;   // xa tile row: 16 ranks + 8 pad (conflict-free A-fragment loads)
+constexpr int kBsStride = 264;  // B tile row (one rank): 256 columns + 8 pad
+constexpr int kLoStride = 264;  // products tile row: 256 columns + 8 pad (conflict-free C stores)
+template <typename T>
+constexpr int kStageBytes = (2 * kTileRows * kXsStride + 2 * kRankChunk * kBsStride) * static_cast<int>(sizeof(T));
+template <typename T>
+constexpr int kLoBytes = 2 * kTileRows * kLoStride * static_cast<int>(sizeof(T));
+template <typename T>
+constexpr int kMmaSmem = kStageBytes<T> > kLoBytes<T> ? kStageBytes<T> : kLoBytes<T>;
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ uint32_t pack2(uint16_t lo16, uint16_t hi16) {
+  return static_cast<uint32_t>(lo16) | (static_cast<uint32_t>(hi16) << 16);
+}
+
+template <typename T, bool kVec>
+__device__ __forceinline__ const T* lora_products_mma(const T* __restrict__ xa, const T* __restrict__ lora_b,
+                                                      int64_t rows, int64_t F, int64_t R, int64_t tile_row,
+                                                      int64_t tile_col, unsigned char* smem) {
+  T* xs = reinterpret_cast<T*>(smem);                    // [2][32][kXsStride]
+  T* bs = xs + 2 * kTileRows * kXsStride;                // [2][16][kBsStride]
+  const uint16_t* xs16 = reinterpret_cast<const uint16_t*>(xs);
+  const uint16_t* bs16 = reinterpret_cast<const uint16_t*>(bs);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wr = (warp & 1) * 16, wc = (warp >> 1) * 64;
+  float acc[2][8][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[h][n][e] = 0.f;
+
+  for (int64_t k0 = 0; k0 < R; k0 += kRankChunk) {
+    if (k0 > 0) __syncthreads();  // the previous chunk's reads are done
+#pragma unroll
+    for (int q = 0; q < 2 * kTileRows * kRankChunk / kThreads; ++q) {
+      const int idx = tid + q * kThreads;
+      const int k = idx % kRankChunk, r = (idx / kRankChunk) % kTileRows, h = idx / (kRankChunk * kTileRows);
+      const int64_t row = tile_row + r, kk = k0 + k;
+      xs[(h * kTileRows + r) * kXsStride + k] = (row < rows && kk < R) ? xa[row * 2 * R + h * R + kk] : T(0.f);
+    }
+#pragma unroll
+    for (int q = 0; q < 2 * kRankChunk * 32 / kThreads; ++q) {
+      const int idx = tid + q * kThreads;  // (half, k, lane8)
+      const int l8 = idx % 32, k = (idx / 32) % kRankChunk, h = idx / (32 * kRankChunk);
+      const int64_t col = tile_col + l8 * kCols, kk = k0 + k;
+      Raw8<T> v;
+      if (kk < R && col < F) {
+        v = load8<T, kVec>(lora_b + (h * R + kk) * F + col, F - col);
+      } else {
+#pragma unroll
+        for (int w = 0; w < kWords<T>; ++w) v.u[w] = make_uint4(0u, 0u, 0u, 0u);
+      }
+      *reinterpret_cast<Raw8<T>*>(bs + (h * kRankChunk + k) * kBsStride + l8 * kCols) = v;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t* xr = reinterpret_cast<const uint32_t*>(xs + (h * kTileRows + wr) * kXsStride);
+      uint32_t a[4];  // rows g / g + 8, ranks 2t.. / 2t + 8..
+      a[0] = xr[(g * kXsStride + 2 * t) / 2];
+      a[1] = xr[((g + 8) * kXsStride + 2 * t) / 2];
+      a[2] = xr[(g * kXsStride + 2 * t + 8) / 2];
+      a[3] = xr[((g + 8) * kXsStride + 2 * t + 8) / 2];
+      const uint16_t* br = bs16 + h * kRankChunk * kBsStride;
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const int c = wc + n * 8 + g;  // B fragment: ranks 2t, 2t + 1 (and + 8) of column c
+        const uint32_t b0 = pack2(br[(2 * t) * kBsStride + c], br[(2 * t + 1) * kBsStride + c]);
+        const uint32_t b1 = pack2(br[(2 * t + 8) * kBsStride + c], br[(2 * t + 9) * kBsStride + c]);
+        mma16816<T>(acc[h][n], a, b0, b1);
+      }
+    }
+  }
+  (void)xs16;
+  __syncthreads();  // staging reads done: `lo` reuses the space
+  T* lo = reinterpret_cast<T*>(smem);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      const int c = wc + n * 8 + 2 * t;  // C fragment: rows g, g + 8; columns 2t, 2t + 1
+      T* p0 = lo + (h * kTileRows + wr + g) * kLoStride + c;
+      T* p1 = p0 + 8 * kLoStride;
+      p0[0] = vec::from_float<T>(acc[h][n][0]);
+      p0[1] = vec::from_float<T>(acc[h][n][1]);
+      p1[0] = vec::from_float<T>(acc[h][n][2]);
+      p1[1] = vec::from_float<T>(acc[h][n][3]);
+    }
+  __syncthreads();
+  return lo;
+}
+
 // base + round(round(acc) * scale), each step rounded to T like the unfused model.
 template <typename T>
 __device__ __forceinline__ float with_lora(float base, float acc, float scale) {
@@ -180,8 +302,28 @@ __global__ void __launch_bounds__(kThreads, 2)
   const bool col_ok = col < F;
   const int64_t n_ok = F - col;
 
-  float acc[2][kRowsPerThread][kCols];
-  lora_products<T, kVec>(xa, lora_b, rows, F, R, tile_row, tile_col, acc);
+  // Ask L2 for this thread's rows now (no registers held): they arrive while the products are
+  // formed, and the epilogue's loads then wait on L2 rather than DRAM.
+  if (col_ok) {
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int64_t row = row0 + i;
+      if (row < rows) {
+        prefetch_l2(gate_up + row * 2 * F + col);
+        prefetch_l2(gate_up + row * 2 * F + F + col);
+        if constexpr (kBwd) prefetch_l2(dh + row * F + col);
+      }
+    }
+  }
+  constexpr bool kMma = sizeof(T) == 2;
+  float acc[2][kRowsPerThread][kCols];  // the FMA path's products (fp32)
+  const T* lo = nullptr;                // the MMA path's products (rounded to T, shared memory)
+  if constexpr (kMma) {
+    __shared__ __align__(16) unsigned char smem[kMmaSmem<T>];
+    lo = lora_products_mma<T, kVec>(xa, lora_b, rows, F, R, tile_row, tile_col, smem);
+  } else {
+    lora_products<T, kVec>(xa, lora_b, rows, F, R, tile_row, tile_col, acc);
+  }
   if (!col_ok) return;
 
 #pragma unroll
@@ -191,6 +333,11 @@ __global__ void __launch_bounds__(kThreads, 2)
     float g[kCols], u[kCols];
     unpack8<T>(load8<T, kVec>(gate_up + row * 2 * F + col, n_ok), g);
     unpack8<T>(load8<T, kVec>(gate_up + row * 2 * F + F + col, n_ok), u);
+    if constexpr (kMma) {
+      const int r = warp * kRowsPerThread + i;
+      unpack8<T>(*reinterpret_cast<const Raw8<T>*>(lo + r * kLoStride + lane * kCols), acc[0][i]);
+      unpack8<T>(*reinterpret_cast<const Raw8<T>*>(lo + (kTileRows + r) * kLoStride + lane * kCols), acc[1][i]);
+    }
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
       g[j] = with_lora<T>(g[j], acc[0][i][j], scale);

@@ -60,8 +60,9 @@ def test_kernel_passes_match_reference(shape, dtype, assert_close):
     lead, F, R = shape
     gu, xa, b, dh, _ = _inputs(lead, F, R, dtype)
     scale = 0.75
-    h_ref = jax.jit(lambda *a: sl._fwd_ref(*a, scale))(gu, xa, b)
-    d_ref = jax.jit(lambda *a: sl._bwd_ref(*a, scale))(dh, gu, xa, b)
+    with jax.default_matmul_precision("highest"):  # fp32: no TF32 in the reference's rank product
+        h_ref = jax.jit(lambda *a: sl._fwd_ref(*a, scale))(gu, xa, b)
+        d_ref = jax.jit(lambda *a: sl._bwd_ref(*a, scale))(dh, gu, xa, b)
     _poison_allocator()
     h = jax.jit(lambda *a: sl._fwd_ffi(*a, scale))(gu, xa, b)
     _poison_allocator()
@@ -83,7 +84,8 @@ def test_op_gradients_match_reference(shape, dtype, assert_close):
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(gu, xa, b)
 
-    (l_ref, g_ref), (l, g) = run("ref"), run("ffi")
+    with jax.default_matmul_precision("highest"):
+        (l_ref, g_ref), (l, g) = run("ref"), run("ffi")
     np.testing.assert_allclose(float(l), float(l_ref), rtol=1e-2)
     for name, a, r in zip(("dgate_up", "dxa", "dlora_b"), g, g_ref, strict=True):
         _check(name, a, r, dtype, assert_close)
