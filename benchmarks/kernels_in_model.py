@@ -6,6 +6,7 @@ recompute), one process, several kernel sets (comma lists of DecoderConfig.kerne
     python benchmarks/kernels_in_model.py 0.6b none swiglu rope,rms_norm,add_rms_norm,swiglu
     python benchmarks/kernels_in_model.py 0.6b rope,rms_norm@rope.bwd,rms_norm.bwd
 
+`--no-recompute` runs the same config without rematerialization (activations kept).
 A set may end in `@<op>.<pass>,...`: those passes run XLA's fusion of the reference
 (SUROGATE_JAX_OPS=ref:<op>.<pass>), e.g. the rope kernel forward with the XLA-fused backward.
 
@@ -34,7 +35,9 @@ from surogate_jax.lora import init_adapters  # noqa: E402
 from surogate_jax.models import Decoder  # noqa: E402
 
 out = os.environ.get("OUT", "/tmp")
-size = sys.argv[1]; sets = sys.argv[2:]
+args = [a for a in sys.argv[1:] if a != "--no-recompute"]
+recompute = "--no-recompute" not in sys.argv  # default: the seed config's full recompute
+size = args[0]; sets = args[1:]
 res = []
 user_ops = os.environ.get("SUROGATE_JAX_OPS")  # kept for the sets without "@"
 for ks in sets:
@@ -46,7 +49,7 @@ for ks in sets:
     else:
         os.environ["SUROGATE_JAX_OPS"] = user_ops
     kernels = tuple(k for k in ks_kernels.split(",") if k and k != "none")
-    cfg = S.qwen3(size, True).replace(kernels=kernels)
+    cfg = S.qwen3(size, recompute).replace(kernels=kernels)
     model = Decoder(cfg)
     mesh = T.make_mesh(jax.devices()[:1])
     params = nn.meta.unbox(jax.jit(Decoder(cfg.replace(lora=None)).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
@@ -69,6 +72,6 @@ for ks in sets:
     for i in range(6):
         t0 = time.perf_counter(); state, m = comp(state, batches[i % 2]); float(m["loss"]); times.append(time.perf_counter() - t0)
     sec = statistics.median(times)
-    r = dict(size=size, kernels=ks, step_ms=sec * 1e3, tps=2 * 4 * 2048 / sec, loss=float(m["loss"]), **stats)
+    r = dict(size=size, kernels=ks, recompute=recompute, step_ms=sec * 1e3, tps=2 * 4 * 2048 / sec, loss=float(m["loss"]), **stats)
     print(json.dumps(r), flush=True); res.append(r)
     del state, comp, step

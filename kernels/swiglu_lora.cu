@@ -167,20 +167,18 @@ __device__ __forceinline__ void lora_products(const T* __restrict__ xa, const T*
   }
 }
 
-// 16-bit types: the rank products on tensor cores (mma.sync m16n8k16, fp32 accumulate). Warp w
-// computes rows 16 (w & 1) .. +16 and columns 64 (w >> 1) .. +64 of the tile for both halves
-// (2 x 8 MMAs per 16-rank chunk), rounds them to T (the model's first rounding) and leaves them in
-// shared memory `lo` [2][32][kLoStride] for the element-wise epilogue, which reads them back in its
-// own 16-byte-vector layout.
+// 16-bit types: the rank products on tensor cores (mma.sync m16n8k16, fp32 accumulate). One half
+// (gate, then up) at a time: warp w computes rows 16 (w & 1) .. +16 and columns 64 (w >> 1) .. +64
+// of the tile (8 MMAs per 16-rank chunk, 32 accumulators), rounds them to T (the model's first
+// rounding) and stores them to shared memory `lo` [2][32][kLoStride], from which the element-wise
+// epilogue reads them back in its own 16-byte-vector layout. Staging (one half's xa and B chunk)
+// and `lo` are separate, so no barrier sits between the MMAs and the stores.
 constexpr int kXsStride = 24;   // xa tile row: 16 ranks + 8 pad (conflict-free A-fragment loads)
 constexpr int kBsStride = 264;  // B tile row (one rank): 256 columns + 8 pad
 constexpr int kLoStride = 264;  // products tile row: 256 columns + 8 pad (conflict-free C stores)
 template <typename T>
-constexpr int kStageBytes = (2 * kTileRows * kXsStride + 2 * kRankChunk * kBsStride) * static_cast<int>(sizeof(T));
-template <typename T>
-constexpr int kLoBytes = 2 * kTileRows * kLoStride * static_cast<int>(sizeof(T));
-template <typename T>
-constexpr int kMmaSmem = kStageBytes<T> > kLoBytes<T> ? kStageBytes<T> : kLoBytes<T>;
+constexpr int kMmaSmem = (kTileRows * kXsStride + kRankChunk * kBsStride + 2 * kTileRows * kLoStride) *
+                         static_cast<int>(sizeof(T));
 
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -207,79 +205,73 @@ template <typename T, bool kVec>
 __device__ __forceinline__ const T* lora_products_mma(const T* __restrict__ xa, const T* __restrict__ lora_b,
                                                       int64_t rows, int64_t F, int64_t R, int64_t tile_row,
                                                       int64_t tile_col, unsigned char* smem) {
-  T* xs = reinterpret_cast<T*>(smem);                    // [2][32][kXsStride]
-  T* bs = xs + 2 * kTileRows * kXsStride;                // [2][16][kBsStride]
-  const uint16_t* xs16 = reinterpret_cast<const uint16_t*>(xs);
+  T* xs = reinterpret_cast<T*>(smem);     // [32][kXsStride]: one half's xa chunk
+  T* bs = xs + kTileRows * kXsStride;     // [16][kBsStride]: one half's B chunk
+  T* lo = bs + kRankChunk * kBsStride;    // [2][32][kLoStride]: the rounded products
   const uint16_t* bs16 = reinterpret_cast<const uint16_t*>(bs);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wr = (warp & 1) * 16, wc = (warp >> 1) * 64;
-  float acc[2][8][4];
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
+  bool first = true;
+#pragma unroll 1
+  for (int h = 0; h < 2; ++h) {
+    float acc[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[h][n][e] = 0.f;
-
-  for (int64_t k0 = 0; k0 < R; k0 += kRankChunk) {
-    if (k0 > 0) __syncthreads();  // the previous chunk's reads are done
+      for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+#pragma unroll 1
+    for (int64_t k0 = 0; k0 < R; k0 += kRankChunk) {
+      if (!first) __syncthreads();  // the previous chunk's fragment reads are done
+      first = false;
 #pragma unroll
-    for (int q = 0; q < 2 * kTileRows * kRankChunk / kThreads; ++q) {
-      const int idx = tid + q * kThreads;
-      const int k = idx % kRankChunk, r = (idx / kRankChunk) % kTileRows, h = idx / (kRankChunk * kTileRows);
-      const int64_t row = tile_row + r, kk = k0 + k;
-      xs[(h * kTileRows + r) * kXsStride + k] = (row < rows && kk < R) ? xa[row * 2 * R + h * R + kk] : T(0.f);
-    }
-#pragma unroll
-    for (int q = 0; q < 2 * kRankChunk * 32 / kThreads; ++q) {
-      const int idx = tid + q * kThreads;  // (half, k, lane8)
-      const int l8 = idx % 32, k = (idx / 32) % kRankChunk, h = idx / (32 * kRankChunk);
-      const int64_t col = tile_col + l8 * kCols, kk = k0 + k;
-      Raw8<T> v;
-      if (kk < R && col < F) {
-        v = load8<T, kVec>(lora_b + (h * R + kk) * F + col, F - col);
-      } else {
-#pragma unroll
-        for (int w = 0; w < kWords<T>; ++w) v.u[w] = make_uint4(0u, 0u, 0u, 0u);
+      for (int q = 0; q < kTileRows * kRankChunk / kThreads; ++q) {
+        const int idx = tid + q * kThreads;
+        const int k = idx % kRankChunk, r = idx / kRankChunk;
+        const int64_t row = tile_row + r, kk = k0 + k;
+        xs[r * kXsStride + k] = (row < rows && kk < R) ? xa[row * 2 * R + h * R + kk] : T(0.f);
       }
-      *reinterpret_cast<Raw8<T>*>(bs + (h * kRankChunk + k) * kBsStride + l8 * kCols) = v;
-    }
-    __syncthreads();
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t* xr = reinterpret_cast<const uint32_t*>(xs + (h * kTileRows + wr) * kXsStride);
+      for (int q = 0; q < kRankChunk * 32 / kThreads; ++q) {
+        const int idx = tid + q * kThreads;  // (k, lane8)
+        const int l8 = idx % 32, k = idx / 32;
+        const int64_t col = tile_col + l8 * kCols, kk = k0 + k;
+        Raw8<T> v;
+        if (kk < R && col < F) {
+          v = load8<T, kVec>(lora_b + (h * R + kk) * F + col, F - col);
+        } else {
+#pragma unroll
+          for (int w = 0; w < kWords<T>; ++w) v.u[w] = make_uint4(0u, 0u, 0u, 0u);
+        }
+        *reinterpret_cast<Raw8<T>*>(bs + k * kBsStride + l8 * kCols) = v;
+      }
+      __syncthreads();
+      const uint32_t* xr = reinterpret_cast<const uint32_t*>(xs + wr * kXsStride);
       uint32_t a[4];  // rows g / g + 8, ranks 2t.. / 2t + 8..
       a[0] = xr[(g * kXsStride + 2 * t) / 2];
       a[1] = xr[((g + 8) * kXsStride + 2 * t) / 2];
       a[2] = xr[(g * kXsStride + 2 * t + 8) / 2];
       a[3] = xr[((g + 8) * kXsStride + 2 * t + 8) / 2];
-      const uint16_t* br = bs16 + h * kRankChunk * kBsStride;
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
         const int c = wc + n * 8 + g;  // B fragment: ranks 2t, 2t + 1 (and + 8) of column c
-        const uint32_t b0 = pack2(br[(2 * t) * kBsStride + c], br[(2 * t + 1) * kBsStride + c]);
-        const uint32_t b1 = pack2(br[(2 * t + 8) * kBsStride + c], br[(2 * t + 9) * kBsStride + c]);
-        mma16816<T>(acc[h][n], a, b0, b1);
+        const uint32_t b0 = pack2(bs16[(2 * t) * kBsStride + c], bs16[(2 * t + 1) * kBsStride + c]);
+        const uint32_t b1 = pack2(bs16[(2 * t + 8) * kBsStride + c], bs16[(2 * t + 9) * kBsStride + c]);
+        mma16816<T>(acc[n], a, b0, b1);
       }
     }
-  }
-  (void)xs16;
-  __syncthreads();  // staging reads done: `lo` reuses the space
-  T* lo = reinterpret_cast<T*>(smem);
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
       const int c = wc + n * 8 + 2 * t;  // C fragment: rows g, g + 8; columns 2t, 2t + 1
       T* p0 = lo + (h * kTileRows + wr + g) * kLoStride + c;
       T* p1 = p0 + 8 * kLoStride;
-      p0[0] = vec::from_float<T>(acc[h][n][0]);
-      p0[1] = vec::from_float<T>(acc[h][n][1]);
-      p1[0] = vec::from_float<T>(acc[h][n][2]);
-      p1[1] = vec::from_float<T>(acc[h][n][3]);
+      p0[0] = vec::from_float<T>(acc[n][0]);
+      p0[1] = vec::from_float<T>(acc[n][1]);
+      p1[0] = vec::from_float<T>(acc[n][2]);
+      p1[1] = vec::from_float<T>(acc[n][3]);
     }
-  __syncthreads();
+  }
+  __syncthreads();  // every warp's products are in `lo`
   return lo;
 }
 
@@ -290,7 +282,7 @@ __device__ __forceinline__ float with_lora(float base, float acc, float scale) {
 }
 
 template <typename T, bool kBwd, bool kVec>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
     swiglu_lora_kernel(const T* __restrict__ dh, const T* __restrict__ gate_up,
                        const T* __restrict__ xa, const T* __restrict__ lora_b, T* __restrict__ out,
                        int64_t rows, int64_t F, int64_t R, float scale) {
