@@ -4,6 +4,8 @@
 //   surogate_swiglu_lora_fwd(gate_up [..., 2F], xa [..., 2R], lora_b [2, R, F]; scale) -> h [..., F]
 //   surogate_swiglu_lora_bwd(dh [..., F], gate_up [..., 2F], xa [..., 2R], lora_b [2, R, F]; scale)
 //       -> dgate_up [..., 2F]
+//   surogate_swiglu_lora_bwd_split(dh, dh2 [..., F], gate_up, xa, lora_b; scale) -> dgate_up
+//       (h's gradient in two parts, from its two uses; summed in the kernel)
 // One dtype for every operand (f32, bf16 or f16); the leading dims of gate_up, xa, dh and the
 // outputs are one set of rows. Command-buffer compatible (SUROGATE_GRAPH_SAFE): the launchers only
 // enqueue kernels on XLA's stream.
@@ -18,6 +20,7 @@ namespace {
 
 constexpr std::string_view kFwd = "surogate_swiglu_lora_fwd";
 constexpr std::string_view kBwd = "surogate_swiglu_lora_bwd";
+constexpr std::string_view kBwdSplit = "surogate_swiglu_lora_bwd_split";
 
 // b's leading dims equal like's and its last dim is `last`.
 ffi::Error Rows(std::string_view op, const char* name, const ffi::AnyBuffer& b, const char* like_name,
@@ -82,17 +85,35 @@ ffi::Error Fwd(cudaStream_t stream, float scale, ffi::AnyBuffer gate_up, ffi::An
   });
 }
 
+// dh2: nullptr (one dh) or the second part of h's gradient (kBwdSplit).
+ffi::Error BwdImpl(std::string_view op, cudaStream_t stream, float scale, const ffi::AnyBuffer& dh,
+                   const ffi::AnyBuffer* dh2, const ffi::AnyBuffer& gate_up, const ffi::AnyBuffer& xa,
+                   const ffi::AnyBuffer& lora_b, ffi::Result<ffi::AnyBuffer>& dgate_up) {
+  int64_t rows = 0, F = 0, R = 0;
+  if (auto e = Check(op, gate_up, xa, lora_b, &dh, &rows, &F, &R); e.failure()) return e;
+  if (dh2 != nullptr) {
+    if (auto e = Rows(op, "dh2", *dh2, "gate_up", gate_up, F, "F"); e.failure()) return e;
+    if (auto e = ExpectDtype(op, "dh2", *dh2, gate_up.element_type()); e.failure()) return e;
+  }
+  if (auto e = Rows(op, "dgate_up", *dgate_up, "gate_up", gate_up, 2 * F, "2F"); e.failure()) return e;
+  if (auto e = ExpectDtype(op, "dgate_up", *dgate_up, gate_up.element_type()); e.failure()) return e;
+  return DispatchFloat(op, gate_up.element_type(), [&](auto tag) -> ffi::Error {
+    using T = decltype(tag);
+    return CudaError(op, swiglu_lora_bwd<T>(In<T>(dh), dh2 ? In<T>(*dh2) : nullptr, In<T>(gate_up),
+                                            In<T>(xa), In<T>(lora_b), Out<T>(dgate_up), rows, F, R,
+                                            scale, stream));
+  });
+}
+
 ffi::Error Bwd(cudaStream_t stream, float scale, ffi::AnyBuffer dh, ffi::AnyBuffer gate_up,
                ffi::AnyBuffer xa, ffi::AnyBuffer lora_b, ffi::Result<ffi::AnyBuffer> dgate_up) {
-  int64_t rows = 0, F = 0, R = 0;
-  if (auto e = Check(kBwd, gate_up, xa, lora_b, &dh, &rows, &F, &R); e.failure()) return e;
-  if (auto e = Rows(kBwd, "dgate_up", *dgate_up, "gate_up", gate_up, 2 * F, "2F"); e.failure()) return e;
-  if (auto e = ExpectDtype(kBwd, "dgate_up", *dgate_up, gate_up.element_type()); e.failure()) return e;
-  return DispatchFloat(kBwd, gate_up.element_type(), [&](auto tag) -> ffi::Error {
-    using T = decltype(tag);
-    return CudaError(kBwd, swiglu_lora_bwd<T>(In<T>(dh), In<T>(gate_up), In<T>(xa), In<T>(lora_b),
-                                              Out<T>(dgate_up), rows, F, R, scale, stream));
-  });
+  return BwdImpl(kBwd, stream, scale, dh, nullptr, gate_up, xa, lora_b, dgate_up);
+}
+
+ffi::Error BwdSplit(cudaStream_t stream, float scale, ffi::AnyBuffer dh, ffi::AnyBuffer dh2,
+                    ffi::AnyBuffer gate_up, ffi::AnyBuffer xa, ffi::AnyBuffer lora_b,
+                    ffi::Result<ffi::AnyBuffer> dgate_up) {
+  return BwdImpl(kBwdSplit, stream, scale, dh, &dh2, gate_up, xa, lora_b, dgate_up);
 }
 
 }  // namespace
@@ -116,9 +137,21 @@ SUROGATE_DEFINE_HANDLER(kSwigluLoraBwdHandler, Bwd,
                            .Arg<ffi::AnyBuffer>()   // lora_b
                            .Ret<ffi::AnyBuffer>());  // dgate_up
 
+SUROGATE_DEFINE_HANDLER(kSwigluLoraBwdSplitHandler, BwdSplit,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Attr<float>("scale")   // LoRA alpha / r
+                           .Arg<ffi::AnyBuffer>()   // dh (from h's first use)
+                           .Arg<ffi::AnyBuffer>()   // dh2 (from its second use)
+                           .Arg<ffi::AnyBuffer>()   // gate_up
+                           .Arg<ffi::AnyBuffer>()   // xa
+                           .Arg<ffi::AnyBuffer>()   // lora_b
+                           .Ret<ffi::AnyBuffer>());  // dgate_up
+
 Targets SwigluLoraTargets() {
   return {SUROGATE_TARGET(kFwd.data(), kSwigluLoraFwdHandler),
-          SUROGATE_TARGET(kBwd.data(), kSwigluLoraBwdHandler)};
+          SUROGATE_TARGET(kBwd.data(), kSwigluLoraBwdHandler),
+          SUROGATE_TARGET(kBwdSplit.data(), kSwigluLoraBwdSplitHandler)};
 }
 
 }  // namespace surogate::ffi_bind

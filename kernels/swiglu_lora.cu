@@ -9,18 +9,25 @@
 // Floor (per element of h, T = bf16): forward reads gate_up (4 B), writes h (2 B): 6 B; backward
 // reads dh + gate_up (6 B), writes dgate_up (4 B): 10 B. xa and B add (2R / F + 2R / 32) elements
 // per element (a few %). [4096, 3072], R = 16: forward 75.5 MB -> 25 us, backward 126 MB -> 42 us at
-// ~3.0 TB/s. The products add 4R FLOPs (2R FMAs) per element: 2.5 GFLOP-FMA-equivalents at R = 16,
-// about 12 us of the H100's fp32 FMA rate, hidden under the loads when enough warps are resident.
+// ~3.0 TB/s. The products add 2R FMAs per element of each half: 0.4 G FMAs at R = 16, ~14 us at
+// the H100's fp32 FMA rate, a few us on its tensor cores.
 //
 // Design:
-//  * A block owns a 32-row x 256-column tile of h: warp w has rows 4w..4w+3, lane l the 8 columns
-//    8l..8l+7 (one 16-byte bf16 vector). The base loads for all 4 rows are issued first, then the
-//    rank loop runs while they are in flight.
-//  * Rank chunks of 16: xa [32 rows][2][16] and B [2][16][256 cols] as fp32 in shared memory
-//    (36 KB). Per rank step a thread reads 4 float4 of B (conflict-free: a lane's two float4 sit 32
-//    slots apart) and 8 broadcast xa values, then does 64 FMAs (register tile 4 rows x 8 cols x 2).
-//  * fp32 accumulation (like the GEMM XLA would run), rounding to T at the same three places as
-//    the unfused model; sigmoid via __expf as in swiglu.cu.
+//  * A block (256 threads) owns a 32-row x 256-column tile of h. Each thread's rows are asked of
+//    L2 first (prefetch, no registers held), then the rank products are formed, then the
+//    element-wise epilogue runs with warp w on rows 4w..4w+3 and lane l on the 16-byte vector of
+//    columns 8l..8l+7 (the layout of swiglu.cu).
+//  * bf16 / f16: the products run on tensor cores (mma.sync m16n8k16, fp32 accumulate), one half
+//    (gate, then up) at a time, in 16-rank chunks staged in shared memory; they are rounded to T
+//    (the model's first rounding) into a shared 2 x 32 x 256 tile the epilogue reads. 80
+//    registers, 43 KB of shared memory: 3 blocks per SM. First version (fp32 FMAs on CUDA
+//    cores, 128 registers, 2 blocks/SM) ran the [4096, 3072] R = 16 forward in 67-70 us; one
+//    MMA pass for both halves (128 registers) in 57 us; this one in 46 us (RESULTS.md,
+//    thirteenth session; copy floor 22.5 us).
+//  * f32: the FMA version (register tile 4 rows x 8 columns x 2 halves, B and xa as fp32 in
+//    shared memory).
+//  * fp32 accumulation, rounding to T at the same three places as the unfused model; sigmoid via
+//    __expf as in swiglu.cu.
 #include "kernels/swiglu_lora.h"
 
 #include <type_traits>
@@ -283,7 +290,7 @@ __device__ __forceinline__ float with_lora(float base, float acc, float scale) {
 
 template <typename T, bool kBwd, bool kVec>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
-    swiglu_lora_kernel(const T* __restrict__ dh, const T* __restrict__ gate_up,
+    swiglu_lora_kernel(const T* __restrict__ dh, const T* __restrict__ dh2, const T* __restrict__ gate_up,
                        const T* __restrict__ xa, const T* __restrict__ lora_b, T* __restrict__ out,
                        int64_t rows, int64_t F, int64_t R, float scale) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -304,6 +311,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
         prefetch_l2(gate_up + row * 2 * F + col);
         prefetch_l2(gate_up + row * 2 * F + F + col);
         if constexpr (kBwd) prefetch_l2(dh + row * F + col);
+        if (kBwd && dh2 != nullptr) prefetch_l2(dh2 + row * F + col);
       }
     }
   }
@@ -343,6 +351,12 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
     } else {
       float d[kCols], dg[kCols], du[kCols];
       unpack8<T>(load8<T, kVec>(dh + row * F + col, n_ok), d);
+      if (dh2 != nullptr) {  // h's two uses' gradients: their sum, rounded like autodiff's add
+        float d2[kCols];
+        unpack8<T>(load8<T, kVec>(dh2 + row * F + col, n_ok), d2);
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) d[j] = round_to<T>(d[j] + d2[j]);
+      }
 #pragma unroll
       for (int j = 0; j < kCols; ++j) {
         const float s = sigmoid(g[j]);
@@ -358,19 +372,19 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 template <typename T, bool kBwd>
-cudaError_t launch(const T* dh, const T* gate_up, const T* xa, const T* lora_b, T* out,
+cudaError_t launch(const T* dh, const T* dh2, const T* gate_up, const T* xa, const T* lora_b, T* out,
                    int64_t rows, int64_t F, int64_t R, float scale, cudaStream_t stream) {
   if (rows <= 0 || F <= 0) return cudaSuccess;
   if (R <= 0) return cudaErrorInvalidValue;
   const int64_t gx = (rows + kTileRows - 1) / kTileRows, gy = (F + kTileCols - 1) / kTileCols;
   if (gx > 0x7fffffff || gy > 65535) return cudaErrorInvalidValue;
   const bool vec = F % kCols == 0 && aligned16(gate_up) && aligned16(lora_b) && aligned16(out) &&
-                   (!kBwd || aligned16(dh));
+                   (!kBwd || aligned16(dh)) && (dh2 == nullptr || aligned16(dh2));
   const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
   if (vec) {
-    swiglu_lora_kernel<T, kBwd, true><<<grid, kThreads, 0, stream>>>(dh, gate_up, xa, lora_b, out, rows, F, R, scale);
+    swiglu_lora_kernel<T, kBwd, true><<<grid, kThreads, 0, stream>>>(dh, dh2, gate_up, xa, lora_b, out, rows, F, R, scale);
   } else {
-    swiglu_lora_kernel<T, kBwd, false><<<grid, kThreads, 0, stream>>>(dh, gate_up, xa, lora_b, out, rows, F, R, scale);
+    swiglu_lora_kernel<T, kBwd, false><<<grid, kThreads, 0, stream>>>(dh, dh2, gate_up, xa, lora_b, out, rows, F, R, scale);
   }
   return cudaGetLastError();
 }
@@ -380,21 +394,21 @@ cudaError_t launch(const T* dh, const T* gate_up, const T* xa, const T* lora_b, 
 template <typename T>
 cudaError_t swiglu_lora_fwd(const T* gate_up, const T* xa, const T* lora_b, T* h, int64_t rows,
                             int64_t F, int64_t R, float scale, cudaStream_t stream) {
-  return launch<T, false>(nullptr, gate_up, xa, lora_b, h, rows, F, R, scale, stream);
+  return launch<T, false>(nullptr, nullptr, gate_up, xa, lora_b, h, rows, F, R, scale, stream);
 }
 
 template <typename T>
-cudaError_t swiglu_lora_bwd(const T* dh, const T* gate_up, const T* xa, const T* lora_b,
+cudaError_t swiglu_lora_bwd(const T* dh, const T* dh2, const T* gate_up, const T* xa, const T* lora_b,
                             T* dgate_up, int64_t rows, int64_t F, int64_t R, float scale,
                             cudaStream_t stream) {
-  return launch<T, true>(dh, gate_up, xa, lora_b, dgate_up, rows, F, R, scale, stream);
+  return launch<T, true>(dh, dh2, gate_up, xa, lora_b, dgate_up, rows, F, R, scale, stream);
 }
 
 #define SUROGATE_SWIGLU_LORA_INSTANTIATE(T)                                                        \
   template cudaError_t swiglu_lora_fwd<T>(const T*, const T*, const T*, T*, int64_t, int64_t,     \
                                           int64_t, float, cudaStream_t);                          \
-  template cudaError_t swiglu_lora_bwd<T>(const T*, const T*, const T*, const T*, T*, int64_t,    \
-                                          int64_t, int64_t, float, cudaStream_t);
+  template cudaError_t swiglu_lora_bwd<T>(const T*, const T*, const T*, const T*, const T*, T*,   \
+                                          int64_t, int64_t, int64_t, float, cudaStream_t);
 SUROGATE_SWIGLU_LORA_INSTANTIATE(float)
 SUROGATE_SWIGLU_LORA_INSTANTIATE(__nv_bfloat16)
 SUROGATE_SWIGLU_LORA_INSTANTIATE(__half)

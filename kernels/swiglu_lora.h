@@ -8,7 +8,9 @@
 //   gate = round(base_g + round(round(xa_g @ B_gate) * scale)),  up likewise     (each round: to T)
 //
 //   forward : h = silu(gate) * up                                  -> h [rows, F]
-//   backward: dh [rows, F] -> dgate_up [rows, 2F] = (dgate | dup), s = sigmoid(gate),
+//   backward: dh [rows, F] (plus dh2 [rows, F] when not null: h's gradient arriving in two parts,
+//             summed and rounded to T like autodiff's add) -> dgate_up [rows, 2F] = (dgate | dup),
+//             s = sigmoid(gate),
 //             dgate = dh * up * s * (1 + gate * (1 - s)),  dup = dh * gate * s
 // The roundings mirror the model's unfused Linear (`y + ((xa @ B) * scale).astype(T)`); the LoRA
 // weight/input gradients (GEMMs over dgate_up) are left to XLA (ops/swiglu_lora.py).
@@ -31,7 +33,7 @@ cudaError_t swiglu_lora_fwd(const T* gate_up, const T* xa, const T* lora_b, T* h
                             int64_t F, int64_t R, float scale, cudaStream_t stream);
 
 template <typename T>
-cudaError_t swiglu_lora_bwd(const T* dh, const T* gate_up, const T* xa, const T* lora_b,
+cudaError_t swiglu_lora_bwd(const T* dh, const T* dh2, const T* gate_up, const T* xa, const T* lora_b,
                             T* dgate_up, int64_t rows, int64_t F, int64_t R, float scale,
                             cudaStream_t stream);
 

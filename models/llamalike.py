@@ -236,12 +236,14 @@ class Linear(nn.Module):
     in_dims: int = 1  # how many trailing dims of x are contracted
 
     @nn.compact
-    def __call__(self, x, layer=None, *, lora_parts: bool = False):
+    def __call__(self, x, layer=None, *, lora_parts: bool = False, lora_x=None):
         """layer: this decoder layer's index (traced; the recipe's skip_quant_* layers need it).
 
         lora_parts: return (kernel, xa, lora_b) in cfg.dtype instead of y, for an op that forms
         `x @ kernel + scale * (xa @ lora_b)` itself (the MLP's `swiglu_lora`); needs LoRA on this
-        projection, no recipe, no bias. Same parameters either way."""
+        projection, no recipe, no bias. Same parameters either way.
+        lora_x: the LoRA branch's input when it is a separate array of x's values (swiglu_lora's
+        split output), so the two branches' input gradients are not summed here."""
         cfg = self.cfg
         in_shape = x.shape[x.ndim - self.in_dims :]
         init = nn.initializers.normal(cfg.initializer_range)
@@ -261,7 +263,7 @@ class Linear(nn.Module):
             bias = _param(self, "bias", nn.initializers.zeros, self.out_shape, bias_axes, cfg.param_dtype)
             y = y + bias.astype(cfg.dtype)
         if cfg.lora is not None and self.name in cfg.lora.targets:
-            y = y + self._lora(x, in_shape, contract)
+            y = y + self._lora(x if lora_x is None else lora_x, in_shape, contract)
         return y
 
     def _recipe_matmul(self, x, kernel, layer):
@@ -365,8 +367,12 @@ class MLP(nn.Module):
             wg, xa_g, bg = gate_proj(x_BTD, layer, lora_parts=True)
             wu, xa_u, bu = up_proj(x_BTD, layer, lora_parts=True)
             gate_up = x_BTD.astype(cfg.dtype) @ jnp.concatenate([wg, wu], axis=-1)
+            split = "down_proj" in cfg.lora.targets  # h feeds the down GEMM and its LoRA
             h = swiglu_lora(gate_up, jnp.concatenate([xa_g, xa_u], axis=-1), jnp.stack([bg, bu]),
-                            cfg.lora.scale, impl=cfg.impl("swiglu_lora"))
+                            cfg.lora.scale, impl=cfg.impl("swiglu_lora"), split_output=split)
+            if split:
+                h, h_lora = h
+                return Linear((cfg.hidden_size,), ("mlp", "embed"), cfg, name="down_proj")(h, layer, lora_x=h_lora)
         else:
             gate = gate_proj(x_BTD, layer)
             up = up_proj(x_BTD, layer)

@@ -40,6 +40,7 @@ from surogate_jax.ops.swiglu import KERNEL_DTYPES, swiglu_ref
 OP = "swiglu_lora"
 FWD_TARGET = "surogate_swiglu_lora_fwd"
 BWD_TARGET = "surogate_swiglu_lora_bwd"
+BWD_SPLIT_TARGET = "surogate_swiglu_lora_bwd_split"
 
 
 def _gate_and_up(gate_up, xa, lora_b, scale):
@@ -74,6 +75,12 @@ def _bwd_ref(dh, gate_up, xa, lora_b, scale):
     return jnp.concatenate([dgate, dup], axis=-1).astype(gate_up.dtype)
 
 
+def _bwd_split_ref(dh, dh2, gate_up, xa, lora_b, scale):
+    """h used twice (split_output): its two gradients summed and rounded like autodiff's add."""
+    d = (dh.astype(jnp.float32) + dh2.astype(jnp.float32)).astype(gate_up.dtype)
+    return _bwd_ref(d, gate_up, xa, lora_b, scale)
+
+
 # lora_b has no row axis, so vmap cannot broadcast it with the rows: a batched call runs one
 # kernel per batch element ("sequential"); the models never vmap this op.
 def _fwd_ffi(gate_up, xa, lora_b, scale):
@@ -86,6 +93,12 @@ def _bwd_ffi(dh, gate_up, xa, lora_b, scale):
     call = jax.ffi.ffi_call(BWD_TARGET, jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),
                             vmap_method="sequential")
     return call(dh.astype(gate_up.dtype), gate_up, xa, lora_b, scale=np.float32(scale))
+
+
+def _bwd_split_ffi(dh, dh2, gate_up, xa, lora_b, scale):
+    call = jax.ffi.ffi_call(BWD_SPLIT_TARGET, jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),
+                            vmap_method="sequential")
+    return call(dh.astype(gate_up.dtype), dh2.astype(gate_up.dtype), gate_up, xa, lora_b, scale=np.float32(scale))
 
 
 def _run(impl, ffi, ref, phase, scale, *args):
@@ -109,15 +122,13 @@ def _vjp_fwd(gate_up, xa, lora_b, scale, impl):
     return _swiglu_lora(gate_up, xa, lora_b, scale, impl), (gate_up, xa, lora_b)
 
 
-def _vjp_bwd(scale, impl, res, dh):
-    gate_up, xa, lora_b = res
-    F, R = lora_b.shape[2], lora_b.shape[1]
-    dgu = _run(impl, _bwd_ffi, _bwd_ref, "bwd", scale, dh, gate_up, xa, lora_b)
-    # The LoRA factors' gradients as two GEMMs over the whole dgate_up (no slice or scaled copy
-    # of it: in the train step those cost a [rows, 4F] pass per layer): the scale goes on the small
-    # operands, and the two halves' products come from block matrices (half the FLOPs are zeros,
-    # ~1 GFLOP at Qwen3-0.6B, nothing next to the pass it avoids).
-    dtype = gate_up.dtype
+def _factor_grads(dgu, xa, lora_b, scale):
+    """The LoRA factors' gradients as two GEMMs over the whole dgate_up (no slice or scaled copy
+    of it: in the train step those cost a [rows, 4F] pass per layer): the scale goes on the small
+    operands, and the two halves' products come from block matrices (half the FLOPs are zeros,
+    ~1 GFLOP at Qwen3-0.6B, nothing next to the pass it avoids)."""
+    R, F = lora_b.shape[1], lora_b.shape[2]
+    dtype = dgu.dtype
     bs = (lora_b * scale).astype(dtype)                                  # [2, R, F]
     zero = jnp.zeros((F, R), dtype)
     mt = jnp.block([[bs[0].T, zero], [zero, bs[1].T]])                   # [2F, 2R]
@@ -128,16 +139,46 @@ def _vjp_bwd(scale, impl, res, dh):
     return dgu, d_xa.astype(xa.dtype), d_b.astype(lora_b.dtype)
 
 
+def _vjp_bwd(scale, impl, res, dh):
+    gate_up, xa, lora_b = res
+    dgu = _run(impl, _bwd_ffi, _bwd_ref, "bwd", scale, dh, gate_up, xa, lora_b)
+    return _factor_grads(dgu, xa, lora_b, scale)
+
+
 _swiglu_lora.defvjp(_vjp_fwd, _vjp_bwd)
 
 
+# split_output: h returned twice, for two consumers (the down projection's frozen GEMM and its
+# LoRA), so their gradients reach the kernel as two operands instead of a materialized sum.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _swiglu_lora_split(gate_up, xa, lora_b, scale, impl):
+    h = _swiglu_lora(gate_up, xa, lora_b, scale, impl)
+    return h, h
+
+
+def _split_vjp_fwd(gate_up, xa, lora_b, scale, impl):
+    return _swiglu_lora_split(gate_up, xa, lora_b, scale, impl), (gate_up, xa, lora_b)
+
+
+def _split_vjp_bwd(scale, impl, res, cts):
+    gate_up, xa, lora_b = res
+    dh, dh2 = cts
+    dgu = _run(impl, _bwd_split_ffi, _bwd_split_ref, "bwd", scale, dh, dh2, gate_up, xa, lora_b)
+    return _factor_grads(dgu, xa, lora_b, scale)
+
+
+_swiglu_lora_split.defvjp(_split_vjp_fwd, _split_vjp_bwd)
+
+
 def swiglu_lora(gate_up: jax.Array, xa: jax.Array, lora_b: jax.Array, scale: float, *,
-                impl: str | None = None) -> jax.Array:
+                impl: str | None = None, split_output: bool = False):
     """silu(gate) * up with gate, up = gate_up's halves plus their LoRA updates (module docstring).
 
     gate_up [..., 2F], xa [..., 2R], lora_b [2, R, F], one float dtype; scale: LoRA alpha / r.
     impl: None/"auto" (CUDA kernel on GPU, reference elsewhere), "ffi" or "ref"; the environment
     variable SUROGATE_JAX_OPS=ref forces the reference. Tagged `checkpoint_name(h, "swiglu")`.
+    split_output: return (h, h), the same values for two consumers; their gradients then enter
+    the backward kernel separately (no [..., F] add pass for autodiff's sum of them).
     """
     if gate_up.ndim < 1 or gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu_lora: gate_up's last dimension must be even (2F), got {gate_up.shape}")
@@ -156,5 +197,8 @@ def swiglu_lora(gate_up: jax.Array, xa: jax.Array, lora_b: jax.Array, scale: flo
         if impl == "ffi":
             raise TypeError(f"swiglu_lora: impl='ffi' supports float32/bfloat16/float16, got {dtype}")
         impl = "ref"
+    if split_output:
+        h, h2 = _swiglu_lora_split(gate_up, xa, lora_b, float(scale), impl)
+        return checkpoint_name(h, "swiglu"), checkpoint_name(h2, "swiglu")
     h = _swiglu_lora(gate_up, xa, lora_b, float(scale), impl)
     return checkpoint_name(h, "swiglu")

@@ -145,3 +145,24 @@ def test_model_falls_back_without_lora_on_gate_and_up(targets):
     v = model.init({"params": jax.random.key(0), "lora": jax.random.key(1)}, ids)
     text = str(jax.make_jaxpr(lambda v: model.apply(v, ids))(v))
     assert "swiglu_lora" not in text
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_split_output_gradients_sum(dtype, assert_close):
+    """split_output gives h twice; gradients through both uses equal those of one h whose
+    cotangent is their sum."""
+    gu, xa, b, p1 = _inputs(11, (3, 17), 40, 5, dtype)
+    p2 = jax.random.normal(jax.random.key(99), p1.shape)
+
+    def two(g, x, bb):
+        h1, h2 = swiglu_lora(g, x, bb, 0.5, impl="ref", split_output=True)
+        return jnp.sum(h1.astype(jnp.float32) * p1) + jnp.sum(h2.astype(jnp.float32) * p2)
+
+    def one(g, x, bb):
+        return jnp.sum(swiglu_lora(g, x, bb, 0.5, impl="ref").astype(jnp.float32) * (p1 + p2))
+
+    h1, h2 = swiglu_lora(gu, xa, b, 0.5, impl="ref", split_output=True)
+    np.testing.assert_array_equal(np.asarray(h1, np.float32), np.asarray(h2, np.float32))
+    for name, a, r in zip(("dgate_up", "dxa", "dlora_b"), jax.grad(two, argnums=(0, 1, 2))(gu, xa, b),
+                          jax.grad(one, argnums=(0, 1, 2))(gu, xa, b), strict=True):
+        assert_close(a, r, dtype, name)
