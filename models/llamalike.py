@@ -38,13 +38,17 @@ Dtype = Any
 # "offload_residual": "full" with each layer's input (the residual stream) kept in pinned host memory.
 # The fused kernels the model runs by default on GPU; the other ops use XLA's own fusion of their
 # pure-JAX reference (same math). Measured on an H100 inside the jitted LoRA train step
-# (benchmarks/kernels_in_model.py, RESULTS.md "Seventh session"): once the FFI handlers declare
-# themselves CUDA-graph safe, rope (q/k-norm + RoPE) and the two norms are at least as fast as
-# XLA's fusion (0.6B: 314.8 / 317.7 ms per step vs 318.2 ms); swiglu is still 3.5% slower: XLA merges
-# the gate/up GEMMs and fuses the LoRA adds, the remat's silu(g)*u and both gradients into one
-# pass over their output, a pass a standalone kernel cannot join. `DecoderConfig.kernels` overrides.
+# (benchmarks/kernels_in_model.py, RESULTS.md "Seventh session" and "Thirteenth session"): once the
+# FFI handlers declare themselves CUDA-graph safe, rope (q/k-norm + RoPE) and the two norms are at
+# least as fast as XLA's fusion (0.6B: 314.8 / 317.7 ms per step vs 318.2 ms). A plain swiglu
+# kernel is 3% slower there: handed a custom call, XLA must write gate, up and their gradients'
+# sum, which it otherwise fuses with the LoRA adds, the remat's silu(g)*u and both gradients.
+# swiglu_lora takes the frozen GEMM output and the LoRA factors instead and forms the LoRA
+# products in-kernel (0.6B: 311.4 vs 312.6 ms with full recompute, 295.5 vs 295.7 without), so
+# under LoRA on gate_proj + up_proj (no recipe) it is the default; full fine-tuning keeps SwiGLU on
+# XLA's fusion ("swiglu" opts in the plain kernel). `DecoderConfig.kernels` overrides.
 MODEL_KERNELS = ("rope", "rms_norm", "add_rms_norm", "swiglu", "swiglu_lora")
-DEFAULT_KERNELS: tuple[str, ...] = ("rope", "rms_norm", "add_rms_norm")
+DEFAULT_KERNELS: tuple[str, ...] = ("rope", "rms_norm", "add_rms_norm", "swiglu_lora")
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_residual")
 

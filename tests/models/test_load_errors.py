@@ -149,9 +149,10 @@ def test_kernels_option_is_validated():
                 num_heads=2, num_kv_heads=1, head_dim=8)
     cfg = DecoderConfig(**base, kernels=("swiglu",))
     assert cfg.impl("swiglu") is None and cfg.impl("rope") == "ref"
-    default = DecoderConfig(**base)  # the measured default: norms and rope on, swiglu on XLA's fusion
+    default = DecoderConfig(**base)  # the measured default: norms, rope, swiglu_lora on; plain swiglu on XLA's fusion
     assert default.impl("rms_norm") is None and default.impl("rope") is None
     assert default.impl("add_rms_norm") is None and default.impl("swiglu") == "ref"
+    assert default.impl("swiglu_lora") is None
     assert DecoderConfig(**base, kernels=()).impl("rms_norm") == "ref"
     assert set(MODEL_KERNELS) == {"rope", "rms_norm", "add_rms_norm", "swiglu", "swiglu_lora"}
     with _pytest.raises(ValueError, match="kernels"):
