@@ -166,3 +166,19 @@ def test_split_output_gradients_sum(dtype, assert_close):
     for name, a, r in zip(("dgate_up", "dxa", "dlora_b"), jax.grad(two, argnums=(0, 1, 2))(gu, xa, b),
                           jax.grad(one, argnums=(0, 1, 2))(gu, xa, b), strict=True):
         assert_close(a, r, dtype, name)
+
+
+def test_model_keeps_xla_fusion_for_large_gate_up_kernels():
+    """Above FUSED_LORA_MAX_BYTES the per-step kernel concat costs more than it saves (8B)."""
+    from surogate_jax.models.llamalike import FUSED_LORA_MAX_BYTES
+
+    F = FUSED_LORA_MAX_BYTES // (2 * 32 * 4) + 8  # fp32 compute: 2 * 32 * F * 4 bytes > the limit
+    cfg = CFG.replace(kernels=("swiglu_lora",), dtype=jnp.float32, intermediate_size=F, num_layers=1)
+    ids = jnp.zeros((1, 3), jnp.int32)
+    model = Decoder(cfg)
+    v = jax.eval_shape(lambda: model.init({"params": jax.random.key(0), "lora": jax.random.key(1)}, ids))
+    text = str(jax.make_jaxpr(lambda v: model.apply(v, ids))(v))
+    assert "swiglu_lora" not in text
+    small = Decoder(CFG.replace(kernels=("swiglu_lora",), num_layers=1))
+    v = small.init({"params": jax.random.key(0), "lora": jax.random.key(1)}, ids)
+    assert "swiglu_lora" in str(jax.make_jaxpr(lambda v: small.apply(v, ids))(v))
