@@ -134,7 +134,7 @@ def test_model_mlp_same_with_fused_lora_path():
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     text = str(jax.make_jaxpr(lambda lo: model.apply({"params": p1, "lora": lo}, ids))(lora))
-    assert "name=swiglu" in text and text.count("custom_vjp_call") >= CFG.num_layers or "custom_vjp" in text
+    assert "_swiglu_lora_split" in text and "name=swiglu" in text  # down_proj has LoRA: split output
 
 
 @pytest.mark.parametrize("targets", [("gate_proj", "down_proj"), ("q_proj",)])
