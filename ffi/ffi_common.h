@@ -66,6 +66,16 @@ inline ffi::Error CudaError(std::string_view op, cudaError_t err) {
                               cudaGetErrorString(err) + ")");
 }
 
+// A buffer's data as T (after DispatchFloat picked T): an operand, a result.
+template <typename T>
+const T* In(const ffi::AnyBuffer& b) {
+  return static_cast<const T*>(b.untyped_data());
+}
+template <typename T>
+T* Out(ffi::Result<ffi::AnyBuffer>& b) {
+  return static_cast<T*>(b->untyped_data());
+}
+
 // Calls f(T{}) with T the CUDA type of a float32 / bfloat16 / float16 dtype; errors otherwise.
 template <typename F>
 ffi::Error DispatchFloat(std::string_view op, ffi::DataType t, F&& f) {

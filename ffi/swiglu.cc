@@ -53,15 +53,6 @@ ffi::Error HalfOf(std::string_view op, const char* name, const ffi::AnyBuffer& h
                             " with the last dimension halved");
 }
 
-template <typename T>
-const T* In(const ffi::AnyBuffer& b) {
-  return static_cast<const T*>(b.untyped_data());
-}
-template <typename T>
-T* Out(ffi::Result<ffi::AnyBuffer>& b) {
-  return static_cast<T*>(b->untyped_data());
-}
-
 ffi::Error CheckAlgo(std::string_view op, int32_t algo) {
   if (algo < 0 || algo >= kSwigluAlgos) {
     return InvalidArg(op, "algo must be in [0, " + std::to_string(kSwigluAlgos) + "), got " +

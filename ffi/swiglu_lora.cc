@@ -63,15 +63,6 @@ ffi::Error Check(std::string_view op, const ffi::AnyBuffer& gate_up, const ffi::
   return ffi::Error::Success();
 }
 
-template <typename T>
-const T* In(const ffi::AnyBuffer& b) {
-  return static_cast<const T*>(b.untyped_data());
-}
-template <typename T>
-T* Out(ffi::Result<ffi::AnyBuffer>& b) {
-  return static_cast<T*>(b->untyped_data());
-}
-
 ffi::Error Fwd(cudaStream_t stream, float scale, ffi::AnyBuffer gate_up, ffi::AnyBuffer xa,
                ffi::AnyBuffer lora_b, ffi::Result<ffi::AnyBuffer> h) {
   int64_t rows = 0, F = 0, R = 0;
