@@ -7,6 +7,8 @@ recompute), one process, several kernel sets (comma lists of DecoderConfig.kerne
     python benchmarks/kernels_in_model.py 0.6b rope,rms_norm@rope.bwd,rms_norm.bwd
 
 `--no-recompute` runs the same config without rematerialization (activations kept).
+`--pack-max-bytes=N` sets models.llamalike.PACK_GATE_UP_MAX_BYTES (swiglu_lora's gate/up as one
+GEMM over the concatenated kernels up to N bytes, two GEMMs above): 0 forces two everywhere.
 A set may end in `@<op>.<pass>,...`: those passes run XLA's fusion of the reference
 (SUROGATE_JAX_OPS=ref:<op>.<pass>), e.g. the rope kernel forward with the XLA-fused backward.
 
@@ -35,7 +37,12 @@ from surogate_jax.lora import init_adapters  # noqa: E402
 from surogate_jax.models import Decoder  # noqa: E402
 
 out = os.environ.get("OUT", "/tmp")
-args = [a for a in sys.argv[1:] if a != "--no-recompute"]
+from surogate_jax.models import llamalike  # noqa: E402
+
+for a in sys.argv[1:]:
+    if a.startswith("--pack-max-bytes="):
+        llamalike.PACK_GATE_UP_MAX_BYTES = int(a.split("=", 1)[1])
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
 recompute = "--no-recompute" not in sys.argv  # default: the seed config's full recompute
 size = args[0]; sets = args[1:]
 res = []
@@ -62,6 +69,8 @@ for ks in sets:
     comp = step.lower(state, batches[0]).compile()
     txt = comp.as_text()
     name = ks.replace(",", "-").replace("@", "_ref_").replace(".", "")
+    if any(a.startswith("--pack-max-bytes=") for a in sys.argv):
+        name += f"_pack{llamalike.PACK_GATE_UP_MAX_BYTES}"
     open(f"{out}/hlo_{size}_{name}.txt", "w").write(txt)
     stats = {k: len(re.findall(p, txt)) for k, p in {
         "custom_call": r"custom-call\(", "fusion": r"= \S+ fusion\(", "copy": r"= \S+ copy\(",
@@ -72,6 +81,6 @@ for ks in sets:
     for i in range(6):
         t0 = time.perf_counter(); state, m = comp(state, batches[i % 2]); float(m["loss"]); times.append(time.perf_counter() - t0)
     sec = statistics.median(times)
-    r = dict(size=size, kernels=ks, recompute=recompute, step_ms=sec * 1e3, tps=2 * 4 * 2048 / sec, loss=float(m["loss"]), **stats)
+    r = dict(size=size, kernels=ks, recompute=recompute, pack_max_bytes=llamalike.PACK_GATE_UP_MAX_BYTES, step_ms=sec * 1e3, tps=2 * 4 * 2048 / sec, loss=float(m["loss"]), **stats)
     print(json.dumps(r), flush=True); res.append(r)
     del state, comp, step

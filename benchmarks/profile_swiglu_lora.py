@@ -4,7 +4,8 @@
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
         python3 benchmarks/profile_swiglu_lora.py --shape 4096x3072 --rank 16 --pass fwd --impl ffi
 
---impl ffi: `swiglu_lora` on our kernel; xla: XLA's compilation of the model's unfused formula
+--impl ffi: `swiglu_lora` on our kernel (--form packed: gate_up one [rows, 2F] array; sep: gate
+and up as two [rows, F] arrays); xla: XLA's compilation of the model's unfused formula
 (`swiglu_lora_ref`: the LoRA GEMMs, then the adds fused with SwiGLU); copy: an XLA element-wise
 fusion moving the pass's row bytes (fwd gate + up; bwd (dh + gate, dh + up)), the floor.
 fwd: h (xla: with its LoRA GEMMs). bwd: the kernel pass, dgate_up from dh (xla: the same values,
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--impl", default="ffi", choices=("ffi", "xla", "copy"))
+    ap.add_argument("--form", default="packed", choices=("packed", "sep"))
     args = ap.parse_args()
     _opbench.require_gpu(ffi_available)
     (rows, F), R = args.shape, args.rank
@@ -48,20 +50,23 @@ def main() -> None:
     xa = jax.random.normal(k[1], (rows, 2 * R), jnp.float32).astype(dtype)
     b = (0.1 * jax.random.normal(k[2], (2, R, F), jnp.float32)).astype(dtype)
     dh = jax.random.normal(k[3], (rows, F), jnp.float32).astype(dtype)
-    op = {"ffi": lambda g, x, bb: swiglu_lora(g, x, bb, SCALE, impl="ffi"),
-          "xla": lambda g, x, bb: swiglu_lora_ref(g, x, bb, SCALE)}.get(args.impl)
+    base = (gu,) if args.form == "packed" else (gu[:, :F], gu[:, F:])
+    nb = len(base)
     if args.pass_ == "fwd":
-        fn = op if op else (lambda g, x, bb: g[:, :F] + g[:, F:])
+        fn = {"ffi": lambda *a: swiglu_lora(a[:-2] if nb == 2 else a[0], a[-2], a[-1], SCALE, impl="ffi"),
+              "xla": lambda *a: swiglu_lora_ref(a[:-2] if nb == 2 else a[0], a[-2], a[-1], SCALE),
+              "copy": lambda *a: sum(sl._halves(a[:-2]))}[args.impl]
         jfn = jax.jit(fn)
-        _opbench.profile_calls(lambda: jfn(gu, xa, b), args.calls)
+        _opbench.profile_calls(lambda: jfn(*base, xa, b), args.calls)
     else:
-        fn = {"ffi": lambda d, g, x, bb: sl._bwd_ffi(d, g, x, bb, SCALE),
-              "xla": lambda d, g, x, bb: sl._bwd_ref(d, g, x, bb, SCALE),
-              "copy": lambda d, g, x, bb: jnp.concatenate([d + g[:, :F], d + g[:, F:]], axis=-1)}[args.impl]
-        jfn = jax.jit(fn)
-        _opbench.profile_calls(lambda: jfn(dh, gu, xa, b), args.calls)
+        def copy(dhs, base, x, bb, scale):
+            g, u = sl._halves(base)
+            return dhs[0] + g, dhs[0] + u
+        pass_fn = {"ffi": sl._pass_ffi, "xla": sl._pass_ref, "copy": copy}[args.impl]
+        jfn = jax.jit(lambda d, *a: pass_fn((d,), a[:-2], a[-2], a[-1], scale=SCALE))
+        _opbench.profile_calls(lambda: jfn(dh, *base, xa, b), args.calls)
     nbytes = rows * F * dtype.itemsize * (3 if args.pass_ == "fwd" else 5)
-    print(f"swiglu_lora {rows}x{F} r{R} {args.pass_} {args.impl} {dtype.name}: {args.calls} calls, "
+    print(f"swiglu_lora {rows}x{F} r{R} {args.pass_} {args.impl} {args.form} {dtype.name}: {args.calls} calls, "
           f"{nbytes / 1e6:.1f} MB of rows each (floor {nbytes / 3e12 * 1e6:.1f} us at 3000 GB/s)")
 
 

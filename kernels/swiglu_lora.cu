@@ -290,9 +290,10 @@ __device__ __forceinline__ float with_lora(float base, float acc, float scale) {
 
 template <typename T, bool kBwd, bool kVec>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
-    swiglu_lora_kernel(const T* __restrict__ dh, const T* __restrict__ dh2, const T* __restrict__ gate_up,
-                       const T* __restrict__ xa, const T* __restrict__ lora_b, T* __restrict__ out,
-                       int64_t rows, int64_t F, int64_t R, float scale) {
+    swiglu_lora_kernel(const T* __restrict__ dh, const T* __restrict__ dh2, const T* __restrict__ gate,
+                       const T* __restrict__ up, int64_t ld, const T* __restrict__ xa,
+                       const T* __restrict__ lora_b, T* __restrict__ out0, T* __restrict__ out1,
+                       int64_t ld_out, int64_t rows, int64_t F, int64_t R, float scale) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t tile_row = static_cast<int64_t>(blockIdx.x) * kTileRows;
   const int64_t tile_col = static_cast<int64_t>(blockIdx.y) * kTileCols;
@@ -308,8 +309,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
     for (int i = 0; i < kRowsPerThread; ++i) {
       const int64_t row = row0 + i;
       if (row < rows) {
-        prefetch_l2(gate_up + row * 2 * F + col);
-        prefetch_l2(gate_up + row * 2 * F + F + col);
+        prefetch_l2(gate + row * ld + col);
+        prefetch_l2(up + row * ld + col);
         if constexpr (kBwd) prefetch_l2(dh + row * F + col);
         if (kBwd && dh2 != nullptr) prefetch_l2(dh2 + row * F + col);
       }
@@ -331,8 +332,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
     const int64_t row = row0 + i;
     if (row >= rows) break;
     float g[kCols], u[kCols];
-    unpack8<T>(load8<T, kVec>(gate_up + row * 2 * F + col, n_ok), g);
-    unpack8<T>(load8<T, kVec>(gate_up + row * 2 * F + F + col, n_ok), u);
+    unpack8<T>(load8<T, kVec>(gate + row * ld + col, n_ok), g);
+    unpack8<T>(load8<T, kVec>(up + row * ld + col, n_ok), u);
     if constexpr (kMma) {
       const int r = warp * kRowsPerThread + i;
       unpack8<T>(*reinterpret_cast<const Raw8<T>*>(lo + r * kLoStride + lane * kCols), acc[0][i]);
@@ -347,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
       float h[kCols];
 #pragma unroll
       for (int j = 0; j < kCols; ++j) h[j] = g[j] * sigmoid(g[j]) * u[j];
-      store8<T, kVec>(out + row * F + col, h, n_ok);
+      store8<T, kVec>(out0 + row * ld_out + col, h, n_ok);
     } else {
       float d[kCols], dg[kCols], du[kCols];
       unpack8<T>(load8<T, kVec>(dh + row * F + col, n_ok), d);
@@ -363,8 +364,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
         dg[j] = d[j] * u[j] * s * (1.f + g[j] * (1.f - s));
         du[j] = d[j] * g[j] * s;
       }
-      store8<T, kVec>(out + row * 2 * F + col, dg, n_ok);
-      store8<T, kVec>(out + row * 2 * F + F + col, du, n_ok);
+      store8<T, kVec>(out0 + row * ld_out + col, dg, n_ok);
+      store8<T, kVec>(out1 + row * ld_out + col, du, n_ok);
     }
   }
 }
@@ -372,19 +373,23 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 template <typename T, bool kBwd>
-cudaError_t launch(const T* dh, const T* dh2, const T* gate_up, const T* xa, const T* lora_b, T* out,
-                   int64_t rows, int64_t F, int64_t R, float scale, cudaStream_t stream) {
+cudaError_t launch(const T* dh, const T* dh2, const T* gate, const T* up, int64_t ld, const T* xa,
+                   const T* lora_b, T* out0, T* out1, int64_t ld_out, int64_t rows, int64_t F, int64_t R,
+                   float scale, cudaStream_t stream) {
   if (rows <= 0 || F <= 0) return cudaSuccess;
-  if (R <= 0) return cudaErrorInvalidValue;
+  if (R <= 0 || ld < F || ld_out < F) return cudaErrorInvalidValue;
   const int64_t gx = (rows + kTileRows - 1) / kTileRows, gy = (F + kTileCols - 1) / kTileCols;
   if (gx > 0x7fffffff || gy > 65535) return cudaErrorInvalidValue;
-  const bool vec = F % kCols == 0 && aligned16(gate_up) && aligned16(lora_b) && aligned16(out) &&
+  const bool vec = F % kCols == 0 && ld % kCols == 0 && ld_out % kCols == 0 && aligned16(gate) &&
+                   aligned16(up) && aligned16(lora_b) && aligned16(out0) && (!kBwd || aligned16(out1)) &&
                    (!kBwd || aligned16(dh)) && (dh2 == nullptr || aligned16(dh2));
   const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
   if (vec) {
-    swiglu_lora_kernel<T, kBwd, true><<<grid, kThreads, 0, stream>>>(dh, dh2, gate_up, xa, lora_b, out, rows, F, R, scale);
+    swiglu_lora_kernel<T, kBwd, true><<<grid, kThreads, 0, stream>>>(dh, dh2, gate, up, ld, xa, lora_b, out0, out1,
+                                                                      ld_out, rows, F, R, scale);
   } else {
-    swiglu_lora_kernel<T, kBwd, false><<<grid, kThreads, 0, stream>>>(dh, dh2, gate_up, xa, lora_b, out, rows, F, R, scale);
+    swiglu_lora_kernel<T, kBwd, false><<<grid, kThreads, 0, stream>>>(dh, dh2, gate, up, ld, xa, lora_b, out0, out1,
+                                                                       ld_out, rows, F, R, scale);
   }
   return cudaGetLastError();
 }
@@ -392,23 +397,24 @@ cudaError_t launch(const T* dh, const T* dh2, const T* gate_up, const T* xa, con
 }  // namespace
 
 template <typename T>
-cudaError_t swiglu_lora_fwd(const T* gate_up, const T* xa, const T* lora_b, T* h, int64_t rows,
-                            int64_t F, int64_t R, float scale, cudaStream_t stream) {
-  return launch<T, false>(nullptr, nullptr, gate_up, xa, lora_b, h, rows, F, R, scale, stream);
+cudaError_t swiglu_lora_fwd(const T* gate, const T* up, int64_t ld, const T* xa, const T* lora_b, T* h,
+                            int64_t rows, int64_t F, int64_t R, float scale, cudaStream_t stream) {
+  return launch<T, false>(nullptr, nullptr, gate, up, ld, xa, lora_b, h, nullptr, F, rows, F, R, scale, stream);
 }
 
 template <typename T>
-cudaError_t swiglu_lora_bwd(const T* dh, const T* dh2, const T* gate_up, const T* xa, const T* lora_b,
-                            T* dgate_up, int64_t rows, int64_t F, int64_t R, float scale,
-                            cudaStream_t stream) {
-  return launch<T, true>(dh, dh2, gate_up, xa, lora_b, dgate_up, rows, F, R, scale, stream);
+cudaError_t swiglu_lora_bwd(const T* dh, const T* dh2, const T* gate, const T* up, int64_t ld, const T* xa,
+                            const T* lora_b, T* dgate, T* dup, int64_t ld_out, int64_t rows, int64_t F,
+                            int64_t R, float scale, cudaStream_t stream) {
+  return launch<T, true>(dh, dh2, gate, up, ld, xa, lora_b, dgate, dup, ld_out, rows, F, R, scale, stream);
 }
 
 #define SUROGATE_SWIGLU_LORA_INSTANTIATE(T)                                                        \
-  template cudaError_t swiglu_lora_fwd<T>(const T*, const T*, const T*, T*, int64_t, int64_t,     \
-                                          int64_t, float, cudaStream_t);                          \
-  template cudaError_t swiglu_lora_bwd<T>(const T*, const T*, const T*, const T*, const T*, T*,   \
-                                          int64_t, int64_t, int64_t, float, cudaStream_t);
+  template cudaError_t swiglu_lora_fwd<T>(const T*, const T*, int64_t, const T*, const T*, T*,     \
+                                          int64_t, int64_t, int64_t, float, cudaStream_t);         \
+  template cudaError_t swiglu_lora_bwd<T>(const T*, const T*, const T*, const T*, int64_t, const T*, \
+                                          const T*, T*, T*, int64_t, int64_t, int64_t, int64_t,    \
+                                          float, cudaStream_t);
 SUROGATE_SWIGLU_LORA_INSTANTIATE(float)
 SUROGATE_SWIGLU_LORA_INSTANTIATE(__nv_bfloat16)
 SUROGATE_SWIGLU_LORA_INSTANTIATE(__half)

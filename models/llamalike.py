@@ -45,14 +45,14 @@ Dtype = Any
 # sum, which it otherwise fuses with the LoRA adds, the remat's silu(g)*u and both gradients.
 # swiglu_lora takes the frozen GEMM output and the LoRA factors instead and forms the LoRA
 # products in-kernel (0.6B: 311.4 vs 312.6 ms with full recompute, 295.5 vs 295.7 without), so
-# under LoRA on gate_proj + up_proj (no recipe, gate/up kernels <= FUSED_LORA_MAX_BYTES) it is the
+# under LoRA on gate_proj + up_proj (no recipe) it is the
 # default; full fine-tuning keeps SwiGLU on XLA's fusion ("swiglu" opts in the plain kernel).
 # `DecoderConfig.kernels` overrides.
-# swiglu_lora needs gate and up as one GEMM output, so the MLP concatenates the two frozen kernels
-# each step (as XLA's dot merger does for small dots). At Qwen3-8B (2 x 100 MB) that copy made the
-# step 2.4% slower than XLA's two separate GEMMs (1705 vs 1666 ms); at 0.6B (2 x 6 MB) the op wins.
-# Above this size the MLP keeps XLA's fusion until the kernel takes gate and up as two operands.
-FUSED_LORA_MAX_BYTES = 16 << 20
+# swiglu_lora takes gate and up as one GEMM output (the two frozen kernels concatenated each step,
+# as XLA's dot merger does for small dots) or as two. At Qwen3-8B (2 x 100 MB) the concatenation
+# made the step 2.4% slower than XLA's two GEMMs (1705 vs 1666 ms), so above this size the MLP
+# runs two GEMMs and hands the op both outputs.
+PACK_GATE_UP_MAX_BYTES = 16 << 20
 MODEL_KERNELS = ("rope", "rms_norm", "add_rms_norm", "swiglu", "swiglu_lora")
 DEFAULT_KERNELS: tuple[str, ...] = ("rope", "rms_norm", "add_rms_norm", "swiglu_lora")
 
@@ -361,12 +361,10 @@ class MLP(nn.Module):
     cfg: DecoderConfig
 
     def _fused_lora(self) -> bool:
-        """swiglu_lora applies: its kernel is on, LoRA (without a recipe) covers gate and up, and
-        the two frozen kernels are small enough to concatenate per step (FUSED_LORA_MAX_BYTES)."""
+        """swiglu_lora applies: its kernel is on and LoRA (without a recipe) covers gate and up."""
         cfg = self.cfg
-        nbytes = 2 * cfg.hidden_size * cfg.intermediate_size * jnp.dtype(cfg.dtype).itemsize
         return ("swiglu_lora" in cfg.kernels and cfg.recipe is None and cfg.lora is not None
-                and {"gate_proj", "up_proj"} <= set(cfg.lora.targets) and nbytes <= FUSED_LORA_MAX_BYTES)
+                and {"gate_proj", "up_proj"} <= set(cfg.lora.targets))
 
     @nn.compact
     def __call__(self, x_BTD, layer=None):
@@ -375,12 +373,16 @@ class MLP(nn.Module):
         gate_proj = Linear((F,), ("embed", "mlp"), cfg, name="gate_proj")
         up_proj = Linear((F,), ("embed", "mlp"), cfg, name="up_proj")
         if self._fused_lora():
-            # One GEMM for both frozen projections; the LoRA products are formed in the kernel.
+            # The frozen GEMM(s) here; the LoRA products are formed in the kernel.
             wg, xa_g, bg = gate_proj(x_BTD, layer, lora_parts=True)
             wu, xa_u, bu = up_proj(x_BTD, layer, lora_parts=True)
-            gate_up = x_BTD.astype(cfg.dtype) @ jnp.concatenate([wg, wu], axis=-1)
+            x = x_BTD.astype(cfg.dtype)
+            if 2 * wg.size * wg.dtype.itemsize <= PACK_GATE_UP_MAX_BYTES:
+                base = x @ jnp.concatenate([wg, wu], axis=-1)  # one GEMM, [B, T, 2F]
+            else:
+                base = (x @ wg, x @ wu)
             split = "down_proj" in cfg.lora.targets  # h feeds the down GEMM and its LoRA
-            h = swiglu_lora(gate_up, jnp.concatenate([xa_g, xa_u], axis=-1), jnp.stack([bg, bu]),
+            h = swiglu_lora(base, jnp.concatenate([xa_g, xa_u], axis=-1), jnp.stack([bg, bu]),
                             cfg.lora.scale, impl=cfg.impl("swiglu_lora"), split_output=split)
             if split:
                 h, h_lora = h

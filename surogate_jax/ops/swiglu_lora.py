@@ -1,8 +1,9 @@
 """SwiGLU whose gate and up carry LoRA updates computed inside the kernel.
 
 Shapes and dtypes:
-  swiglu_lora(gate_up [..., 2F], xa [..., 2R], lora_b [2, R, F], scale) -> h [..., F]
-    gate_up = x @ [W_gate | W_up]      the frozen projections as one GEMM output
+  swiglu_lora(gate_up, xa [..., 2R], lora_b [2, R, F], scale) -> h [..., F]
+    gate_up = x @ [W_gate | W_up]  [..., 2F]   the frozen projections as one GEMM output, or
+              (x @ W_gate, x @ W_up)           as two [..., F] outputs (no concatenated weight)
     xa      = [x @ A_gate | x @ A_up]   the LoRA down-projections (after any LoRA dropout)
     lora_b  = stack(B_gate, B_up)
     gate = base_g + ((xa_g @ B_gate) * scale).astype(dtype)    (up likewise)
@@ -13,14 +14,16 @@ Why: that is what the models' MLP computes under LoRA (`Linear` + `swiglu`). Han
 kernel, XLA must write gate and up (and their gradients' sum) to memory first, which made the
 Qwen3-0.6B LoRA step 3% slower than XLA's own fusion (RESULTS.md, thirteenth session). Here the
 rank-R products are formed in the kernel, so the [..., F] LoRA outputs are never materialized.
+The two-operand form exists because one GEMM output needs the two frozen kernels concatenated
+every step, which at Qwen3-8B cost more than the op saves (models/llamalike.py).
 
-Backward: the kernel gives dgate_up [..., 2F] (= dgate | dup, from the recomputed gate and up);
-the LoRA gradients are small GEMMs left to XLA:
-  d_xa = dgate_up @ blockdiag(B_gate, B_up)^T * scale,  d_lora_b[i] = (xa_i * scale)^T @ dgate_up_i
+Backward: the kernel gives the base's gradient in the base's form (dgate_up [..., 2F], or dgate
+and dup) from the recomputed gate and up; the LoRA gradients are small GEMMs left to XLA:
+  d_xa_i = dgate_i @ B_i^T * scale,  d_lora_b[i] = (xa_i * scale)^T @ dgate_i   (i: gate, up)
 
 Implementations: `swiglu_lora_ref` (pure jnp, the model's unfused formula), the FFI kernels
-`surogate_swiglu_lora_fwd/bwd` (kernels/swiglu_lora.cu via ffi/swiglu_lora.cc), and the public
-`swiglu_lora`, a `jax.custom_vjp` choosing one (ops/_loader.py; SUROGATE_JAX_OPS=ref:swiglu_lora).
+`surogate_swiglu_lora[_sep]_fwd/bwd` (kernels/swiglu_lora.cu via ffi/swiglu_lora.cc), and the
+public `swiglu_lora`, a `jax.custom_vjp` choosing one (ops/_loader.py; SUROGATE_JAX_OPS=ref:swiglu_lora).
 h is tagged `checkpoint_name(h, "swiglu")` like `swiglu`'s.
 """
 
@@ -41,108 +44,129 @@ OP = "swiglu_lora"
 FWD_TARGET = "surogate_swiglu_lora_fwd"
 BWD_TARGET = "surogate_swiglu_lora_bwd"
 BWD_SPLIT_TARGET = "surogate_swiglu_lora_bwd_split"
+SEP_FWD_TARGET = "surogate_swiglu_lora_sep_fwd"
+SEP_BWD_TARGET = "surogate_swiglu_lora_sep_bwd"
+SEP_BWD_SPLIT_TARGET = "surogate_swiglu_lora_sep_bwd_split"
+
+# Inside this module the base is always a tuple: (gate_up,) packed or (gate, up) separate.
 
 
-def _gate_and_up(gate_up, xa, lora_b, scale):
+def _halves(base):
+    """(gate, up) views of the base, without LoRA."""
+    if len(base) == 2:
+        return base
+    F = base[0].shape[-1] // 2
+    return base[0][..., :F], base[0][..., F:]
+
+
+def _gate_and_up(base, xa, lora_b, scale):
     """gate, up with their LoRA updates, rounded like the model's Linear."""
-    F, R = gate_up.shape[-1] // 2, lora_b.shape[1]
-    dtype = gate_up.dtype
+    R = lora_b.shape[1]
+    dtype = base[0].dtype
 
-    def one(base, x, b):
-        return base + (jnp.dot(x, b) * scale).astype(dtype)
+    def one(b, x, w):
+        return b + (jnp.dot(x, w) * scale).astype(dtype)
 
-    return (one(gate_up[..., :F], xa[..., :R], lora_b[0]), one(gate_up[..., F:], xa[..., R:], lora_b[1]))
-
-
-def swiglu_lora_ref(gate_up: jax.Array, xa: jax.Array, lora_b: jax.Array, scale: float) -> jax.Array:
-    """Reference: the model's unfused Linear + LoRA adds, then `swiglu_ref`."""
-    return swiglu_ref(*_gate_and_up(gate_up, xa, lora_b, scale))
+    g, u = _halves(base)
+    return one(g, xa[..., :R], lora_b[0]), one(u, xa[..., R:], lora_b[1])
 
 
-# --- the kernel passes (fwd: h; bwd: dgate_up), reference and FFI forms ---
+def swiglu_lora_ref(gate_up, xa: jax.Array, lora_b: jax.Array, scale: float) -> jax.Array:
+    """Reference: the model's unfused Linear + LoRA adds, then `swiglu_ref` (gate_up: one array
+    [..., 2F] or a (gate, up) pair)."""
+    base = tuple(gate_up) if isinstance(gate_up, (tuple, list)) else (gate_up,)
+    return swiglu_ref(*_gate_and_up(base, xa, lora_b, scale))
 
 
-def _fwd_ref(gate_up, xa, lora_b, scale):
-    return swiglu_lora_ref(gate_up, xa, lora_b, scale)
+# --- the kernel passes, reference and FFI forms: (dhs, base, xa, lora_b) -> tuple of outputs.
+# dhs: () forward, (dh,) backward, (dh, dh2) split backward. Backward outputs follow the base:
+# (dgate_up,) or (dgate, dup).
 
 
-def _bwd_ref(dh, gate_up, xa, lora_b, scale):
-    gate, up = _gate_and_up(gate_up, xa, lora_b, scale)
-    g, u, d = (a.astype(jnp.float32) for a in (gate, up, dh))
+def _pass_ref(dhs, base, xa, lora_b, *, scale):
+    gate, up = _gate_and_up(base, xa, lora_b, scale)
+    dtype = base[0].dtype
+    if not dhs:
+        return (swiglu_ref(gate, up),)
+    d = dhs[0].astype(jnp.float32)
+    if len(dhs) == 2:  # h used twice (split_output): the sum rounded like autodiff's add
+        d = (d + dhs[1].astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+    g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
     s = jax.nn.sigmoid(g)
-    dgate = d * u * s * (1.0 + g * (1.0 - s))
-    dup = d * g * s
-    return jnp.concatenate([dgate, dup], axis=-1).astype(gate_up.dtype)
+    dgate = (d * u * s * (1.0 + g * (1.0 - s))).astype(dtype)
+    dup = (d * g * s).astype(dtype)
+    return (dgate, dup) if len(base) == 2 else (jnp.concatenate([dgate, dup], axis=-1),)
 
 
-def _bwd_split_ref(dh, dh2, gate_up, xa, lora_b, scale):
-    """h used twice (split_output): its two gradients summed and rounded like autodiff's add."""
-    d = (dh.astype(jnp.float32) + dh2.astype(jnp.float32)).astype(gate_up.dtype)
-    return _bwd_ref(d, gate_up, xa, lora_b, scale)
+_TARGETS = {(0, 1): FWD_TARGET, (1, 1): BWD_TARGET, (2, 1): BWD_SPLIT_TARGET,
+            (0, 2): SEP_FWD_TARGET, (1, 2): SEP_BWD_TARGET, (2, 2): SEP_BWD_SPLIT_TARGET}
 
 
 # lora_b has no row axis, so vmap cannot broadcast it with the rows: a batched call runs one
 # kernel per batch element ("sequential"); the models never vmap this op.
-def _fwd_ffi(gate_up, xa, lora_b, scale):
-    shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-    call = jax.ffi.ffi_call(FWD_TARGET, jax.ShapeDtypeStruct(shape, gate_up.dtype), vmap_method="sequential")
-    return call(gate_up, xa, lora_b, scale=np.float32(scale))
+def _pass_ffi(dhs, base, xa, lora_b, *, scale):
+    dtype = base[0].dtype
+    g, _ = _halves(base)  # shapes only
+    if dhs:
+        outs = tuple(jax.ShapeDtypeStruct(b.shape, dtype) for b in base)
+    else:
+        outs = (jax.ShapeDtypeStruct(g.shape, dtype),)
+    call = jax.ffi.ffi_call(_TARGETS[len(dhs), len(base)], outs, vmap_method="sequential")
+    return tuple(call(*(d.astype(dtype) for d in dhs), *base, xa, lora_b, scale=np.float32(scale)))
 
 
-def _bwd_ffi(dh, gate_up, xa, lora_b, scale):
-    call = jax.ffi.ffi_call(BWD_TARGET, jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),
-                            vmap_method="sequential")
-    return call(dh.astype(gate_up.dtype), gate_up, xa, lora_b, scale=np.float32(scale))
+def _run(impl, phase, scale, dhs, base, xa, lora_b):
+    """One pass per data shard: every operand but lora_b is split along its rows."""
+    ffi, ref = (functools.partial(f, scale=scale) for f in (_pass_ffi, _pass_ref))  # static
+    nd, nb = len(dhs), len(base)
+    args = (*dhs, *base, xa, lora_b)
+    fn = ref if any(a.size == 0 for a in args) else pick(impl, ffi, ref, OP, phase)
+    n_out = nb if dhs else 1
 
+    def call(*a):
+        return tuple(fn(a[:nd], a[nd:nd + nb], a[-2], a[-1]))
 
-def _bwd_split_ffi(dh, dh2, gate_up, xa, lora_b, scale):
-    call = jax.ffi.ffi_call(BWD_SPLIT_TARGET, jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),
-                            vmap_method="sequential")
-    return call(dh.astype(gate_up.dtype), dh2.astype(gate_up.dtype), gate_up, xa, lora_b, scale=np.float32(scale))
-
-
-def _run(impl, ffi, ref, phase, scale, *args):
-    """One pass per data shard: every operand but lora_b (the last) is split along its rows."""
-    ffi, ref = (functools.partial(f, scale=scale) for f in (ffi, ref))  # static, not an operand
-    if any(a.size == 0 for a in args):
-        return ref(*args)
-    fn = pick(impl, ffi, ref, OP, phase)
     split = all(a.ndim >= 2 for a in args[:-1])
     batched = (split,) * (len(args) - 1) + (False,)
-    (out,) = on_shards(lambda *a: (fn(*a),), *args, batched=batched, out_batched=(split,))
-    return out
+    return on_shards(call, *args, batched=batched, out_batched=(split,) * n_out)
+
+
+def _factor_grads(dbase, xa, lora_b, scale):
+    """The LoRA factors' gradients as GEMMs over the whole base gradient (no slice or scaled
+    copy of it: in the train step those cost a [rows, 4F] pass per layer); the scale goes on the
+    small operands. Packed, the two halves' products come from block matrices (half the FLOPs
+    are zeros, ~1 GFLOP at Qwen3-0.6B, nothing next to the pass it avoids)."""
+    R, F = lora_b.shape[1], lora_b.shape[2]
+    dtype = dbase[0].dtype
+    bs = (lora_b * scale).astype(dtype)                                  # [2, R, F]
+    xs = (xa * scale).astype(dtype).reshape(-1, 2 * R)
+    if len(dbase) == 2:
+        dg, du = dbase
+        d_xa = jnp.concatenate([jnp.dot(dg, bs[0].T), jnp.dot(du, bs[1].T)], axis=-1)
+        d_b = jnp.stack([jnp.dot(xs[:, :R].T, dg.reshape(-1, F)), jnp.dot(xs[:, R:].T, du.reshape(-1, F))])
+    else:
+        (dgu,) = dbase
+        zero = jnp.zeros((F, R), dtype)
+        mt = jnp.block([[bs[0].T, zero], [zero, bs[1].T]])               # [2F, 2R]
+        d_xa = jnp.dot(dgu, mt)                                          # [..., 2R]
+        full = jnp.dot(xs.T, dgu.reshape(-1, 2 * F))                     # [2R, 2F]
+        d_b = jnp.stack([full[:R, :F], full[R:, F:]])
+    return dbase, d_xa.astype(xa.dtype), d_b.astype(lora_b.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _swiglu_lora(gate_up, xa, lora_b, scale, impl):
-    return _run(impl, _fwd_ffi, _fwd_ref, "fwd", scale, gate_up, xa, lora_b)
+def _swiglu_lora(base, xa, lora_b, scale, impl):
+    (h,) = _run(impl, "fwd", scale, (), base, xa, lora_b)
+    return h
 
 
-def _vjp_fwd(gate_up, xa, lora_b, scale, impl):
-    return _swiglu_lora(gate_up, xa, lora_b, scale, impl), (gate_up, xa, lora_b)
-
-
-def _factor_grads(dgu, xa, lora_b, scale):
-    """The LoRA factors' gradients as two GEMMs over the whole dgate_up (no slice or scaled copy
-    of it: in the train step those cost a [rows, 4F] pass per layer): the scale goes on the small
-    operands, and the two halves' products come from block matrices (half the FLOPs are zeros,
-    ~1 GFLOP at Qwen3-0.6B, nothing next to the pass it avoids)."""
-    R, F = lora_b.shape[1], lora_b.shape[2]
-    dtype = dgu.dtype
-    bs = (lora_b * scale).astype(dtype)                                  # [2, R, F]
-    zero = jnp.zeros((F, R), dtype)
-    mt = jnp.block([[bs[0].T, zero], [zero, bs[1].T]])                   # [2F, 2R]
-    d_xa = jnp.dot(dgu, mt)                                              # [..., 2R]
-    xs = (xa * scale).astype(dtype).reshape(-1, 2 * R)
-    full = jnp.dot(xs.T, dgu.reshape(-1, 2 * F))                         # [2R, 2F]
-    d_b = jnp.stack([full[:R, :F], full[R:, F:]])
-    return dgu, d_xa.astype(xa.dtype), d_b.astype(lora_b.dtype)
+def _vjp_fwd(base, xa, lora_b, scale, impl):
+    return _swiglu_lora(base, xa, lora_b, scale, impl), (base, xa, lora_b)
 
 
 def _vjp_bwd(scale, impl, res, dh):
-    gate_up, xa, lora_b = res
-    dgu = _run(impl, _bwd_ffi, _bwd_ref, "bwd", scale, dh, gate_up, xa, lora_b)
-    return _factor_grads(dgu, xa, lora_b, scale)
+    base, xa, lora_b = res
+    return _factor_grads(_run(impl, "bwd", scale, (dh,), base, xa, lora_b), xa, lora_b, scale)
 
 
 _swiglu_lora.defvjp(_vjp_fwd, _vjp_bwd)
@@ -151,54 +175,65 @@ _swiglu_lora.defvjp(_vjp_fwd, _vjp_bwd)
 # split_output: h returned twice, for two consumers (the down projection's frozen GEMM and its
 # LoRA), so their gradients reach the kernel as two operands instead of a materialized sum.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _swiglu_lora_split(gate_up, xa, lora_b, scale, impl):
-    h = _swiglu_lora(gate_up, xa, lora_b, scale, impl)
+def _swiglu_lora_split(base, xa, lora_b, scale, impl):
+    h = _swiglu_lora(base, xa, lora_b, scale, impl)
     return h, h
 
 
-def _split_vjp_fwd(gate_up, xa, lora_b, scale, impl):
-    return _swiglu_lora_split(gate_up, xa, lora_b, scale, impl), (gate_up, xa, lora_b)
+def _split_vjp_fwd(base, xa, lora_b, scale, impl):
+    return _swiglu_lora_split(base, xa, lora_b, scale, impl), (base, xa, lora_b)
 
 
 def _split_vjp_bwd(scale, impl, res, cts):
-    gate_up, xa, lora_b = res
-    dh, dh2 = cts
-    dgu = _run(impl, _bwd_split_ffi, _bwd_split_ref, "bwd", scale, dh, dh2, gate_up, xa, lora_b)
-    return _factor_grads(dgu, xa, lora_b, scale)
+    base, xa, lora_b = res
+    return _factor_grads(_run(impl, "bwd", scale, tuple(cts), base, xa, lora_b), xa, lora_b, scale)
 
 
 _swiglu_lora_split.defvjp(_split_vjp_fwd, _split_vjp_bwd)
 
 
-def swiglu_lora(gate_up: jax.Array, xa: jax.Array, lora_b: jax.Array, scale: float, *,
+def swiglu_lora(gate_up, xa: jax.Array, lora_b: jax.Array, scale: float, *,
                 impl: str | None = None, split_output: bool = False):
-    """silu(gate) * up with gate, up = gate_up's halves plus their LoRA updates (module docstring).
+    """silu(gate) * up with gate, up = the base GEMM output(s) plus their LoRA updates (module docstring).
 
-    gate_up [..., 2F], xa [..., 2R], lora_b [2, R, F], one float dtype; scale: LoRA alpha / r.
-    impl: None/"auto" (CUDA kernel on GPU, reference elsewhere), "ffi" or "ref"; the environment
-    variable SUROGATE_JAX_OPS=ref forces the reference. Tagged `checkpoint_name(h, "swiglu")`.
+    gate_up: one array [..., 2F] (gate | up) or a (gate, up) pair of [..., F] arrays; xa [..., 2R];
+    lora_b [2, R, F]; one float dtype; scale: LoRA alpha / r. The gradient of gate_up comes in
+    the same form. impl: None/"auto" (CUDA kernel on GPU, reference elsewhere), "ffi" or "ref";
+    the environment variable SUROGATE_JAX_OPS=ref forces the reference. Tagged
+    `checkpoint_name(h, "swiglu")`.
     split_output: return (h, h), the same values for two consumers; their gradients then enter
     the backward kernel separately (no [..., F] add pass for autodiff's sum of them).
     """
-    if gate_up.ndim < 1 or gate_up.shape[-1] % 2:
-        raise ValueError(f"swiglu_lora: gate_up's last dimension must be even (2F), got {gate_up.shape}")
-    F = gate_up.shape[-1] // 2
+    pair = isinstance(gate_up, (tuple, list))
+    if pair:
+        if len(gate_up) != 2 or gate_up[0].shape != gate_up[1].shape or gate_up[0].ndim < 1:
+            raise ValueError(f"swiglu_lora: (gate, up) must be two arrays of one shape [..., F], got "
+                             f"{[getattr(a, 'shape', a) for a in gate_up]}")
+        base = tuple(gate_up)
+        F = base[0].shape[-1]
+    else:
+        if gate_up.ndim < 1 or gate_up.shape[-1] % 2:
+            raise ValueError(f"swiglu_lora: gate_up's last dimension must be even (2F), got {gate_up.shape}")
+        base = (gate_up,)
+        F = gate_up.shape[-1] // 2
+    lead = base[0].shape[:-1]
     if lora_b.ndim != 3 or lora_b.shape[0] != 2 or lora_b.shape[2] != F or lora_b.shape[1] < 1:
         raise ValueError(f"swiglu_lora: lora_b must be [2, R, {F}] (B_gate, B_up), got {lora_b.shape}")
     R = lora_b.shape[1]
-    if xa.shape != (*gate_up.shape[:-1], 2 * R):
-        raise ValueError(f"swiglu_lora: xa must be {(*gate_up.shape[:-1], 2 * R)} (gate_up's rows, 2R), got {xa.shape}")
-    dtype = gate_up.dtype
-    if not jnp.issubdtype(dtype, jnp.floating) or xa.dtype != dtype or lora_b.dtype != dtype:
-        raise TypeError(f"swiglu_lora: gate_up, xa, lora_b must share one float dtype, got "
-                        f"{gate_up.dtype}, {xa.dtype}, {lora_b.dtype}")
+    if xa.shape != (*lead, 2 * R):
+        raise ValueError(f"swiglu_lora: xa must be {(*lead, 2 * R)} (the base's rows, 2R), got {xa.shape}")
+    dtype = base[0].dtype
+    if (not jnp.issubdtype(dtype, jnp.floating) or any(b.dtype != dtype for b in base)
+            or xa.dtype != dtype or lora_b.dtype != dtype):
+        raise TypeError(f"swiglu_lora: {'gate, up' if pair else 'gate_up'}, xa, lora_b must share one float "
+                        f"dtype, got {', '.join(str(a.dtype) for a in (*base, xa, lora_b))}")
     impl = resolve_impl(impl, OP)
     if impl != "ref" and dtype not in KERNEL_DTYPES:
         if impl == "ffi":
             raise TypeError(f"swiglu_lora: impl='ffi' supports float32/bfloat16/float16, got {dtype}")
         impl = "ref"
     if split_output:
-        h, h2 = _swiglu_lora_split(gate_up, xa, lora_b, float(scale), impl)
+        h, h2 = _swiglu_lora_split(base, xa, lora_b, float(scale), impl)
         return checkpoint_name(h, "swiglu"), checkpoint_name(h2, "swiglu")
-    h = _swiglu_lora(gate_up, xa, lora_b, float(scale), impl)
+    h = _swiglu_lora(base, xa, lora_b, float(scale), impl)
     return checkpoint_name(h, "swiglu")

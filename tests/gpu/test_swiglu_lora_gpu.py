@@ -1,5 +1,5 @@
 """GPU tests of the SwiGLU+LoRA kernels (impl="ffi") against the reference passes: forward h and
-backward dgate_up, f32/bf16/f16, odd rows / widths / ranks (vector and scalar paths, rank chunks of
+backward dgate_up (packed) or dgate, dup (separate gate/up operands), f32/bf16/f16, odd rows / widths / ranks (vector and scalar paths, rank chunks of
 16 with a remainder), fresh inputs, outputs poisoned so unwritten elements show; the whole op's
 gradients under jit; the model's MLP on the kernel vs SUROGATE_JAX_OPS=ref."""
 
@@ -54,34 +54,51 @@ def _check(name, got, want, dtype, assert_close):
     assert_close(got, want, dtype, name)
 
 
+def _passes(fn, dhs_list, base, xa, b, scale, poison):
+    """fn's forward and backward passes (one dh, then two) on one base form."""
+    outs = []
+    for dhs in dhs_list:
+        if poison:
+            _poison_allocator()
+        nd = len(dhs)
+        f = jax.jit(lambda *a, nd=nd: fn(a[:nd], a[nd:-2], a[-2], a[-1], scale=scale))
+        outs.append(f(*dhs, *base, xa, b))
+    return outs
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_kernel_passes_match_reference(shape, dtype, assert_close):
+    """Both base forms: gate_up packed [.., 2F], and gate, up as two arrays (whose kernel outputs
+    must be the packed kernel's halves, bit for bit: same code, other strides)."""
     lead, F, R = shape
     gu, xa, b, dh, _ = _inputs(lead, F, R, dtype)
-    scale = 0.75
-    with jax.default_matmul_precision("highest"):  # fp32: no TF32 in the reference's rank product
-        h_ref = jax.jit(lambda *a: sl._fwd_ref(*a, scale))(gu, xa, b)
-        d_ref = jax.jit(lambda *a: sl._bwd_ref(*a, scale))(dh, gu, xa, b)
-    _poison_allocator()
-    h = jax.jit(lambda *a: sl._fwd_ffi(*a, scale))(gu, xa, b)
-    _poison_allocator()
-    d = jax.jit(lambda *a: sl._bwd_ffi(*a, scale))(dh, gu, xa, b)
-    _check("h", h, h_ref, dtype, assert_close)
-    _check("dgate_up", d, d_ref, dtype, assert_close)
     dh2 = jax.random.normal(jax.random.key(next(_seed)), dh.shape).astype(dtype)  # split_output's backward
-    with jax.default_matmul_precision("highest"):
-        d2_ref = jax.jit(lambda *a: sl._bwd_split_ref(*a, scale))(dh, dh2, gu, xa, b)
-    _poison_allocator()
-    d2 = jax.jit(lambda *a: sl._bwd_split_ffi(*a, scale))(dh, dh2, gu, xa, b)
-    _check("dgate_up (split)", d2, d2_ref, dtype, assert_close)
+    dhs_list = [(), (dh,), (dh, dh2)]
+    scale = 0.75
+    sep = (gu[..., :F], gu[..., F:])
+    with jax.default_matmul_precision("highest"):  # fp32: no TF32 in the reference's rank product
+        want = _passes(sl._pass_ref, dhs_list, (gu,), xa, b, scale, False)
+    got = _passes(sl._pass_ffi, dhs_list, (gu,), xa, b, scale, True)
+    got_sep = _passes(sl._pass_ffi, dhs_list, sep, xa, b, scale, True)
+    for name, g, gs, w in zip(("h", "dgate_up", "dgate_up (split)"), got, got_sep, want, strict=True):
+        assert len(g) == 1 and len(gs) == (1 if name == "h" else 2), name
+        _check(name, g[0], w[0], dtype, assert_close)
+        if name != "h":
+            for half, o in zip(("dgate", "dup"), gs, strict=True):
+                assert o.shape == (*lead, F) and bool(jnp.all(jnp.isfinite(o))), f"{name} sep {half}"
+        np.testing.assert_array_equal(np.asarray(jnp.concatenate(gs, -1) if len(gs) == 2 else gs[0], np.float32),
+                                      np.asarray(g[0], np.float32), err_msg=f"{name}: sep vs packed")
 
 
+@pytest.mark.parametrize("form", ["packed", "sep"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", [((3, 5), 1000, 20), ((2, 2048), 3072, 16)], ids=str)
-def test_op_gradients_match_reference(shape, dtype, assert_close):
+def test_op_gradients_match_reference(shape, dtype, form, assert_close):
     lead, F, R = shape
     gu, xa, b, _, kp = _inputs(lead, F, R, dtype)
+    if form == "sep":
+        gu = (gu[..., :F], gu[..., F:])
     proj = jax.random.normal(kp, (*lead, F), jnp.float32)
 
     def run(impl):
@@ -95,22 +112,28 @@ def test_op_gradients_match_reference(shape, dtype, assert_close):
         (h_ref, g_ref), (h, g) = run("ref"), run("ffi")
     _check("h", h, h_ref, dtype, assert_close)  # (a summed loss cancels: its bf16 error is not relative)
     for name, a, r in zip(("dgate_up", "dxa", "dlora_b"), g, g_ref, strict=True):
-        _check(name, a, r, dtype, assert_close)
+        for i, (x, y) in enumerate(zip(jax.tree.leaves(a), jax.tree.leaves(r), strict=True)):
+            _check(f"{name}[{i}]", x, y, dtype, assert_close)
 
 
 def test_deterministic():
     gu, xa, b, dh, _ = _inputs((4096,), 3072, 16, jnp.bfloat16)
-    f = jax.jit(lambda *a: sl._bwd_ffi(*a, 2.0))
-    np.testing.assert_array_equal(np.asarray(f(dh, gu, xa, b)), np.asarray(f(dh, gu, xa, b)))
+    f = jax.jit(lambda *a: sl._pass_ffi(a[:1], a[1:2], a[2], a[3], scale=2.0))
+    np.testing.assert_array_equal(np.asarray(f(dh, gu, xa, b)[0]), np.asarray(f(dh, gu, xa, b)[0]))
 
 
-def test_model_uses_kernel_and_matches_reference(monkeypatch):
+@pytest.mark.parametrize("form", ["packed", "sep"])
+def test_model_uses_kernel_and_matches_reference(form, monkeypatch):
     lora = LoraSpec(rank=8, alpha=16.0, targets=("q_proj", "gate_proj", "up_proj", "down_proj"))
     cfg = DecoderConfig(model_type="qwen3", vocab_size=1001, hidden_size=256, intermediate_size=704,
                         num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64, qk_norm=True,
                         initializer_range=0.05, dtype=jnp.float32, attention_impl="xla", lora=lora,
                         kernels=("swiglu_lora",))
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 1001, (2, 130)), jnp.int32)
+    if form == "sep":  # the 2 x 256 x 704 fp32 gate/up kernels above the packing limit
+        from surogate_jax.models import llamalike
+
+        monkeypatch.setattr(llamalike, "PACK_GATE_UP_MAX_BYTES", 1 << 20)
     model = Decoder(cfg)
     v = model.init({"params": jax.random.key(0), "lora": jax.random.key(1)}, ids[:, :4])
     params = nn.meta.unbox(v["params"])
@@ -122,7 +145,8 @@ def test_model_uses_kernel_and_matches_reference(monkeypatch):
 
     grad = jax.jit(jax.value_and_grad(loss))
     text = grad.lower(lo).as_text()
-    assert "surogate_swiglu_lora_fwd" in text and "surogate_swiglu_lora_bwd_split" in text  # down_proj has LoRA
+    pre = "surogate_swiglu_lora_" + ("sep_" if form == "sep" else "")
+    assert f"{pre}fwd" in text and f"{pre}bwd_split" in text  # down_proj has LoRA
     with jax.default_matmul_precision("highest"):
         l_ffi, g_ffi = grad(lo)
         monkeypatch.setenv("SUROGATE_JAX_OPS", "ref")

@@ -51,20 +51,33 @@ def _value_and_grads(fn, gu, xa, b, proj):
     return fn(gu, xa, b), jax.grad(loss, argnums=(0, 1, 2))(gu, xa, b)
 
 
+def _as(form, gu):
+    """The op's base argument: one [..., 2F] array (packed) or the (gate, up) pair (sep)."""
+    F = gu.shape[-1] // 2
+    return gu if form == "packed" else (gu[..., :F], gu[..., F:])
+
+
+def _to_packed(dbase):
+    return jnp.concatenate(dbase, axis=-1) if isinstance(dbase, tuple) else dbase
+
+
+@pytest.mark.parametrize("form", ["packed", "sep"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_public_op_matches_autodiff_of_reference(shape, dtype, assert_close):
+def test_public_op_matches_autodiff_of_reference(shape, dtype, form, assert_close):
     """Against fp32 autodiff that rounds only where the op specifies (gate and up in the dtype):
     autodiff of the bf16 reference rounds every step of silu's derivative, which sums over rows
-    amplify past bf16 tolerance."""
+    amplify past bf16 tolerance. The (gate, up) form's gradient comes back as a pair."""
     lead, F, R = shape
     gu, xa, b, proj = _inputs(F + R, lead, F, R, dtype)
     scale = 1.5
-    h, grads = _value_and_grads(lambda g, x, bb: swiglu_lora(g, x, bb, scale, impl="ref"), gu, xa, b, proj)
+    base = _as(form, gu)
+    h, grads = _value_and_grads(lambda g, x, bb: swiglu_lora(g, x, bb, scale, impl="ref"), base, xa, b, proj)
     h_ref, grads_ref = _value_and_grads(lambda g, x, bb: _truth(g, x, bb, scale), gu, xa, b, proj)
     assert h.shape == (*lead, F) and h.dtype == dtype
+    assert isinstance(grads[0], tuple) == (form == "sep")
     assert_close(h, h_ref, dtype, "h")
-    for name, a, r in zip(("dgate_up", "dxa", "dlora_b"), grads, grads_ref, strict=True):
+    for name, a, r in zip(("dgate_up", "dxa", "dlora_b"), (_to_packed(grads[0]), *grads[1:]), grads_ref, strict=True):
         assert a.dtype == dtype, name
         assert_close(a, r, dtype, name)
 
@@ -89,19 +102,30 @@ def test_argument_errors():
         swiglu_lora(gu, xa[..., :-1], b, 1.0)
     with pytest.raises(TypeError, match="dtype"):
         swiglu_lora(gu, xa.astype(jnp.bfloat16), b, 1.0)
+    with pytest.raises(ValueError, match="gate, up"):
+        swiglu_lora((gu[..., :8], gu[..., 8:15]), xa, b, 1.0)
+    with pytest.raises(ValueError, match="lora_b"):
+        swiglu_lora(_as("sep", gu), xa, b[:, :, :4], 1.0)
+    with pytest.raises(TypeError, match="gate, up"):
+        swiglu_lora((gu[..., :8], gu[..., 8:].astype(jnp.bfloat16)), xa, b, 1.0)
 
 
-def test_checkpoint_name_and_lowered_ffi_call():
+def test_checkpoint_name_and_lowered_ffi_calls():
     gu, xa, b, _ = _inputs(1, (4, 6), 16, 4, jnp.bfloat16)
     jaxpr = jax.make_jaxpr(lambda *a: swiglu_lora(*a, 2.0, impl="ref"))(gu, xa, b)
     assert "name=swiglu" in str(jaxpr)
     mod = importlib.import_module("surogate_jax.ops.swiglu_lora")  # the package attribute is the function
-
-    lowered = jax.jit(lambda *a: mod._fwd_ffi(*a, 2.0)).lower(gu, xa, b).as_text()
-    assert "surogate_swiglu_lora_fwd" in lowered and "scale = 2.0" in lowered
     dh = jnp.zeros((4, 6, 16), jnp.bfloat16)
-    lowered = jax.jit(lambda *a: mod._bwd_ffi(*a, 2.0)).lower(dh, gu, xa, b).as_text()
-    assert "surogate_swiglu_lora_bwd" in lowered
+    for form in ("packed", "sep"):
+        base = (gu,) if form == "packed" else _as("sep", gu)
+        for dhs, target, n_out in [((), "fwd", 1), ((dh,), "bwd", len(base)), ((dh, dh), "bwd_split", len(base))]:
+            name = f"surogate_swiglu_lora_{'sep_' if form == 'sep' else ''}{target}"
+            fn = jax.jit(lambda *a, nd=len(dhs): mod._pass_ffi(a[:nd], a[nd:-2], a[-2], a[-1], scale=2.0))
+            lowered = fn.lower(*dhs, *base, xa, b)
+            assert f'"{name}"' in lowered.as_text() or f"@{name}" in lowered.as_text(), name
+            assert "scale = 2.0" in lowered.as_text()
+            outs = jax.eval_shape(fn, *dhs, *base, xa, b)
+            assert len(outs) == n_out and all(o.shape == base[0].shape or not dhs for o in outs), name
 
 
 LORA = LoraSpec(rank=4, alpha=8.0, targets=("gate_proj", "up_proj", "down_proj"))
@@ -147,12 +171,14 @@ def test_model_falls_back_without_lora_on_gate_and_up(targets):
     assert "swiglu_lora" not in text
 
 
+@pytest.mark.parametrize("form", ["packed", "sep"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_split_output_gradients_sum(dtype, assert_close):
+def test_split_output_gradients_sum(dtype, form, assert_close):
     """split_output gives h twice; gradients through both uses equal those of one h whose
     cotangent is their sum."""
     gu, xa, b, p1 = _inputs(11, (3, 17), 40, 5, dtype)
     p2 = jax.random.normal(jax.random.key(99), p1.shape)
+    base = _as(form, gu)
 
     def two(g, x, bb):
         h1, h2 = swiglu_lora(g, x, bb, 0.5, impl="ref", split_output=True)
@@ -161,24 +187,34 @@ def test_split_output_gradients_sum(dtype, assert_close):
     def one(g, x, bb):
         return jnp.sum(swiglu_lora(g, x, bb, 0.5, impl="ref").astype(jnp.float32) * (p1 + p2))
 
-    h1, h2 = swiglu_lora(gu, xa, b, 0.5, impl="ref", split_output=True)
+    h1, h2 = swiglu_lora(base, xa, b, 0.5, impl="ref", split_output=True)
     np.testing.assert_array_equal(np.asarray(h1, np.float32), np.asarray(h2, np.float32))
-    for name, a, r in zip(("dgate_up", "dxa", "dlora_b"), jax.grad(two, argnums=(0, 1, 2))(gu, xa, b),
-                          jax.grad(one, argnums=(0, 1, 2))(gu, xa, b), strict=True):
-        assert_close(a, r, dtype, name)
+    for name, a, r in zip(("dgate_up", "dxa", "dlora_b"), jax.grad(two, argnums=(0, 1, 2))(base, xa, b),
+                          jax.grad(one, argnums=(0, 1, 2))(base, xa, b), strict=True):
+        assert_close(_to_packed(a), _to_packed(r), dtype, name)
 
 
-def test_model_keeps_xla_fusion_for_large_gate_up_kernels():
-    """Above FUSED_LORA_MAX_BYTES the per-step kernel concat costs more than it saves (8B)."""
-    from surogate_jax.models.llamalike import FUSED_LORA_MAX_BYTES
+@pytest.mark.parametrize("big", [False, True], ids=["packed", "sep"])
+def test_model_gate_up_form_by_kernel_size(big, monkeypatch):
+    """Gate/up kernels within PACK_GATE_UP_MAX_BYTES: one GEMM over the concatenated kernels;
+    above it (8B: the per-step concat cost more than the op saved) two GEMMs, the op's pair form.
+    Same loss and LoRA gradients either way (CPU: references)."""
+    from surogate_jax.models import llamalike
 
-    F = FUSED_LORA_MAX_BYTES // (2 * 32 * 4) + 8  # fp32 compute: 2 * 32 * F * 4 bytes > the limit
-    cfg = CFG.replace(kernels=("swiglu_lora",), dtype=jnp.float32, intermediate_size=F, num_layers=1)
-    ids = jnp.zeros((1, 3), jnp.int32)
-    model = Decoder(cfg)
-    v = jax.eval_shape(lambda: model.init({"params": jax.random.key(0), "lora": jax.random.key(1)}, ids))
-    text = str(jax.make_jaxpr(lambda v: model.apply(v, ids))(v))
-    assert "swiglu_lora" not in text
-    small = Decoder(CFG.replace(kernels=("swiglu_lora",), num_layers=1))
-    v = small.init({"params": jax.random.key(0), "lora": jax.random.key(1)}, ids)
-    assert "swiglu_lora" in str(jax.make_jaxpr(lambda v: small.apply(v, ids))(v))
+    seen = []
+
+    def spy(base, *a, **kw):
+        seen.append([b.shape[-1] for b in base] if isinstance(base, tuple) else [base.shape[-1]])
+        return swiglu_lora(base, *a, **kw)
+
+    monkeypatch.setattr(llamalike, "swiglu_lora", spy)
+    if big:  # the test model's kernels (2 x 32 x 48 x 4 bytes) above the limit
+        monkeypatch.setattr(llamalike, "PACK_GATE_UP_MAX_BYTES", 2 * 32 * 48 * 4 - 1)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 67, (2, 9)), jnp.int32)
+    base = CFG.replace(num_layers=1)
+    (l1, g1), _, _, _ = _model_loss_and_grads(base.replace(kernels=("swiglu_lora",)), ids)
+    assert seen and all(w == ([48, 48] if big else [96]) for w in seen), seen
+    (l0, g0), _, _, _ = _model_loss_and_grads(base.replace(kernels=()), ids)
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
