@@ -34,10 +34,17 @@ def _need_extension():
 
 
 def _inputs(lead, F, R, dtype):
+    """Random operands. In 16 bits xa and B are multiples of 1/4 and 1/8, so the rank-R products
+    are exact in fp32 and round alike on both sides: summed in other orders (the kernel's MMAs,
+    XLA's GEMM), inexact ones can round to neighbouring 16-bit values, and that one-unit move of
+    gate grew to 10% in dgate at one element of 15000 (bf16, [3, 5, 1000], R = 20)."""
     k = jax.random.split(jax.random.key(next(_seed)), 5)
     gu = (2.0 * jax.random.normal(k[0], (*lead, 2 * F))).astype(dtype)
-    xa = jax.random.normal(k[1], (*lead, 2 * R)).astype(dtype)
-    b = (0.5 * jax.random.normal(k[2], (2, R, F))).astype(dtype)
+    xa = jax.random.normal(k[1], (*lead, 2 * R))
+    b = 0.5 * jax.random.normal(k[2], (2, R, F))
+    if jnp.dtype(dtype).itemsize == 2:
+        xa, b = jnp.round(xa * 4) / 4, jnp.round(b * 8) / 8
+    xa, b = xa.astype(dtype), b.astype(dtype)
     dh = jax.random.normal(k[3], (*lead, F)).astype(dtype)
     return gu, xa, b, dh, k[4]
 
@@ -52,26 +59,6 @@ def _check(name, got, want, dtype, assert_close):
     assert got.shape == want.shape and got.dtype == want.dtype, name
     assert bool(jnp.all(jnp.isfinite(got))), f"{name} has non-finite values (unwritten?)"
     assert_close(got, want, dtype, name)
-
-
-def _check_gate_grad(name, got, want, dtype, tolerance, assert_close):
-    """dgate/dup of the whole op in 16 bits. The kernel's rank-R products (MMA, fp32) and XLA's
-    GEMM in the reference sum in different orders; where the fp32 sum lies next to a rounding
-    boundary the two round it to neighbouring 16-bit values, gate moves by one unit of that
-    product, and dgate (through silu's second derivative times dh * up) by up to ~10 units. Seen
-    once in 15000 elements (bf16, [3, 5, 1000], R = 20). So: at most 1 in 1000 elements (and at
-    least 1 allowed) beyond the tolerance, none beyond 16x it; f32 gets the plain check."""
-    if jnp.dtype(dtype).itemsize > 2:
-        return _check(name, got, want, dtype, assert_close)
-    assert got.shape == want.shape and got.dtype == want.dtype, name
-    assert bool(jnp.all(jnp.isfinite(got))), f"{name} has non-finite values (unwritten?)"
-    a, e = (np.asarray(x, np.float64) for x in (got, want))
-    tol = tolerance(dtype)
-    bound = tol["atol"] * max(float(np.sqrt(np.mean(e * e))), 1e-30) + tol["rtol"] * np.abs(e)
-    err = np.abs(a - e)
-    n_out = int(np.sum(err > bound))
-    assert n_out <= max(1, a.size // 1000), f"{name}: {n_out} of {a.size} elements beyond tolerance"
-    np.testing.assert_array_less(err, 16 * bound + 1e-30, err_msg=f"{name}: beyond 16x tolerance")
 
 
 def _passes(fn, dhs_list, base, xa, b, scale, poison):
@@ -114,7 +101,8 @@ def test_kernel_passes_match_reference(shape, dtype, assert_close):
 @pytest.mark.parametrize("form", ["packed", "sep"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", [((3, 5), 1000, 20), ((2, 2048), 3072, 16)], ids=str)
-def test_op_gradients_match_reference(shape, dtype, form, tolerance, assert_close):
+def test_op_gradients_match_reference(shape, dtype, form, assert_close):
+    """The whole op under jit (custom_vjp, factor GEMMs, both base forms)."""
     lead, F, R = shape
     gu, xa, b, _, kp = _inputs(lead, F, R, dtype)
     if form == "sep":
@@ -133,10 +121,7 @@ def test_op_gradients_match_reference(shape, dtype, form, tolerance, assert_clos
     _check("h", h, h_ref, dtype, assert_close)  # (a summed loss cancels: its bf16 error is not relative)
     for name, a, r in zip(("dgate_up", "dxa", "dlora_b"), g, g_ref, strict=True):
         for i, (x, y) in enumerate(zip(jax.tree.leaves(a), jax.tree.leaves(r), strict=True)):
-            if name == "dgate_up":
-                _check_gate_grad(f"{name}[{i}]", x, y, dtype, tolerance, assert_close)
-            else:
-                _check(f"{name}[{i}]", x, y, dtype, assert_close)
+            _check(f"{name}[{i}]", x, y, dtype, assert_close)
 
 
 def test_deterministic():
