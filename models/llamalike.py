@@ -51,7 +51,8 @@ Dtype = Any
 # swiglu_lora takes gate and up as one GEMM output (the two frozen kernels concatenated each step,
 # as XLA's dot merger does for small dots) or as two. At Qwen3-8B (2 x 100 MB) the concatenation
 # made the step 2.4% slower than XLA's two GEMMs (1705 vs 1666 ms), so above this size the MLP
-# runs two GEMMs and hands the op both outputs.
+# runs two GEMMs and hands the op both outputs (1.7B-8B: level with or up to 0.8% faster than
+# XLA's fusion; RESULTS.md "Fourteenth session").
 PACK_GATE_UP_MAX_BYTES = 16 << 20
 MODEL_KERNELS = ("rope", "rms_norm", "add_rms_norm", "swiglu", "swiglu_lora")
 DEFAULT_KERNELS: tuple[str, ...] = ("rope", "rms_norm", "add_rms_norm", "swiglu_lora")
