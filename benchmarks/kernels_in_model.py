@@ -39,10 +39,22 @@ from surogate_jax.models import Decoder  # noqa: E402
 out = os.environ.get("OUT", "/tmp")
 from surogate_jax.models import llamalike  # noqa: E402
 
+def _usage_error(msg):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
 for a in sys.argv[1:]:
     if a.startswith("--pack-max-bytes="):
-        llamalike.PACK_GATE_UP_MAX_BYTES = int(a.split("=", 1)[1])
+        try:
+            llamalike.PACK_GATE_UP_MAX_BYTES = int(a.split("=", 1)[1])
+        except ValueError:
+            _usage_error(f"{a}: expected --pack-max-bytes=<integer>")
+    elif a.startswith("--") and a != "--no-recompute":
+        _usage_error(f"unknown option {a} (known: --no-recompute, --pack-max-bytes=N)")
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
+if not args:
+    _usage_error("usage: kernels_in_model.py SIZE [KERNEL_SET ...] [--no-recompute] [--pack-max-bytes=N]")
 recompute = "--no-recompute" not in sys.argv  # default: the seed config's full recompute
 size = args[0]; sets = args[1:]
 res = []

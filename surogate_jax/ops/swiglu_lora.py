@@ -51,6 +51,12 @@ SEP_BWD_SPLIT_TARGET = "surogate_swiglu_lora_sep_bwd_split"
 # Inside this module the base is always a tuple: (gate_up,) packed or (gate, up) separate.
 
 
+def _h_shape(base):
+    """h's shape [..., F] for a packed ([..., 2F]) or (gate, up) base."""
+    lead, last = base[0].shape[:-1], base[0].shape[-1]
+    return (*lead, last if len(base) == 2 else last // 2)
+
+
 def _halves(base):
     """(gate, up) views of the base, without LoRA."""
     if len(base) == 2:
@@ -106,11 +112,10 @@ _TARGETS = {(0, 1): FWD_TARGET, (1, 1): BWD_TARGET, (2, 1): BWD_SPLIT_TARGET,
 # kernel per batch element ("sequential"); the models never vmap this op.
 def _pass_ffi(dhs, base, xa, lora_b, *, scale):
     dtype = base[0].dtype
-    g, _ = _halves(base)  # shapes only
-    if dhs:
+    if dhs:  # the base's gradient, in the base's form
         outs = tuple(jax.ShapeDtypeStruct(b.shape, dtype) for b in base)
-    else:
-        outs = (jax.ShapeDtypeStruct(g.shape, dtype),)
+    else:  # h [..., F]
+        outs = (jax.ShapeDtypeStruct(_h_shape(base), dtype),)
     call = jax.ffi.ffi_call(_TARGETS[len(dhs), len(base)], outs, vmap_method="sequential")
     return tuple(call(*(d.astype(dtype) for d in dhs), *base, xa, lora_b, scale=np.float32(scale)))
 
