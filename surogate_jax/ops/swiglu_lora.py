@@ -39,6 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from surogate_jax.ops._loader import pick, resolve_impl
 from surogate_jax.ops._sharding import on_shards
 from surogate_jax.ops.swiglu import KERNEL_DTYPES, swiglu_ref
+from surogate_jax.ops.swiglu import _bwd_ref as swiglu_bwd_ref
 
 OP = "swiglu_lora"
 FWD_TARGET = "surogate_swiglu_lora_fwd"
@@ -94,13 +95,10 @@ def _pass_ref(dhs, base, xa, lora_b, *, scale):
     dtype = base[0].dtype
     if not dhs:
         return (swiglu_ref(gate, up),)
-    d = dhs[0].astype(jnp.float32)
+    d = dhs[0]
     if len(dhs) == 2:  # h used twice (split_output): the sum rounded like autodiff's add
-        d = (d + dhs[1].astype(jnp.float32)).astype(dtype).astype(jnp.float32)
-    g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
-    s = jax.nn.sigmoid(g)
-    dgate = (d * u * s * (1.0 + g * (1.0 - s))).astype(dtype)
-    dup = (d * g * s).astype(dtype)
+        d = (d.astype(jnp.float32) + dhs[1].astype(jnp.float32)).astype(dtype)
+    dgate, dup = swiglu_bwd_ref(d, gate, up)
     return (dgate, dup) if len(base) == 2 else (jnp.concatenate([dgate, dup], axis=-1),)
 
 
