@@ -52,6 +52,29 @@ fi
 VPY="$PWD/.venv/bin/python"
 pip_install() { "$VPY" -m pip install --disable-pip-version-check "$@"; }
 
+# Disk: the dev extras pull PyTorch (for the Hugging Face parity and PEFT tests), whose CUDA build
+# from PyPI is ~5.5 GB installed plus ~3.5 GB of downloads unpacked in the temp folder; the rest
+# (jax, transformers, datasets, the extension's build folder) is ~2.5 GB. Check before starting so
+# a short disk fails here with the numbers instead of half-way through pip.
+free_gb() { df -Pk "$1" 2>/dev/null | awk 'NR == 2 {print int($4 / 1048576)}'; }
+need_gb=3
+if [[ ",$EXTRAS," == *,dev,* ]] && ! "$VPY" -c 'import torch' >/dev/null 2>&1; then need_gb=12; fi
+tmp_dir="${TMPDIR:-/tmp}"
+have_gb="$(free_gb .)"
+tmp_gb="$(free_gb "$tmp_dir")"
+echo "install.sh: free disk: ${have_gb:-?} GB here, ${tmp_gb:-?} GB in $tmp_dir; need about $need_gb GB"
+if [[ -n "$have_gb" && -n "$tmp_gb" ]]; then
+  if [[ "$(df -Pk . | awk 'NR == 2 {print $1}')" == "$(df -Pk "$tmp_dir" | awk 'NR == 2 {print $1}')" ]]; then
+    tmp_gb="$have_gb"
+  fi
+  if ((have_gb < need_gb || tmp_gb < need_gb)); then
+    echo "error: not enough free disk (need about $need_gb GB in $PWD and in $tmp_dir; have $have_gb GB and $tmp_gb GB)." >&2
+    echo "       Free some space, point TMPDIR at a larger disk, or install without the test extras" >&2
+    echo "       (SUROGATE_JAX_EXTRAS= ./install.sh; tests that need torch/peft are then skipped)." >&2
+    exit 2
+  fi
+fi
+
 pip_install --upgrade pip
 # Build requirements installed up front so the editable build can skip isolation (fast rebuilds).
 build_reqs=("scikit-build-core>=0.10" "nanobind>=2.0" "jax>=0.11.2")
