@@ -28,8 +28,8 @@
 //    blocks, <= 32 registers: 2048 resident threads per SM) matches XLA's fusion in both passes
 //    and is the default (ops/swiglu.py ALGO): many small blocks balance the end of the grid
 //    better than fewer blocks with four rows each. The others stay selectable for sweeps.
-//  * fp32 math, one rounding of each output; sigmoid via __expf (ex2.approx, relative error a few
-//    ulp of fp32, far below bf16's and fp32's test tolerances).
+//  * fp32 math, one rounding of each output; sigmoid from ex2.approx and rcp.approx
+//    (surogate_math.cuh).
 //  * Scalar path when F or the row stride is not a multiple of the vector or a pointer is not
 //    16-byte aligned (F = 1001, ...).
 #include "kernels/swiglu.h"
@@ -38,6 +38,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "kernels/surogate_math.cuh"
 #include "kernels/surogate_vec.cuh"
 
 namespace surogate {
@@ -59,8 +60,6 @@ template <int kWalk> constexpr int kFwdMinBlocks = kWalk == 2 ? 8 : 4;
 template <int kWalk> constexpr int kBwdMinBlocks = kWalk == 2 ? 6 : 4;
 constexpr int kThreads = 256;
 constexpr int kMinBlocks = 4;  // <= 64 registers: 1024 resident threads per SM (walks 0, 1)
-
-__device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + __expf(-g)); }
 
 struct Grid2 {
   dim3 grid, block;

@@ -26,12 +26,15 @@
 //    thirteenth session; copy floor 22.5 us).
 //  * f32: the FMA version (register tile 4 rows x 8 columns x 2 halves, B and xa as fp32 in
 //    shared memory).
-//  * fp32 accumulation, rounding to T at the same three places as the unfused model; sigmoid via
-//    __expf as in swiglu.cu.
+//  * fp32 accumulation, rounding to T at the same three places as the unfused model, two values
+//    per conversion; sigmoid from ex2.approx and rcp.approx. The epilogue is issue-bound, not
+//    memory-bound: scalar conversions (6 an element) and the IEEE division's slow path made 48
+//    SASS instructions an element (RESULTS.md, fifteenth session).
 #include "kernels/swiglu_lora.h"
 
 #include <type_traits>
 
+#include "kernels/surogate_math.cuh"
 #include "kernels/surogate_vec.cuh"
 
 namespace surogate {
@@ -101,16 +104,19 @@ __device__ __forceinline__ void store8(T* p, const float (&f)[kCols], int64_t n_
   }
 }
 
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return vec::to_float<T>(vec::from_float<T>(v));
-}
-
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-__device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + __expf(-g)); }
+// Rounds eight fp32 values to T and back, two per conversion (cvt.rn.bf16x2 / f16x2: one SFU-rate
+// instruction for two values, where a scalar round trip costs one each).
+template <typename T>
+__device__ __forceinline__ void round8(float (&f)[kCols]) {
+  if constexpr (sizeof(T) == 2) {
+#pragma unroll
+    for (int j = 0; j < kCols; j += 2) vec::detail::unpack_word(T{}, vec::detail::pack_word(T{}, f + j), f + j);
+  }
+}
 
 // acc[half][i][j] = sum_k xa[row_i, half*R + k] * B[half, k, col_j] over the whole rank.
 template <typename T, bool kVec>
@@ -270,22 +276,27 @@ __device__ __forceinline__ const T* lora_products_mma(const T* __restrict__ xa, 
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
       const int c = wc + n * 8 + 2 * t;  // C fragment: rows g, g + 8; columns 2t, 2t + 1
-      T* p0 = lo + (h * kTileRows + wr + g) * kLoStride + c;
-      T* p1 = p0 + 8 * kLoStride;
-      p0[0] = vec::from_float<T>(acc[n][0]);
-      p0[1] = vec::from_float<T>(acc[n][1]);
-      p1[0] = vec::from_float<T>(acc[n][2]);
-      p1[1] = vec::from_float<T>(acc[n][3]);
+      T* p0 = lo + (h * kTileRows + wr + g) * kLoStride + c;  // c even: 4-byte aligned pairs
+      *reinterpret_cast<uint32_t*>(p0) = vec::detail::pack_word(T{}, acc[n]);
+      *reinterpret_cast<uint32_t*>(p0 + 8 * kLoStride) = vec::detail::pack_word(T{}, acc[n] + 2);
     }
   }
   __syncthreads();  // every warp's products are in `lo`
   return lo;
 }
 
-// base + round(round(acc) * scale), each step rounded to T like the unfused model.
+// v = base + round(acc * scale), rounded to T: the unfused model's last two roundings. Its first,
+// of the rank product itself, is already done: the MMA path stores the products as T, and the f32
+// path's rounding to T is the identity.
 template <typename T>
-__device__ __forceinline__ float with_lora(float base, float acc, float scale) {
-  return round_to<T>(base + round_to<T>(round_to<T>(acc) * scale));
+__device__ __forceinline__ void with_lora(float (&v)[kCols], const float (&acc)[kCols], float scale) {
+  float t[kCols];
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) t[j] = acc[j] * scale;
+  round8<T>(t);
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) v[j] += t[j];
+  round8<T>(v);
 }
 
 template <typename T, bool kBwd, bool kVec>
@@ -339,11 +350,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
       unpack8<T>(*reinterpret_cast<const Raw8<T>*>(lo + r * kLoStride + lane * kCols), acc[0][i]);
       unpack8<T>(*reinterpret_cast<const Raw8<T>*>(lo + (kTileRows + r) * kLoStride + lane * kCols), acc[1][i]);
     }
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-      g[j] = with_lora<T>(g[j], acc[0][i][j], scale);
-      u[j] = with_lora<T>(u[j], acc[1][i][j], scale);
-    }
+    with_lora<T>(g, acc[0][i], scale);
+    with_lora<T>(u, acc[1][i], scale);
     if constexpr (!kBwd) {
       float h[kCols];
 #pragma unroll
@@ -356,7 +364,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
         float d2[kCols];
         unpack8<T>(load8<T, kVec>(dh2 + row * F + col, n_ok), d2);
 #pragma unroll
-        for (int j = 0; j < kCols; ++j) d[j] = round_to<T>(d[j] + d2[j]);
+        for (int j = 0; j < kCols; ++j) d[j] += d2[j];
+        round8<T>(d);
       }
 #pragma unroll
       for (int j = 0; j < kCols; ++j) {
