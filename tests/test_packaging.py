@@ -5,6 +5,7 @@ private build dir, so they are quick and leave the developer's build/ alone."""
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -98,3 +99,39 @@ def test_editable_install_in_fresh_venv(tmp_path):
 def test_scripts_are_executable():
     for script in ("install.sh", ".ci/run"):
         assert os.access(REPO / script, os.X_OK), script
+
+
+def _fake_df(tmp_path, free_kb: int) -> Path:
+    """A `df -Pk` that reports `free_kb` available on one filesystem, for every path."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    df = bin_dir / "df"
+    df.write_text("#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted'\n"
+                  f"echo '/dev/x 100000000 1 {free_kb} 1% /'\n")
+    df.chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="only checks linux build scripts")
+@pytest.mark.parametrize("extras, torch_missing, need", [("dev", False, 3), ("", False, 3), ("dev", True, 12)])
+def test_install_stops_on_a_short_disk_before_pip(tmp_path, extras, torch_missing, need):
+    """install.sh checks the free disk before any pip call and stops with the numbers (the
+    fourteenth session's CI died half-way through pip with ENOSPC instead)."""
+    work = tmp_path / "repo"
+    work.mkdir()
+    shutil.copy2(REPO / "install.sh", work / "install.sh")
+    # Its .venv/bin/python: this interpreter (>= 3.12, so the venv is reused), except that
+    # `import torch` answers as torch_missing says (with torch missing the dev extras need 12 GB).
+    (work / ".venv" / "bin").mkdir(parents=True)
+    py = work / ".venv" / "bin" / "python"
+    torch_rc = 1 if torch_missing else 0
+    py.write_text(f'#!/bin/sh\ncase "$*" in *"import torch"*) exit {torch_rc};; esac\nexec "{sys.executable}" "$@"\n')
+    py.chmod(0o755)
+    bin_dir = _fake_df(tmp_path, (need - 1) * 1024 * 1024)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SUROGATE_JAX_EXTRAS": extras}
+    r = subprocess.run(["bash", str(work / "install.sh")], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"need about {need} GB" in r.stdout
+    assert f"not enough free disk (need about {need} GB" in r.stderr
+    assert "SUROGATE_JAX_EXTRAS=" in r.stderr
+    assert "pip" not in r.stdout.replace("install.sh:", "")  # stopped before any pip output
