@@ -2,7 +2,7 @@
 # One device-machine call: build the CUDA extension, run the GPU tests (plus the op and model
 # suites), then the benchmarks; full logs land in $OUT (at most 8 files come back).
 #   run: [SKIP_TESTS=1] bash benchmarks/gpu_session.sh [bench ...]
-#   benches: rms_norm, calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the RoPE kernels), ncu_ops (kernel-only ours / XLA / same-bytes copy for rope_qk, swiglu, the norms), fwd_sweep (norm/rope forward variants only), fp8_matmul, nvfp4_quantize, nvfp4_matmul, swiglu, add_rms_norm, lm_head_ce, rope, normuon, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
+#   benches: rms_norm, calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the RoPE kernels), ncu_ops (kernel-only ours / XLA / same-bytes copy for rope_qk, swiglu, the norms), ncu_swiglu_lora (the same for swiglu_lora, both forms), fwd_sweep (norm/rope forward variants only), fp8_matmul, nvfp4_quantize, nvfp4_matmul, swiglu, add_rms_norm, lm_head_ce, rope, normuon, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
 # The GPU image has jax + CUDA 13, nanobind, scikit-build-core, cmake and nvcc, and no network:
 # we install with --no-deps --no-build-isolation into its python3 and build only sm_90a (Hopper).
 set -uo pipefail
@@ -54,6 +54,13 @@ for b in "${benches[@]}"; do
                  echo "=== $1 $2 $p $i"; $NCU python3 benchmarks/profile_norm.py --op $1 --shape $2 --pass $p --impl $i --calls 3
                done; done; done; } > "$OUT/ncu_ops.log" 2>&1
              python3 benchmarks/ncu_summary.py "$OUT/ncu_ops.log" | tee "$OUT/ncu_ops_summary.txt" ;;
+    ncu_swiglu_lora) M=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__block_size,launch__registers_per_thread
+             NCU="ncu --profile-from-start off --clock-control none --print-units base --csv --metrics $M"
+             { for p in fwd bwd; do for i in ffi xla copy; do  # kernel-only at Qwen3-0.6B's shape, R = 16
+                 echo "=== swiglu_lora 4096x3072 $p $i packed"; $NCU python3 benchmarks/profile_swiglu_lora.py --shape 4096x3072 --pass $p --impl $i --calls 3
+               done; echo "=== swiglu_lora 4096x3072 $p ffi sep"; $NCU python3 benchmarks/profile_swiglu_lora.py --shape 4096x3072 --pass $p --impl ffi --form sep --calls 3
+               done; } > "$OUT/ncu_swiglu_lora.log" 2>&1
+             python3 benchmarks/ncu_summary.py --calls 3 "$OUT/ncu_swiglu_lora.log" | tee "$OUT/ncu_swiglu_lora_summary.txt" ;;
     calibrate) python3 benchmarks/calibrate_opbench.py 2>&1 | tee "$OUT/calibrate_opbench.log" | tail -16 ;;
     normuon) python3 benchmarks/bench_normuon.py --out "$OUT/bench_normuon.json" 2>&1 | tee "$OUT/bench_normuon.log" | tail -16 ;;
     adamw_8bit) python3 benchmarks/bench_adamw_8bit.py --out "$OUT/bench_adamw_8bit.json" 2>&1 | tee "$OUT/bench_adamw_8bit.log" | tail -48 ;;
