@@ -63,16 +63,11 @@ tmp_dir="${TMPDIR:-/tmp}"
 have_gb="$(free_gb .)"
 tmp_gb="$(free_gb "$tmp_dir")"
 echo "install.sh: free disk: ${have_gb:-?} GB here, ${tmp_gb:-?} GB in $tmp_dir; need about $need_gb GB"
-if [[ -n "$have_gb" && -n "$tmp_gb" ]]; then
-  if [[ "$(df -Pk . | awk 'NR == 2 {print $1}')" == "$(df -Pk "$tmp_dir" | awk 'NR == 2 {print $1}')" ]]; then
-    tmp_gb="$have_gb"
-  fi
-  if ((have_gb < need_gb || tmp_gb < need_gb)); then
-    echo "error: not enough free disk (need about $need_gb GB in $PWD and in $tmp_dir; have $have_gb GB and $tmp_gb GB)." >&2
-    echo "       Free some space, point TMPDIR at a larger disk, or install without the test extras" >&2
-    echo "       (SUROGATE_JAX_EXTRAS= ./install.sh; tests that need torch/peft are then skipped)." >&2
-    exit 2
-  fi
+if [[ -n "$have_gb" && -n "$tmp_gb" ]] && ((have_gb < need_gb || tmp_gb < need_gb)); then
+  echo "error: not enough free disk (need about $need_gb GB in $PWD and in $tmp_dir; have $have_gb GB and $tmp_gb GB)." >&2
+  echo "       Free some space, point TMPDIR at a larger disk, or install without the test extras" >&2
+  echo "       (SUROGATE_JAX_EXTRAS= ./install.sh; tests that need torch/peft are then skipped)." >&2
+  exit 2
 fi
 
 pip_install --upgrade pip

@@ -36,8 +36,10 @@ from surogate_jax import train as T  # noqa: E402
 from surogate_jax.lora import init_adapters  # noqa: E402
 from surogate_jax.models import Decoder  # noqa: E402
 
-out = os.environ.get("OUT", "/tmp")
 from surogate_jax.models import llamalike  # noqa: E402
+
+out = os.environ.get("OUT", "/tmp")
+
 
 def _usage_error(msg):
     print(f"error: {msg}", file=sys.stderr)

@@ -76,6 +76,19 @@ __device__ __forceinline__ uint32_t pack_word(__half, const float* in) {
 
 }  // namespace detail
 
+// Two fp32 values as one 32-bit word of a 16-bit T (round to nearest even; `in[0]` in the low
+// half, at the lower address), and back: one packed conversion for two values.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(const float* in) {
+  static_assert(sizeof(T) == 2, "pairs of 16-bit elements");
+  return detail::pack_word(T{}, in);
+}
+template <typename T>
+__device__ __forceinline__ void unpack_pair(uint32_t w, float* out) {
+  static_assert(sizeof(T) == 2, "pairs of 16-bit elements");
+  detail::unpack_word(T{}, w, out);
+}
+
 template <typename T, int N>
 __device__ __forceinline__ Raw<T, N> load_raw(const T* p) {
   Raw<T, N> r;

@@ -27,9 +27,9 @@
 //  * f32: the FMA version (register tile 4 rows x 8 columns x 2 halves, B and xa as fp32 in
 //    shared memory).
 //  * fp32 accumulation, rounding to T at the same three places as the unfused model, two values
-//    per conversion; sigmoid from ex2.approx and rcp.approx. The epilogue is issue-bound, not
+//    per conversion; sigmoid from ex2.approx and rcp.approx. The epilogue was issue-bound, not
 //    memory-bound: scalar conversions (6 an element) and the IEEE division's slow path made 48
-//    SASS instructions an element (RESULTS.md, fifteenth session).
+//    SASS instructions an element, now 24 (RESULTS.md, fifteenth session).
 #include "kernels/swiglu_lora.h"
 
 #include <type_traits>
@@ -114,7 +114,7 @@ template <typename T>
 __device__ __forceinline__ void round8(float (&f)[kCols]) {
   if constexpr (sizeof(T) == 2) {
 #pragma unroll
-    for (int j = 0; j < kCols; j += 2) vec::detail::unpack_word(T{}, vec::detail::pack_word(T{}, f + j), f + j);
+    for (int j = 0; j < kCols; j += 2) vec::unpack_pair<T>(vec::pack_pair<T>(f + j), f + j);
   }
 }
 
@@ -277,8 +277,8 @@ __device__ __forceinline__ const T* lora_products_mma(const T* __restrict__ xa, 
     for (int n = 0; n < 8; ++n) {
       const int c = wc + n * 8 + 2 * t;  // C fragment: rows g, g + 8; columns 2t, 2t + 1
       T* p0 = lo + (h * kTileRows + wr + g) * kLoStride + c;  // c even: 4-byte aligned pairs
-      *reinterpret_cast<uint32_t*>(p0) = vec::detail::pack_word(T{}, acc[n]);
-      *reinterpret_cast<uint32_t*>(p0 + 8 * kLoStride) = vec::detail::pack_word(T{}, acc[n] + 2);
+      *reinterpret_cast<uint32_t*>(p0) = vec::pack_pair<T>(acc[n]);
+      *reinterpret_cast<uint32_t*>(p0 + 8 * kLoStride) = vec::pack_pair<T>(acc[n] + 2);
     }
   }
   __syncthreads();  // every warp's products are in `lo`
