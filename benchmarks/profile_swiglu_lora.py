@@ -28,7 +28,6 @@ from profile_swiglu import _shape
 
 from surogate_jax.ops import ffi_available, swiglu_lora, swiglu_lora_ref
 
-SCALE = 2.0
 sl = importlib.import_module("surogate_jax.ops.swiglu_lora")
 
 
@@ -36,6 +35,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shape", type=_shape, default=(4096, 3072), help="ROWSxF (default 4096x3072: Qwen3-0.6B, 2 x 2048 tokens)")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--scale", type=float, default=2.0,
+                    help="LoRA scale (default 2.0; in bf16 a power of two >= 1 is folded into xa)")
     ap.add_argument("--pass", dest="pass_", default="fwd", choices=("fwd", "bwd"))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     ap.add_argument("--calls", type=int, default=3)
@@ -53,8 +54,8 @@ def main() -> None:
     base = (gu,) if args.form == "packed" else (gu[:, :F], gu[:, F:])
     nb = len(base)
     if args.pass_ == "fwd":
-        fn = {"ffi": lambda *a: swiglu_lora(a[:-2] if nb == 2 else a[0], a[-2], a[-1], SCALE, impl="ffi"),
-              "xla": lambda *a: swiglu_lora_ref(a[:-2] if nb == 2 else a[0], a[-2], a[-1], SCALE),
+        fn = {"ffi": lambda *a: swiglu_lora(a[:-2] if nb == 2 else a[0], a[-2], a[-1], args.scale, impl="ffi"),
+              "xla": lambda *a: swiglu_lora_ref(a[:-2] if nb == 2 else a[0], a[-2], a[-1], args.scale),
               "copy": lambda *a: sum(sl._halves(a[:-2]))}[args.impl]
         jfn = jax.jit(fn)
         _opbench.profile_calls(lambda: jfn(*base, xa, b), args.calls)
@@ -63,7 +64,7 @@ def main() -> None:
             g, u = sl._halves(base)
             return dhs[0] + g, dhs[0] + u
         pass_fn = {"ffi": sl._pass_ffi, "xla": sl._pass_ref, "copy": copy}[args.impl]
-        jfn = jax.jit(lambda d, *a: pass_fn((d,), a[:-2], a[-2], a[-1], scale=SCALE))
+        jfn = jax.jit(lambda d, *a: pass_fn((d,), a[:-2], a[-2], a[-1], scale=args.scale))
         _opbench.profile_calls(lambda: jfn(dh, *base, xa, b), args.calls)
     nbytes = rows * F * dtype.itemsize * (3 if args.pass_ == "fwd" else 5)
     print(f"swiglu_lora {rows}x{F} r{R} {args.pass_} {args.impl} {args.form} {dtype.name}: {args.calls} calls, "

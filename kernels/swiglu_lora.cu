@@ -32,6 +32,7 @@
 //    SASS instructions an element, now 24 (RESULTS.md, fifteenth session).
 #include "kernels/swiglu_lora.h"
 
+#include <cmath>
 #include <type_traits>
 
 #include "kernels/surogate_math.cuh"
@@ -214,10 +215,14 @@ __device__ __forceinline__ uint32_t pack2(uint16_t lo16, uint16_t hi16) {
   return static_cast<uint32_t>(lo16) | (static_cast<uint32_t>(hi16) << 16);
 }
 
-template <typename T, bool kVec>
+// kFold: the scale is a power of two >= 1 and T is bf16, so xa * scale is exact in T and the MMA's
+// fp32 sums scale exactly: round(xa @ B) * scale == round((xa * scale) @ B) bit for bit (up to
+// overflow past bf16's 3.4e38). The products then come out scaled and rounded, and the epilogue
+// skips its multiply and its second rounding (5 of its 24 instructions an element).
+template <typename T, bool kVec, bool kFold>
 __device__ __forceinline__ const T* lora_products_mma(const T* __restrict__ xa, const T* __restrict__ lora_b,
                                                       int64_t rows, int64_t F, int64_t R, int64_t tile_row,
-                                                      int64_t tile_col, unsigned char* smem) {
+                                                      int64_t tile_col, float scale, unsigned char* smem) {
   T* xs = reinterpret_cast<T*>(smem);     // [32][kXsStride]: one half's xa chunk
   T* bs = xs + kTileRows * kXsStride;     // [16][kBsStride]: one half's B chunk
   T* lo = bs + kRankChunk * kBsStride;    // [2][32][kLoStride]: the rounded products
@@ -242,7 +247,9 @@ __device__ __forceinline__ const T* lora_products_mma(const T* __restrict__ xa, 
         const int idx = tid + q * kThreads;
         const int k = idx % kRankChunk, r = idx / kRankChunk;
         const int64_t row = tile_row + r, kk = k0 + k;
-        xs[r * kXsStride + k] = (row < rows && kk < R) ? xa[row * 2 * R + h * R + kk] : T(0.f);
+        T x = (row < rows && kk < R) ? xa[row * 2 * R + h * R + kk] : T(0.f);
+        if constexpr (kFold) x = vec::from_float<T>(vec::to_float<T>(x) * scale);
+        xs[r * kXsStride + k] = x;
       }
 #pragma unroll
       for (int q = 0; q < kRankChunk * 32 / kThreads; ++q) {
@@ -287,9 +294,15 @@ __device__ __forceinline__ const T* lora_products_mma(const T* __restrict__ xa, 
 
 // v = base + round(acc * scale), rounded to T: the unfused model's last two roundings. Its first,
 // of the rank product itself, is already done: the MMA path stores the products as T, and the f32
-// path's rounding to T is the identity.
-template <typename T>
+// path's rounding to T is the identity. kFold: acc is already round(acc * scale) (see above).
+template <typename T, bool kFold>
 __device__ __forceinline__ void with_lora(float (&v)[kCols], const float (&acc)[kCols], float scale) {
+  if constexpr (kFold) {
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) v[j] += acc[j];
+    round8<T>(v);
+    return;
+  }
   float t[kCols];
 #pragma unroll
   for (int j = 0; j < kCols; ++j) t[j] = acc[j] * scale;
@@ -299,7 +312,7 @@ __device__ __forceinline__ void with_lora(float (&v)[kCols], const float (&acc)[
   round8<T>(v);
 }
 
-template <typename T, bool kBwd, bool kVec>
+template <typename T, bool kBwd, bool kVec, bool kFold>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
     swiglu_lora_kernel(const T* __restrict__ dh, const T* __restrict__ dh2, const T* __restrict__ gate,
                        const T* __restrict__ up, int64_t ld, const T* __restrict__ xa,
@@ -332,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
   const T* lo = nullptr;                // the MMA path's products (rounded to T, shared memory)
   if constexpr (kMma) {
     __shared__ __align__(16) unsigned char smem[kMmaSmem<T>];
-    lo = lora_products_mma<T, kVec>(xa, lora_b, rows, F, R, tile_row, tile_col, smem);
+    lo = lora_products_mma<T, kVec, kFold>(xa, lora_b, rows, F, R, tile_row, tile_col, scale, smem);
   } else {
     lora_products<T, kVec>(xa, lora_b, rows, F, R, tile_row, tile_col, acc);
   }
@@ -350,8 +363,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
       unpack8<T>(*reinterpret_cast<const Raw8<T>*>(lo + r * kLoStride + lane * kCols), acc[0][i]);
       unpack8<T>(*reinterpret_cast<const Raw8<T>*>(lo + (kTileRows + r) * kLoStride + lane * kCols), acc[1][i]);
     }
-    with_lora<T>(g, acc[0][i], scale);
-    with_lora<T>(u, acc[1][i], scale);
+    with_lora<T, kFold>(g, acc[0][i], scale);
+    with_lora<T, kFold>(u, acc[1][i], scale);
     if constexpr (!kBwd) {
       float h[kCols];
 #pragma unroll
@@ -393,13 +406,17 @@ cudaError_t launch(const T* dh, const T* dh2, const T* gate, const T* up, int64_
                    aligned16(up) && aligned16(lora_b) && aligned16(out0) && (!kBwd || aligned16(out1)) &&
                    (!kBwd || aligned16(dh)) && (dh2 == nullptr || aligned16(dh2));
   const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
-  if (vec) {
-    swiglu_lora_kernel<T, kBwd, true><<<grid, kThreads, 0, stream>>>(dh, dh2, gate, up, ld, xa, lora_b, out0, out1,
-                                                                      ld_out, rows, F, R, scale);
-  } else {
-    swiglu_lora_kernel<T, kBwd, false><<<grid, kThreads, 0, stream>>>(dh, dh2, gate, up, ld, xa, lora_b, out0, out1,
-                                                                       ld_out, rows, F, R, scale);
+  auto go = [&](auto kernel) {
+    kernel<<<grid, kThreads, 0, stream>>>(dh, dh2, gate, up, ld, xa, lora_b, out0, out1, ld_out, rows, F, R, scale);
+  };
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    int e = 0;
+    if (std::frexp(scale, &e) == 0.5f && e >= 1) {  // scale = 2^(e-1) >= 1: fold it into xa
+      vec ? go(swiglu_lora_kernel<T, kBwd, true, true>) : go(swiglu_lora_kernel<T, kBwd, false, true>);
+      return cudaGetLastError();
+    }
   }
+  vec ? go(swiglu_lora_kernel<T, kBwd, true, false>) : go(swiglu_lora_kernel<T, kBwd, false, false>);
   return cudaGetLastError();
 }
 

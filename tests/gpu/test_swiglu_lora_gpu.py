@@ -75,14 +75,13 @@ def _passes(fn, dhs_list, base, xa, b, scale, poison):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_kernel_passes_match_reference(shape, dtype, assert_close):
+def test_kernel_passes_match_reference(shape, dtype, assert_close, scale=0.75):
     """Both base forms: gate_up packed [.., 2F], and gate, up as two arrays (whose kernel outputs
     must be the packed kernel's halves, bit for bit: same code, other strides)."""
     lead, F, R = shape
     gu, xa, b, dh, _ = _inputs(lead, F, R, dtype)
     dh2 = jax.random.normal(jax.random.key(next(_seed)), dh.shape).astype(dtype)  # split_output's backward
     dhs_list = [(), (dh,), (dh, dh2)]
-    scale = 0.75
     sep = (gu[..., :F], gu[..., F:])
     with jax.default_matmul_precision("highest"):  # fp32: no TF32 in the reference's rank product
         want = _passes(sl._pass_ref, dhs_list, (gu,), xa, b, scale, False)
@@ -96,6 +95,14 @@ def test_kernel_passes_match_reference(shape, dtype, assert_close):
                 assert o.shape == (*lead, F) and bool(jnp.all(jnp.isfinite(o))), f"{name} sep {half}"
         np.testing.assert_array_equal(np.asarray(jnp.concatenate(gs, -1) if len(gs) == 2 else gs[0], np.float32),
                                       np.asarray(g[0], np.float32), err_msg=f"{name}: sep vs packed")
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0, 4.0])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2], SHAPES[4], SHAPES[7]], ids=str)
+def test_folded_scale_matches_reference(shape, scale, assert_close):
+    """bf16 with a power-of-two scale >= 1: the kernel folds the scale into xa (exact) and skips the
+    epilogue's multiply and rounding; vector and scalar paths, a rank remainder."""
+    test_kernel_passes_match_reference(shape, jnp.bfloat16, assert_close, scale=scale)
 
 
 @pytest.mark.parametrize("form", ["packed", "sep"])
