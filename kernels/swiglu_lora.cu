@@ -27,9 +27,17 @@
 //  * f32: the FMA version (register tile 4 rows x 8 columns x 2 halves, B and xa as fp32 in
 //    shared memory).
 //  * fp32 accumulation, rounding to T at the same three places as the unfused model, two values
-//    per conversion; sigmoid from ex2.approx and rcp.approx. The epilogue was issue-bound, not
-//    memory-bound: scalar conversions (6 an element) and the IEEE division's slow path made 48
-//    SASS instructions an element, now 24 (RESULTS.md, fifteenth session).
+//    per conversion; sigmoid from ex2.approx and rcp.approx. Scalar conversions (6 an element)
+//    and the IEEE division's slow path made 48 SASS instructions an element, now 24 (fifteenth
+//    session): 46 -> 36 us forward.
+//  * Then latency-bound (ncu: no eligible warp in 50% of cycles, DRAM at 55%): the epilogue
+//    loaded one row at a time, two 16-byte loads in flight a thread. Its loads now go out in
+//    groups (four rows forward, two backward): 36 -> 33 us forward, and 79% / 91% of the copy
+//    floor at Qwen3-8B's [4096, 12288] (sixteenth session). Tried and dropped, both slower: a
+//    persistent block per column tile with B staged once (+25% DRAM reads from L2 evictions),
+//    and the whole rank of both halves staged in one round trip (54 KB of dynamic shared memory).
+//  * bf16 with a power-of-two scale >= 1 folds the scale into xa (exact), dropping a multiply and
+//    a rounding an element (kFold); no measurable speed change, 13% fewer instructions.
 #include "kernels/swiglu_lora.h"
 
 #include <cmath>
@@ -300,16 +308,108 @@ __device__ __forceinline__ void with_lora(float (&v)[kCols], const float (&acc)[
   if constexpr (kFold) {
 #pragma unroll
     for (int j = 0; j < kCols; ++j) v[j] += acc[j];
-    round8<T>(v);
-    return;
+  } else {
+    float t[kCols];
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) t[j] = acc[j] * scale;
+    round8<T>(t);
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) v[j] += t[j];
   }
-  float t[kCols];
-#pragma unroll
-  for (int j = 0; j < kCols; ++j) t[j] = acc[j] * scale;
-  round8<T>(t);
-#pragma unroll
-  for (int j = 0; j < kCols; ++j) v[j] += t[j];
   round8<T>(v);
+}
+
+// Asks L2 for a tile's rows of this thread (no registers held): they arrive while the products are
+// formed, and the epilogue's loads then wait on L2 rather than DRAM.
+template <typename T, bool kBwd>
+__device__ __forceinline__ void prefetch_rows(const T* dh, const T* dh2, const T* gate, const T* up, int64_t ld,
+                                              int64_t rows, int64_t F, int64_t row0, int64_t col) {
+  if (col >= F) return;
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int64_t row = row0 + i;
+    if (row < rows) {
+      prefetch_l2(gate + row * ld + col);
+      prefetch_l2(up + row * ld + col);
+      if constexpr (kBwd) prefetch_l2(dh + row * F + col);
+      if (kBwd && dh2 != nullptr) prefetch_l2(dh2 + row * F + col);
+    }
+  }
+}
+
+// The element-wise part for this thread's rows row0.. row0 + 3 and columns col.. col + 7 of a tile:
+// the LoRA products come from `lo` (MMA paths: shared memory, rounded to T, row r_lo + i of each
+// half) or from acc (FMA path: fp32 registers). The rows' loads are issued in groups (all four
+// rows forward, two backward) before any of them is used: one row at a time, a warp waited a full
+// memory round trip per row with two 16-byte loads in flight (ncu: no eligible warp half the
+// time).
+template <typename T, bool kBwd, bool kVec, bool kFold, bool kMma>
+__device__ __forceinline__ void epilogue(const T* __restrict__ dh, const T* __restrict__ dh2,
+                                         const T* __restrict__ gate, const T* __restrict__ up, int64_t ld,
+                                         const T* lo, int r_lo, float (&acc)[2][kRowsPerThread][kCols],
+                                         T* __restrict__ out0, T* __restrict__ out1, int64_t ld_out, int64_t rows,
+                                         int64_t F, int64_t row0, int64_t col, float scale) {
+  constexpr int kGroup = sizeof(T) == 4 ? 1 : kBwd ? 2 : kRowsPerThread;  // f32: 128 registers already
+  const bool col_ok = col < F;
+  const int64_t n_ok = F - col;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i0 = 0; i0 < kRowsPerThread; i0 += kGroup) {
+    Raw8<T> rg[kGroup], ru[kGroup], rd[kGroup], rd2[kGroup];
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i) {
+      const int64_t row = row0 + i0 + i;
+      if (col_ok && row < rows) {
+        rg[i] = load8<T, kVec>(gate + row * ld + col, n_ok);
+        ru[i] = load8<T, kVec>(up + row * ld + col, n_ok);
+        if constexpr (kBwd) {
+          rd[i] = load8<T, kVec>(dh + row * F + col, n_ok);
+          if (dh2 != nullptr) rd2[i] = load8<T, kVec>(dh2 + row * F + col, n_ok);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i) {
+      const int64_t row = row0 + i0 + i;
+      if (!col_ok || row >= rows) break;
+      float g[kCols], u[kCols];
+      unpack8<T>(rg[i], g);
+      unpack8<T>(ru[i], u);
+      float(&pg)[kCols] = acc[0][i0 + i];
+      float(&pu)[kCols] = acc[1][i0 + i];
+      if constexpr (kMma) {
+        const int r = r_lo + i0 + i;
+        unpack8<T>(*reinterpret_cast<const Raw8<T>*>(lo + r * kLoStride + lane * kCols), pg);
+        unpack8<T>(*reinterpret_cast<const Raw8<T>*>(lo + (kTileRows + r) * kLoStride + lane * kCols), pu);
+      }
+      with_lora<T, kFold>(g, pg, scale);
+      with_lora<T, kFold>(u, pu, scale);
+      if constexpr (!kBwd) {
+        float h[kCols];
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) h[j] = g[j] * sigmoid(g[j]) * u[j];
+        store8<T, kVec>(out0 + row * ld_out + col, h, n_ok);
+      } else {
+        float d[kCols], dg[kCols], du[kCols];
+        unpack8<T>(rd[i], d);
+        if (dh2 != nullptr) {  // h's two uses' gradients: their sum, rounded like autodiff's add
+          float d2[kCols];
+          unpack8<T>(rd2[i], d2);
+#pragma unroll
+          for (int j = 0; j < kCols; ++j) d[j] += d2[j];
+          round8<T>(d);
+        }
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) {
+          const float s = sigmoid(g[j]);
+          dg[j] = d[j] * u[j] * s * (1.f + g[j] * (1.f - s));
+          du[j] = d[j] * g[j] * s;
+        }
+        store8<T, kVec>(out0 + row * ld_out + col, dg, n_ok);
+        store8<T, kVec>(out1 + row * ld_out + col, du, n_ok);
+      }
+    }
+  }
 }
 
 template <typename T, bool kBwd, bool kVec, bool kFold>
@@ -323,23 +423,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
   const int64_t tile_col = static_cast<int64_t>(blockIdx.y) * kTileCols;
   const int64_t row0 = tile_row + warp * kRowsPerThread;
   const int64_t col = tile_col + lane * kCols;
-  const bool col_ok = col < F;
-  const int64_t n_ok = F - col;
-
-  // Ask L2 for this thread's rows now (no registers held): they arrive while the products are
-  // formed, and the epilogue's loads then wait on L2 rather than DRAM.
-  if (col_ok) {
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      const int64_t row = row0 + i;
-      if (row < rows) {
-        prefetch_l2(gate + row * ld + col);
-        prefetch_l2(up + row * ld + col);
-        if constexpr (kBwd) prefetch_l2(dh + row * F + col);
-        if (kBwd && dh2 != nullptr) prefetch_l2(dh2 + row * F + col);
-      }
-    }
-  }
+  prefetch_rows<T, kBwd>(dh, dh2, gate, up, ld, rows, F, row0, col);
   constexpr bool kMma = sizeof(T) == 2;
   float acc[2][kRowsPerThread][kCols];  // the FMA path's products (fp32)
   const T* lo = nullptr;                // the MMA path's products (rounded to T, shared memory)
@@ -349,47 +433,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
   } else {
     lora_products<T, kVec>(xa, lora_b, rows, F, R, tile_row, tile_col, acc);
   }
-  if (!col_ok) return;
-
-#pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    const int64_t row = row0 + i;
-    if (row >= rows) break;
-    float g[kCols], u[kCols];
-    unpack8<T>(load8<T, kVec>(gate + row * ld + col, n_ok), g);
-    unpack8<T>(load8<T, kVec>(up + row * ld + col, n_ok), u);
-    if constexpr (kMma) {
-      const int r = warp * kRowsPerThread + i;
-      unpack8<T>(*reinterpret_cast<const Raw8<T>*>(lo + r * kLoStride + lane * kCols), acc[0][i]);
-      unpack8<T>(*reinterpret_cast<const Raw8<T>*>(lo + (kTileRows + r) * kLoStride + lane * kCols), acc[1][i]);
-    }
-    with_lora<T, kFold>(g, acc[0][i], scale);
-    with_lora<T, kFold>(u, acc[1][i], scale);
-    if constexpr (!kBwd) {
-      float h[kCols];
-#pragma unroll
-      for (int j = 0; j < kCols; ++j) h[j] = g[j] * sigmoid(g[j]) * u[j];
-      store8<T, kVec>(out0 + row * ld_out + col, h, n_ok);
-    } else {
-      float d[kCols], dg[kCols], du[kCols];
-      unpack8<T>(load8<T, kVec>(dh + row * F + col, n_ok), d);
-      if (dh2 != nullptr) {  // h's two uses' gradients: their sum, rounded like autodiff's add
-        float d2[kCols];
-        unpack8<T>(load8<T, kVec>(dh2 + row * F + col, n_ok), d2);
-#pragma unroll
-        for (int j = 0; j < kCols; ++j) d[j] += d2[j];
-        round8<T>(d);
-      }
-#pragma unroll
-      for (int j = 0; j < kCols; ++j) {
-        const float s = sigmoid(g[j]);
-        dg[j] = d[j] * u[j] * s * (1.f + g[j] * (1.f - s));
-        du[j] = d[j] * g[j] * s;
-      }
-      store8<T, kVec>(out0 + row * ld_out + col, dg, n_ok);
-      store8<T, kVec>(out1 + row * ld_out + col, du, n_ok);
-    }
-  }
+  epilogue<T, kBwd, kVec, kFold, kMma>(dh, dh2, gate, up, ld, lo, warp * kRowsPerThread, acc, out0, out1, ld_out,
+                                       rows, F, row0, col, scale);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

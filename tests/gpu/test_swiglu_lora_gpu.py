@@ -1,7 +1,8 @@
 """GPU tests of the SwiGLU+LoRA kernels (impl="ffi") against the reference passes: forward h and
-backward dgate_up (packed) or dgate, dup (separate gate/up operands), f32/bf16/f16, odd rows / widths / ranks (vector and scalar paths, rank chunks of
-16 with a remainder), fresh inputs, outputs poisoned so unwritten elements show; the whole op's
-gradients under jit; the model's MLP on the kernel vs SUROGATE_JAX_OPS=ref."""
+backward dgate_up (packed) or dgate, dup (separate gate/up operands), f32/bf16/f16, odd rows /
+widths / ranks (vector and scalar paths, rank chunks of 16 with a remainder, a rank above 64),
+bf16 with the scale folded into xa, fresh inputs, outputs poisoned so unwritten elements show;
+the whole op's gradients under jit; the model's MLP on the kernel vs SUROGATE_JAX_OPS=ref."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.gpu
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # (leading dims, F, R)
 SHAPES = [((7,), 8, 1), ((13,), 1001, 4), ((2, 31), 96, 16), ((3, 5), 1000, 20), ((1, 1), 24, 33),
-          ((4099,), 1024, 16), ((257,), 3072, 64), ((2, 2048), 3072, 16), ((33,), 17408, 8)]
+          ((4099,), 1024, 16), ((257,), 3072, 64), ((2, 2048), 3072, 16), ((33,), 17408, 8),
+          ((45,), 520, 80)]
 _seed = itertools.count(7000)
 
 
