@@ -94,6 +94,13 @@ __device__ __forceinline__ void unpack8(const Raw8<T>& r, float (&f)[kCols]) {
   }
 }
 
+// One 16-byte global store. Through a uint4 lvalue (vec::store_raw) the compiler split the
+// epilogue's stores into four 32-bit ones (st.global.u32 in the PTX): 4x the store instructions
+// and partial-sector writes.
+__device__ __forceinline__ void st_global_16(void* p, const uint4& v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
 template <typename T, bool kVec>
 __device__ __forceinline__ void store8(T* p, const float (&f)[kCols], int64_t n_ok) {
   if constexpr (kVec) {
@@ -103,7 +110,7 @@ __device__ __forceinline__ void store8(T* p, const float (&f)[kCols], int64_t n_
       float g[N];
 #pragma unroll
       for (int j = 0; j < N; ++j) g[j] = f[w * N + j];
-      vec::store_raw<T, N>(p + w * N, vec::pack<T, N>(g));
+      st_global_16(p + w * N, vec::pack<T, N>(g).u);
     }
   } else {
 #pragma unroll
@@ -423,7 +430,9 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
   const int64_t tile_col = static_cast<int64_t>(blockIdx.y) * kTileCols;
   const int64_t row0 = tile_row + warp * kRowsPerThread;
   const int64_t col = tile_col + lane * kCols;
-  prefetch_rows<T, kBwd>(dh, dh2, gate, up, ld, rows, F, row0, col);
+  // Forward only: backward (four input rows a thread, not two) ran 10% faster without it, with
+  // 17% fewer DRAM reads: prefetched lines were evicted before their loads came (sixteenth session).
+  if constexpr (!kBwd) prefetch_rows<T, kBwd>(dh, dh2, gate, up, ld, rows, F, row0, col);
   constexpr bool kMma = sizeof(T) == 2;
   float acc[2][kRowsPerThread][kCols];  // the FMA path's products (fp32)
   const T* lo = nullptr;                // the MMA path's products (rounded to T, shared memory)
