@@ -33,7 +33,7 @@
 //  * Then latency-bound (ncu: no eligible warp in 50% of cycles, DRAM at 55%): the epilogue
 //    loaded one row at a time, two 16-byte loads in flight a thread. Its loads now go out in
 //    groups (four rows forward, two backward), its stores are 16 bytes, and the backward does
-//    not prefetch: forward 68% / 80%, backward 78% / 86% of the copy floor at Qwen3-0.6B's
+//    not prefetch: forward 68% / 79%, backward 78% / 86% of the copy floor at Qwen3-0.6B's
 //    [4096, 3072] / 8B's [4096, 12288] (sixteenth session). Tried and dropped, both slower: a
 //    persistent block per column tile with B staged once (+25% DRAM reads from L2 evictions),
 //    and the whole rank of both halves staged in one round trip (54 KB of dynamic shared memory).
