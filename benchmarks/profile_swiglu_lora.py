@@ -54,8 +54,11 @@ def main() -> None:
     base = (gu,) if args.form == "packed" else (gu[:, :F], gu[:, F:])
     nb = len(base)
     if args.pass_ == "fwd":
-        fn = {"ffi": lambda *a: swiglu_lora(a[:-2] if nb == 2 else a[0], a[-2], a[-1], args.scale, impl="ffi"),
-              "xla": lambda *a: swiglu_lora_ref(a[:-2] if nb == 2 else a[0], a[-2], a[-1], args.scale),
+        def gate_up(a):  # the op's base argument: one packed array or the (gate, up) pair
+            return a[:-2] if nb == 2 else a[0]
+
+        fn = {"ffi": lambda *a: swiglu_lora(gate_up(a), a[-2], a[-1], args.scale, impl="ffi"),
+              "xla": lambda *a: swiglu_lora_ref(gate_up(a), a[-2], a[-1], args.scale),
               "copy": lambda *a: sum(sl._halves(a[:-2]))}[args.impl]
         jfn = jax.jit(fn)
         _opbench.profile_calls(lambda: jfn(*base, xa, b), args.calls)
