@@ -10,13 +10,14 @@ from __future__ import annotations
 from surogate_jax.errors import UnsupportedConfigError
 
 from . import llama, qwen2, qwen3
+from .hf_config import check_sizes
 from .llamalike import REMAT_POLICIES, Decoder, DecoderConfig, LoraSpec, RopeScaling
 
 FAMILIES = {m.MODEL_TYPE: m for m in (llama, qwen2, qwen3)}
 ARCHITECTURES = {m.ARCHITECTURE: m for m in (llama, qwen2, qwen3)}
 
 
-def _family(d: dict):
+def _family(d: dict, where: str = "config.json"):
     model_type = d.get("model_type")
     if model_type in FAMILIES:
         return FAMILIES[model_type]
@@ -24,7 +25,7 @@ def _family(d: dict):
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
     raise UnsupportedConfigError(
-        f"config field model_type={model_type!r} (architectures={d.get('architectures')}) is not "
+        f"{where}: model_type={model_type!r} (architectures={d.get('architectures')}) is not "
         f"supported; supported model types: {sorted(FAMILIES)} ({sorted(ARCHITECTURES)})"
     )
 
@@ -32,6 +33,14 @@ def _family(d: dict):
 def config_from_hf(d: dict, **numerics) -> DecoderConfig:
     """HF config.json dict -> DecoderConfig; `numerics` sets dtype, param_dtype, attention_impl..."""
     return _family(d).config_from_hf(d, **numerics)
+
+
+def check_hf_config(d: dict, where: str = "config.json") -> None:
+    """Refuses, naming `where` and the fields, a config.json dict of an unknown family or whose sizes
+    are missing, not positive integers or inconsistent (heads that do not divide). Cheap: readers
+    call it on the file itself so the error names its path, before anything is built."""
+    _family(d, where)
+    check_sizes(d, where)
 
 
 def config_to_hf(cfg: DecoderConfig) -> dict:
@@ -47,6 +56,7 @@ __all__ = [
     "LoraSpec",
     "REMAT_POLICIES",
     "RopeScaling",
+    "check_hf_config",
     "config_from_hf",
     "config_to_hf",
 ]

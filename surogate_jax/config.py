@@ -3,15 +3,20 @@
 Users keep their Surogate configs: every key has the seed system's name and default (see
 ../shared/reference/surogate_inventory.md section 3). The file is flat; we group keys into
 sections (`run`, `model`, `data`, `lora`, `optim`, `precision`) so each component receives only its
-own. Strict: an unknown key is a `ConfigError` naming the closest valid key; a known Surogate key
-for a feature we have not built yet says "not supported yet"; wrong types and impossible values say
-which key and why. No JAX import here: this module is a leaf.
+own. Strict: an unknown key is a `ConfigError` naming the closest valid key; a key given twice in the
+file names both lines; a known Surogate key for a feature we have not built yet says "not supported
+yet"; wrong types and impossible values say which key and why. Path keys get `~` and $VAR expanded,
+and what would only fail after training (the exact-match file) is checked at load. No JAX import
+here: this module is a leaf.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -102,6 +107,9 @@ class RunConfig:
         _check(self.max_steps == -1 or self.max_steps >= 1, f"max_steps={self.max_steps}: use -1 (epochs) or >= 1")
         _check(self.eval_steps >= 0, f"eval_steps={self.eval_steps}: must be >= 0 (0 disables eval)")
         _check(self.save_total_limit >= 1, f"save_total_limit={self.save_total_limit}: must be >= 1")
+        for k in ("train_seed", "eval_seed"):  # numpy's Generator refuses negative seeds (data split, shuffle)
+            _check(0 <= getattr(self, k) < 2**63 - 1, f"{k}={getattr(self, k)}: must be in [0, 2**63 - 1)")
+        _check(self.exact_match_samples >= 1, f"exact_match_samples={self.exact_match_samples}: must be >= 1")
         for r in self.report_to or []:
             _check(r in ("wandb", "tensorboard"), f"report_to: {r!r} is not supported (use wandb or tensorboard)")
         _check(isinstance(self.recompute, bool) or self.recompute in RECOMPUTE_POLICIES,
@@ -135,6 +143,8 @@ class DataConfig:
 
     def __post_init__(self):
         _check(len(self.datasets) > 0, "datasets: at least one dataset is required")
+        _check(self.dataloader_num_workers >= 0,
+               f"dataloader_num_workers={self.dataloader_num_workers}: must be >= 0 (0 = min(#CPU, 8))")
         _check(0.0 <= self.validation_split_ratio < 1.0,
                f"validation_split_ratio={self.validation_split_ratio}: must be in [0, 1)")
         _check(self.loss_scale in ("default", "last_round", "all"),
@@ -403,7 +413,39 @@ def _coerce(cls, key: str, value: Any, where: str) -> Any:
         value = float(value)
     if typing.get_origin(tp) is tuple:
         value = tuple(value)
+    if key in PATH_KEYS.get(cls, ()) and isinstance(value, str):
+        value = _expand_path(f"{where}{key}", value, hub_ok=key == "model")
     return value
+
+
+# Path-valued keys: `~` and $VAR / ${VAR} are expanded at load, so every consumer sees the real path.
+PATH_KEYS = {RunConfig: ("output_dir", "checkpoint_dir", "exact_match_file"), ModelConfig: ("model",),
+             DatasetConfig: ("path",), DistributedConfig: ("worker_output_dir",)}
+LOCAL_PREFIXES = ("~", "$", "/", "./", "../")  # a `model:` value starting so is a path, not a hub id or builtin:
+_ENV_VAR = re.compile(r"\$(\w+|\{([^}]*)\})", re.ASCII)  # what os.path.expandvars substitutes
+
+
+def _expand_path(key: str, value: str, *, hub_ok: bool = False) -> str:
+    """`value` with ~ and environment variables expanded; empty paths and unset variables are errors.
+    hub_ok: only values that look like local paths are expanded (hub ids and builtin: pass through)."""
+    if not value.strip():
+        name = key.rsplit(".", 1)[-1]
+        hint = ("an HF model directory, hub id or builtin:NAME" if name == "model" else "name a path, or remove the key"
+                if name in ("checkpoint_dir", "exact_match_file", "worker_output_dir") else "name a path")
+        raise ConfigError(f"{key}: must not be empty ({hint})")
+    if hub_ok and not value.startswith(LOCAL_PREFIXES):
+        return value
+    for m in _ENV_VAR.finditer(value):
+        name = m.group(2) if m.group(2) is not None else m.group(1)
+        if name not in os.environ:
+            raise ConfigError(f"{key}={value!r}: environment variable ${name} is not set "
+                              "(set it, or write the path out)")
+    out = os.path.expanduser(os.path.expandvars(value))
+    if out.startswith("~"):
+        raise ConfigError(f"{key}={value!r}: cannot expand {out.split('/')[0]!r} (no such user)")
+    if not out.strip():
+        raise ConfigError(f"{key}={value!r}: is empty once its environment variables are expanded")
+    return out
 
 
 def _type_name(tp) -> str:
@@ -429,8 +471,33 @@ def _datasets(value: Any, key: str) -> tuple[DatasetConfig, ...]:
         if "path" not in entry:
             raise ConfigError(f"{key}[{i}]: 'path' is required")
         kwargs = {k: _coerce(DatasetConfig, k, v, where) for k, v in entry.items()}
-        out.append(DatasetConfig(**kwargs))
+        out.append(_check_format_keys(DatasetConfig(**kwargs), f"{key}[{i}]"))
     return tuple(out)
+
+
+def _check_format_keys(d: DatasetConfig, where: str) -> DatasetConfig:
+    """The formatter's settings checks (data/formats.py), at load rather than after the model is fetched."""
+    if d.type in ("conversation", "auto"):
+        mapping = d.message_property_mappings or {}
+        unknown = sorted(set(mapping) - {"role", "content"})
+        _check(not unknown, f"{where}.message_property_mappings: unknown keys {unknown}; use role and content")
+        bad = [k for k, v in mapping.items() if not isinstance(v, str)]
+        _check(not bad, f"{where}.message_property_mappings: the values of {bad} must be field names (strings)")
+    if d.type in ("instruction", "auto"):
+        kind = d.system_prompt_type or ("field" if d.system_prompt_field else "fixed" if d.system_prompt else None)
+        _check(kind != "field" or bool(d.system_prompt_field),
+               f"{where}.system_prompt_type=field needs system_prompt_field (the column holding the system prompt)")
+        _check(kind != "fixed" or bool(d.system_prompt),
+               f"{where}.system_prompt_type=fixed needs system_prompt (the text of the system prompt)")
+        for k in ("prompt_format", "prompt_format_no_input"):
+            fmt = getattr(d, k)
+            try:
+                if fmt is not None:
+                    fmt.format(instruction="i", input="x")
+            except (KeyError, IndexError, ValueError) as e:
+                raise ConfigError(f"{where}.{k}={fmt!r} is not a valid format string (use the placeholders "
+                                  f"{{instruction}} and {{input}}): {e!r}") from None
+    return d
 
 
 def _distributed(value: Any) -> DistributedConfig | None:
@@ -468,6 +535,8 @@ def config_from_dict(raw: dict, *, defaults: dict | None = None, source: str | N
     (e.g. pretraining: from_scratch true, lora false, loss_scale all)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"the config must be a mapping of keys to values, got {type(raw).__name__}")
+    for alias, key in ALIASES.items():
+        _check(alias not in raw or key not in raw, f"{alias} and {key}: the same key under two names; keep one")
     merged = {**(defaults or {}), **raw}
     per_section: dict[str, dict] = {s: {} for s in SECTIONS}
     valid = set(KEY_SECTION) | set(ALIASES) | NOT_YET | INERT
@@ -491,16 +560,68 @@ def config_from_dict(raw: dict, *, defaults: dict | None = None, source: str | N
         raise ConfigError(str(e)) from None
     if sections["data"].validation_datasets and "validation_split_ratio" not in merged:
         sections["data"] = dataclasses.replace(sections["data"], validation_split_ratio=0.0)
+    if sections["run"].exact_match_file is not None:
+        _check_exact_match_file(sections["run"].exact_match_file, sections["run"].exact_match_samples)
     return SFTConfig(**sections, source=source)
 
 
+def _check_exact_match_file(path: str, samples: int) -> None:
+    """The rows run.exact_match_report reads after training: every line JSON, the first `samples` of them chat
+    rows ending with the assistant's answer (generate.split_row's shape)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"exact_match_file={path}: file not found")
+    try:
+        lines = [(n, line) for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"exact_match_file={path}: cannot be read ({e})") from None
+    _check(bool(lines), f"exact_match_file={path}: has no rows (one JSON chat row per line)")
+    for i, (n, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"exact_match_file={path}: line {n} is not valid JSON ({e.msg})") from None
+        if i >= samples:
+            continue
+        messages = row.get("messages") if isinstance(row, dict) else None
+        last = messages[-1] if isinstance(messages, list) and len(messages) >= 2 else None
+        _check(isinstance(last, dict) and last.get("role") == "assistant" and isinstance(last.get("content"), str),
+               f"exact_match_file={path}: line {n}: expected {{\"messages\": [...]}} with a prompt and a last "
+               "assistant message with string content")
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in any mapping (PyYAML would keep the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<:` merges are meant to be overridden by explicit keys
+                key, line = self.construct_object(key_node, deep=False), key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: SafeLoader reports it
+                    continue
+                if first is not None:
+                    lines = f"lines {first} and {line}" if first != line else f"line {line}"
+                    raise ConfigError(f"key {key!r} is given twice ({lines}); keep one")
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path, overrides: list[str] = (), *, defaults: dict | None = None) -> SFTConfig:
-    """Reads a YAML file, applies `key=value` overrides, validates everything."""
+    """Reads a YAML file, applies `key=value` overrides (they replace file keys), validates everything."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: config file not found")
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_StrictLoader) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -509,6 +630,8 @@ def load_config(path: str | Path, overrides: list[str] = (), *, defaults: dict |
         raise ConfigError(f"{p}: the top level must be a mapping of keys to values")
     for item in overrides:
         key, value = parse_override(item)
+        for k in [k for k in raw if k != key and ALIASES.get(k, k) == ALIASES.get(key, key)]:
+            del raw[k]  # an override of torch_dtype replaces the file's model_dtype (and the reverse)
         raw[key] = value
     return config_from_dict(raw, defaults=defaults, source=str(p))
 

@@ -8,47 +8,66 @@ fp32 and the output takes --dtype (default: the base's parameter dtype as loaded
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import tempfile
 from pathlib import Path
 
 from .cli import run as run_cli
-from .errors import ModelLoadError
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+
+
+def check_out(out: Path) -> None:
+    """Refuses an --out that cannot take the merged model, before anything is loaded: an existing
+    file, a non-empty directory, or a place where it cannot be created. The model is assembled in a
+    temporary sibling (atomic.py), so the nearest existing ancestor of its parent must be a directory
+    we can write; a probe file is created and removed there (permission bits alone say nothing for
+    root, read-only mounts or ACLs)."""
+    if out.exists():
+        if not out.is_dir():
+            raise NotADirectoryError(f"{out}: --out exists and is not a directory; choose another --out")
+        if any(out.iterdir()):
+            raise FileExistsError(f"{out}: --out exists and is not empty; choose a new --out (nothing was written)")
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise NotADirectoryError(f"{out}: --out cannot be created because {parent} is a file; choose another --out")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".surogate-write-test-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PermissionError(
+            f"{out}: --out cannot be created, {parent} is not writable ({e.strerror or e}); choose another --out"
+        ) from None
 
 
 def main(argv):
     p = argparse.ArgumentParser(prog="python -m surogate_jax.export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="base model: HF directory, hub id or builtin:NAME")
-    p.add_argument("--adapter", required=True, help="PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("--adapter", required=True,
+                   help="PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     args = p.parse_args(argv)
 
+    out = Path(args.out).expanduser()
+    check_out(out)
+
     import jax.numpy as jnp
 
     from . import lora as L
-    from .hf import load_pretrained, save_pretrained
-    from .models import Decoder, LoraSpec
+    from .hf import load_pretrained, read_hf_config, save_pretrained
+    from .models import Decoder, config_from_hf
     from .run import resolve_model
 
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out}: exists and is not empty")
-    adapter_cfg = Path(args.adapter) / "adapter_config.json"
-    if not adapter_cfg.is_file():
-        raise ModelLoadError(f"{args.adapter}: not a PEFT adapter directory (no adapter_config.json)")
-    acfg = json.loads(adapter_cfg.read_text())
-    if acfg.get("peft_type") != "LORA" or acfg.get("use_dora") or acfg.get("use_rslora"):
-        raise ModelLoadError(f"{adapter_cfg}: only plain LoRA adapters are supported (peft_type LORA, no DoRA/rsLoRA)")
-    targets = acfg.get("target_modules")
-    if isinstance(targets, str) or not targets:
-        raise ModelLoadError(f"{adapter_cfg}: target_modules must be a list of module names, got {targets!r}")
+    # Cheap checks first: the adapter against the base's config.json, before the base weights load.
+    spec = L.peft_spec(L.read_adapter_config(args.adapter))
     base_dir = resolve_model(args.base)
+    adapters = L.load_peft(args.adapter, Decoder(config_from_hf(read_hf_config(base_dir)).replace(lora=spec)))
     base, params = load_pretrained(base_dir, dtype=getattr(jnp, DTYPES[args.dtype]))
-    spec = LoraSpec(rank=int(acfg["r"]), alpha=float(acfg["lora_alpha"]), targets=tuple(sorted(targets)))
-    adapters = L.load_peft(args.adapter, Decoder(base.config.replace(lora=spec)))
     merged = L.merge(params, adapters, spec)
     save_pretrained(out, base, merged, copy_side_files_from=base_dir)
     print(f"wrote merged model to {out}")

@@ -24,7 +24,7 @@ import numpy as np
 
 from .atomic import atomic_directory
 from .errors import ModelLoadError
-from .models import Decoder, config_from_hf, config_to_hf
+from .models import Decoder, check_hf_config, config_from_hf, config_to_hf
 from .models import hf_names as names
 from .safetensors_io import NAMES, CheckpointReader, write_file
 
@@ -61,6 +61,8 @@ def resolve_model_dir(path_or_id: str | os.PathLike) -> Path:
 
 
 def read_hf_config(model_dir: Path) -> dict:
+    """config.json of a model directory as a dict whose family and sizes are known to be usable
+    (ModelLoadError naming the file, the field and the value otherwise)."""
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         raise ModelLoadError(f"{model_dir}: not a model directory (no config.json)")
@@ -70,6 +72,7 @@ def read_hf_config(model_dir: Path) -> dict:
         raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
     if not isinstance(d, dict):
         raise ModelLoadError(f"{cfg_path}: expected a JSON object")
+    check_hf_config(d, str(cfg_path))
     return d
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .atomic import atomic_directory
-from .config import LoraConfig
+from .config import LORA_TARGETS, LoraConfig
 from .errors import ModelLoadError
 from .models import Decoder, LoraSpec
 from .models import hf_names as names
@@ -93,30 +94,114 @@ def save_peft(out_dir: str | os.PathLike, model: Decoder, lora: Any, *, base_mod
     return out
 
 
-def load_peft(adapter_dir: str | os.PathLike, model: Decoder) -> Any:
-    """Reads a PEFT LoRA adapter into our `lora` tree for `model` (whose LoraSpec must match)."""
+def read_adapter_config(adapter_dir: str | os.PathLike) -> dict:
+    """adapter_config.json of a PEFT adapter directory, checked to be a plain LoRA we can load: integer
+    r > 0, numeric lora_alpha, a list of target modules we adapt, no per-module ranks, layer subsets,
+    biases or DoRA/rsLoRA. Anything else raises ModelLoadError naming the file and the field."""
     d = Path(adapter_dir)
     cfg_path = d / "adapter_config.json"
+    if not d.is_dir():
+        raise ModelLoadError(f"{d}: no such adapter directory")
     if not cfg_path.is_file():
         raise ModelLoadError(f"{d}: not a PEFT adapter directory (no adapter_config.json)")
-    cfg = json.loads(cfg_path.read_text())
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{cfg_path}: not valid JSON ({e}); re-export the adapter") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    if cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
+        raise ModelLoadError(f"{cfg_path}: only plain LoRA adapters are supported (peft_type LORA, no DoRA/rsLoRA)")
+    for field in ("r", "lora_alpha"):
+        if field not in cfg:
+            raise ModelLoadError(f"{cfg_path}: the required field {field!r} is missing")
+    r, alpha = cfg["r"], cfg["lora_alpha"]
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise ModelLoadError(f"{cfg_path}: r={r!r} must be a positive integer (the LoRA rank)")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ModelLoadError(f"{cfg_path}: lora_alpha={alpha!r} must be a number")
+    targets = cfg.get("target_modules")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise ModelLoadError(f"{cfg_path}: target_modules must be a list of module names, got {targets!r}")
+    unknown = sorted(set(targets) - set(LORA_TARGETS))
+    if unknown:
+        raise ModelLoadError(f"{cfg_path}: target_modules {unknown} cannot be adapted; supported: {list(LORA_TARGETS)}")
+    # Each of these changes which tensors exist or how they combine; merging without them would be wrong.
+    for field, plain in (("rank_pattern", {}), ("alpha_pattern", {}), ("layers_to_transform", None),
+                         ("bias", "none"), ("fan_in_fan_out", False), ("modules_to_save", None)):
+        value = cfg.get(field)
+        if value not in (None, plain):
+            raise ModelLoadError(f"{cfg_path}: {field}={value!r} is not supported (only {plain!r})")
+    return cfg
+
+
+def peft_spec(cfg: dict) -> LoraSpec:
+    """The LoraSpec of a checked adapter_config.json dict (`read_adapter_config`)."""
+    return LoraSpec(rank=cfg["r"], alpha=float(cfg["lora_alpha"]), targets=tuple(sorted(set(cfg["target_modules"]))))
+
+
+def _read_tensors(d: Path) -> CheckpointReader:
+    try:
+        return CheckpointReader(d)
+    except (AttributeError, TypeError) as e:  # a header that is valid JSON but not the safetensors layout
+        raise ModelLoadError(f"{d}: corrupt adapter_model.safetensors ({e}); re-export the adapter") from None
+
+
+def load_peft(adapter_dir: str | os.PathLike, model: Decoder) -> Any:
+    """Reads a PEFT LoRA adapter into our `lora` tree for `model` (whose LoraSpec must match).
+
+    Every tensor is checked against the model before anything is copied: a missing or extra tensor,
+    another number of layers or another shape (an adapter of another base, or of another rank than
+    its adapter_config.json says) raises ModelLoadError naming the tensor and both shapes."""
+    d = Path(adapter_dir)
+    cfg = read_adapter_config(d)
+    cfg_path = d / "adapter_config.json"
     spec = model.config.lora
-    if cfg.get("r") != spec.rank:
-        raise ModelLoadError(f"{cfg_path}: r={cfg.get('r')} but the model expects rank {spec.rank}")
-    reader = CheckpointReader(d)
+    if cfg["r"] != spec.rank:
+        raise ModelLoadError(f"{cfg_path}: r={cfg['r']} but the model expects rank {spec.rank}")
+    if set(cfg["target_modules"]) != set(spec.targets):
+        raise ModelLoadError(f"{cfg_path}: target_modules={sorted(set(cfg['target_modules']))} but the model "
+                             f"expects {sorted(spec.targets)}")
+    reader = _read_tensors(d)
     abstract = jax.eval_shape(lambda: init_adapters(model, jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
-    def fill(kp, sds):
-        path = tuple(k.key for k in kp)
-        mod, leaf = path[:-1], path[-1]
-        out = np.empty(sds.shape, sds.dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    # name -> (HF shape, leaf index, layer): lora_A [r, in], lora_B [out, r] per layer.
+    expected: dict[str, tuple[tuple[int, ...], int, int]] = {}
+    for k, (kp, sds) in enumerate(leaves):
+        path = tuple(p.key for p in kp)
+        per_layer = sds.shape[1:]
         for i in range(sds.shape[0]):
-            stem = PEFT_PREFIX + _hf_module(mod, i)
-            if leaf == "lora_a":
-                out[i] = reader.get(f"{stem}.lora_A.weight").T.reshape(sds.shape[1:])
+            stem = PEFT_PREFIX + _hf_module(path[:-1], i)
+            if path[-1] == "lora_a":
+                expected[f"{stem}.lora_A.weight"] = ((spec.rank, math.prod(per_layer[:-1])), k, i)
             else:
-                out[i] = reader.get(f"{stem}.lora_B.weight").T.reshape(sds.shape[1:])
-        return jnp.asarray(out)
-    return jax.tree_util.tree_map_with_path(fill, abstract)
+                expected[f"{stem}.lora_B.weight"] = ((math.prod(per_layer[1:]), spec.rank), k, i)
+    hint = "the adapter was probably trained on another base model; pass the base it was trained on"
+    num_layers = model.config.num_layers
+    layers = {int(m.group(1)) for n in reader.names() if (m := re.search(r"\.layers\.(\d+)\.", n))}
+    if layers and max(layers) + 1 != num_layers:
+        raise ModelLoadError(f"{d}: the adapter has tensors for {max(layers) + 1} layers but the base model has "
+                             f"{num_layers}; {hint}")
+    extra = sorted(set(reader.names()) - set(expected))
+    if extra:
+        raise ModelLoadError(f"{d}: the adapter holds {len(extra)} tensor(s) the model has no place for "
+                             f"(e.g. {extra[0]!r}); {hint}, or with the target_modules its config lists")
+    for name, (want, _, _) in expected.items():
+        if name not in reader:
+            raise ModelLoadError(f"{d}: tensor {name!r} is missing from the adapter (adapter_config.json targets "
+                                 f"{sorted(spec.targets)})")
+        got = tuple(reader.get(name).shape)
+        if got != want:
+            rank_dim = 0 if name.endswith("lora_A.weight") else 1
+            if len(got) == 2 and got[rank_dim] != spec.rank and got[1 - rank_dim] == want[1 - rank_dim]:
+                why = f"its rank is {got[rank_dim]}, not r={spec.rank} as {cfg_path.name} says; fix r there"
+            else:
+                why = hint
+            raise ModelLoadError(f"{d}: tensor {name!r} has shape {list(got)}, the model expects {list(want)}; {why}")
+    hosts = [np.empty(sds.shape, sds.dtype) for _, sds in leaves]
+    for name, (_, k, i) in expected.items():
+        hosts[k][i] = reader.get(name).T.reshape(hosts[k].shape[1:])
+    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(h) for h in hosts])
 
 
 def merge(params: Any, lora: Any, spec: LoraSpec) -> Any:

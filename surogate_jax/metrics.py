@@ -2,19 +2,27 @@
 
 Every logged step appends one JSON object to <output_dir>/metrics.jsonl (step, loss, lr,
 grad_norm, tokens_per_s, mfu, ...; eval steps add eval_loss), so a resumed run continues the same
-file. The plot is redrawn from that file, so it covers the whole run across restarts.
+file: on start it is cut back to the step the run resumes from (`truncate`), so re-done steps are
+not logged twice, and a partial last line (a kill mid-write) is dropped rather than failing every
+later read. The plot is redrawn from that file, so it covers the whole run across restarts.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import sys
+import tempfile
+from collections import deque
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from .config import ConfigError, RunConfig
+
+log = logging.getLogger("surogate_jax")
 
 
 class RunLogger:
@@ -87,9 +95,68 @@ def _backend(name: str, out_dir: Path, run: RunConfig, config_flat: dict):
 
 
 def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; lines that are not whole JSON objects are skipped."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def truncate(path: Path, step: int) -> int:
+    """Keeps the records of steps <= `step` (the step a run starts from), rewriting the file
+    atomically; returns how many records were dropped."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    keep = [r for r in read_metrics(path) if isinstance(r.get("step"), int) and r["step"] <= step]
+    dropped = len([x for x in lines if x.strip()]) - len(keep)
+    if dropped:
+        fd, tmp = tempfile.mkstemp(prefix=".metrics.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in keep)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return dropped
+
+
+class PlateauWatch:
+    """Warns once when the training loss has not moved over `window` steps at a learning rate of
+    at least `min_lr`: a run whose weights blew up (say, learning_rate 1e6) sits at a flat loss,
+    often ln(vocab), with every value finite. Real training moves far more than `rel_tol`."""
+
+    def __init__(self, window: int = 50, rel_tol: float = 1e-4, min_lr: float = 1e-6):
+        self.window, self.rel_tol, self.min_lr = window, rel_tol, min_lr
+        self.points: deque = deque()
+        self.warned = False
+
+    def update(self, step: int, loss: float, lr: float) -> str | None:
+        """The warning to print, once, else None."""
+        if self.warned or not (math.isfinite(loss) and lr >= self.min_lr):
+            self.points.clear()
+            return None
+        self.points.append((step, loss))
+        while self.points and self.points[0][0] < step - self.window:
+            self.points.popleft()
+        first, losses = self.points[0][0], [x for _, x in self.points]
+        if step - first < self.window or len(losses) < 5:
+            return None
+        spread = max(losses) - min(losses)
+        if spread > self.rel_tol * max(1.0, abs(losses[-1])):
+            return None
+        self.warned = True
+        return (f"the training loss has not moved for {step - first} steps ({losses[-1]:.6g} +- {spread:.2g}) at "
+                f"learning rate {lr:.3g}: the run has likely diverged or stalled; lower learning_rate or check "
+                "the data")
 
 
 def plot(metrics_path: Path, out_png: Path) -> Path | None:

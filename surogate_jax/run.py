@@ -1,18 +1,23 @@
 """One training run end to end, shared by `python -m surogate_jax.sft` and `.pretrain`.
 
-config -> output dir checks -> tokenizer + data -> mesh -> model + weights (HF load, or random
-init for pre-training) -> TrainState (or the checkpoint it resumes from) -> jitted step loop with
-logging, eval and async checkpoints -> exports (PEFT adapter, merged model, or full model).
-Nothing that exists before the run is overwritten: a non-empty output_dir with checkpoints is
-resumed (resume_from_checkpoint: true) or refused; exports are written atomically.
+config -> checks (model config, output and checkpoint dirs, resume metadata, batch size) ->
+output_dir lock -> tokenizer + data -> mesh -> model + weights (HF load, or random init for
+pre-training) -> TrainState (or the newest readable checkpoint) -> jitted step loop with logging,
+eval, async checkpoints and stop signals -> exports (PEFT adapter, merged model, or full model).
+Nothing that exists before the run is overwritten: checkpoints are resumed
+(resume_from_checkpoint: true) or refused, files a surogate_jax run did not write are refused, and
+exports are written atomically. A non-finite step is never saved; SIGTERM / SIGINT save and stop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
-import math
+import os
+import signal
+import tempfile
 from pathlib import Path
 
 import flax.linen as nn
@@ -22,18 +27,22 @@ import numpy as np
 
 from . import parallel as par
 from . import train as T
-from .checkpoint import Checkpointer, abstract_like
+from .checkpoint import Checkpointer, abstract_like, strip_scratch
 from .config import ConfigError, SFTConfig
-from .errors import ModelLoadError
+from .errors import ModelLoadError, SurogateError
 from .hf import abstract_params, load_pretrained, read_hf_config, resolve_model_dir, save_pretrained
 from .lora import DTYPES, count, init_adapters, lora_spec, merge, save_peft
-from .metrics import RunLogger, check_backends
+from .lock import OutputLock, is_marked
+from .metrics import PlateauWatch, RunLogger, check_backends
+from .metrics import truncate as truncate_metrics
 from .models import Decoder, config_from_hf, config_to_hf
 from .optim import make_optimizer
 from .precision import recipe as recipe_lib
+from .stop import Interrupted, StopSignals
 
 log = logging.getLogger("surogate_jax")
 EXPORTS = ("adapter", "merged", "model")
+BATCH_BYTES_PER_TOKEN = 2 * (4 * 4 + 1)  # ids, targets, positions, segments (int32) + mask; stacked copy
 
 
 def resolve_model(name: str) -> Path:
@@ -53,15 +62,16 @@ def load_tokenizer(model_dir: Path):
         raise ModelLoadError(f"{model_dir}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
 
 
-def prepare_output(cfg: SFTConfig) -> tuple[Path, Checkpointer]:
+OWN_FILES = ("config.json", "metrics.jsonl", "summary.json", "training_plot.png")
+
+
+def check_output(cfg: SFTConfig) -> tuple[Path, Checkpointer]:
+    """Checks output_dir and checkpoint_dir before anything is written (nothing is created here):
+    both writable; checkpoints only resumed when resume_from_checkpoint allows it; files of ours
+    (config.json, metrics.jsonl, ...) that a surogate_jax run did not write are never replaced."""
     out = Path(cfg.run.output_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write_test.{jax.process_index()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"output_dir={str(out)!r} cannot be written ({e.strerror or e})") from None
+    for key, d in (("output_dir", out), ("checkpoint_dir", Path(cfg.run.checkpoint_dir or out))):
+        _check_writable(key, d)
     ckpt = Checkpointer(cfg.run.checkpoint_dir or out, keep=cfg.run.save_total_limit)
     has_ckpt = ckpt.latest_step() is not None
     if has_ckpt and not cfg.run.resume_from_checkpoint:
@@ -70,7 +80,54 @@ def prepare_output(cfg: SFTConfig) -> tuple[Path, Checkpointer]:
     existing = [d for d in EXPORTS if (out / d).exists()]
     if existing and not has_ckpt:
         raise ConfigError(f"output_dir {str(out)!r} already holds {existing}; use a new output_dir")
+    foreign = [f for f in OWN_FILES if (out / f).exists()]
+    if foreign and not has_ckpt and not is_marked(out):
+        raise ConfigError(f"output_dir {str(out)!r} already holds {', '.join(foreign)}, not written by a surogate_jax "
+                          "run; use a new output_dir (nothing there was changed)")
     return out, ckpt
+
+
+def _check_writable(key: str, d: Path) -> None:
+    """`d` exists as a writable directory, or can be created (probed in its nearest existing
+    ancestor, which is left as it was)."""
+    p = d
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        raise ConfigError(f"{key}={str(d)!r} cannot be created: {str(p)!r} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".surogate_jax_probe.", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{key}={str(d)!r} cannot be written ({e.strerror or e} in {str(p)!r})") from None
+
+
+def check_host_memory(cfg: SFTConfig, n_local_devices: int) -> None:
+    """A step's batch is built in host memory: refuse sizes that cannot fit before any work."""
+    r = cfg.run
+    tokens = r.gradient_accumulation_steps * r.per_device_train_batch_size * n_local_devices * cfg.model.sequence_len
+    need = tokens * BATCH_BYTES_PER_TOKEN
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    if need > have // 2:
+        raise ConfigError(f"per_device_train_batch_size={r.per_device_train_batch_size} x gradient_accumulation_steps="
+                          f"{r.gradient_accumulation_steps} x sequence_len={cfg.model.sequence_len} x "
+                          f"{n_local_devices} device(s) = {tokens:,} tokens a step need about {need / 1e9:.1f} GB of "
+                          f"host memory for the batch alone; this machine has {have / 1e9:.1f} GB: lower them")
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def quant_recipe(cfg: SFTConfig) -> recipe_lib.QuantRecipe | None:
@@ -136,7 +193,7 @@ def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
     spec = lora_spec(cfg.lora, cfg.precision.lora_dtype)
     meta = {"mode": mode, "model": json.dumps(arch, sort_keys=True),
             "lora": None if spec is None else f"r={spec.rank},alpha={spec.alpha},targets={sorted(spec.targets)}",
-            "sequence_len": cfg.model.sequence_len}
+            "sequence_len": cfg.model.sequence_len, "optimizer": cfg.optim.optimizer}
     r = quant_recipe(cfg)
     if r is not None and r.quantizes:  # its state / cached base are part of the checkpoint (bf16: key absent)
         meta["recipe"] = f"{r.name},amax_history={r.amax_history},skip={r.skip_first}/{r.skip_last}"
@@ -144,20 +201,30 @@ def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
 
 
 def run(cfg: SFTConfig, mode: str = "sft") -> dict:
-    from .data import BatchLoader, build_datasets
-
+    """Checks everything that can be checked, then (holding output_dir's lock) tokenizes, builds
+    the state, trains and exports. Until the loop starts the run writes nothing but the
+    tokenization cache: a run refused on the way leaves output_dir as it found it."""
     par.initialize_distributed()  # before anything touches a device
     check_launch(cfg)
     check_backends(cfg.run)
     recipe_lib.check_device(quant_recipe(cfg))  # fp8 below SM89: error naming the GPU; nvfp4: "emulated"
-    out, ckpt = prepare_output(cfg)
     model_dir = resolve_model(cfg.model.model)
-    meta = run_meta(cfg, model_dir, mode)
+    meta = run_meta(cfg, model_dir, mode)  # reads and checks the model's config.json
+    out, ckpt = check_output(cfg)
     if ckpt.latest_step() is not None:
-        ckpt.check_meta(meta)  # before anything in output_dir is touched
-    if jax.process_index() == 0:
-        (out / "config.json").write_text(json.dumps(cfg.to_flat(), indent=1, default=str))
+        ckpt.check_meta(meta)
+    mesh = par.make_mesh(par.run_devices(cfg.parallel.gpus))
+    check_host_memory(cfg, sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index()))
     tokenizer = load_tokenizer(model_dir)
+    lock = OutputLock(out) if jax.process_index() == 0 else contextlib.nullcontext(_NoLock())
+    with StopSignals() as stop, lock as held:
+        return _train(cfg, mode, model_dir, meta, out, ckpt, mesh, tokenizer, stop, held)
+
+
+def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ckpt: Checkpointer, mesh, tokenizer,
+           stop: StopSignals, lock) -> dict:
+    from .data import BatchLoader, build_datasets
+
     seq = cfg.model.sequence_len
     train_docs, val_docs = build_datasets(cfg.data, tokenizer, sequence_len=seq, cache_dir=out / "tokenized",
                                           seed=cfg.run.train_seed, mode=mode)
@@ -166,7 +233,6 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
              st.get("docs", len(train_docs)), st.get("tokens", 0), st.get("supervised_tokens", 0),
              st.get("rows_skipped", 0), st.get("truncated_docs", 0), seq)
 
-    mesh = par.make_mesh(par.run_devices(cfg.parallel.gpus))
     layout = par.Layout(mesh, par.Plan.from_config(cfg.parallel))
     model, params, trainable = build_model(cfg, model_dir, mode, layout)
     per_process_rows = par.process_local_rows(cfg.run.per_device_train_batch_size, mesh)
@@ -180,11 +246,9 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
     del params, trainable
     start = 0
     if ckpt.latest_step() is not None:
-        buf = state.grad_buf  # not in checkpoints (scratch): keep the fresh one
-        state, data_state = ckpt.restore(abstract_like(state.replace(grad_buf={})))
-        state = state.replace(grad_buf=buf)
+        restored, data_state, start = ckpt.restore(abstract_like(strip_scratch(state)))
+        state = restored.replace(grad_buf=state.grad_buf, first_nonfinite=T.fresh_flag(mesh))
         loader.restore(data_state)
-        start = int(state.step)
         log.info("resumed from %s at step %d", ckpt.dir, start)
     n_dev = mesh.devices.size
     log.info("model: %s, %s trainable parameters (%s); %d steps (%d per epoch), %d x %d x %d tokens per step on %d device(s)",
@@ -199,35 +263,56 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
     tokens_per_step = accum * cfg.run.per_device_train_batch_size * n_dev * seq
     flops = T.flops_per_token(model.config, seq, frozen_base=model.config.lora is not None)
     peak = T.device_peak_flops()
+
+    lock.commit()  # from here on the run writes its outputs
+    if jax.process_index() == 0:
+        write_json_atomic(out / "config.json", cfg.to_flat())
+        dropped = truncate_metrics(out / "metrics.jsonl", start)
+        if dropped:
+            log.info("metrics.jsonl: dropped %d records after step %d (re-done by this run)", dropped, start)
     logger = RunLogger(*log_target(cfg, out), total_steps=total, start_step=start, config_flat=cfg.to_flat())
+    plateau = PlateauWatch()
     last_eval = None
     timer = T.Throughput()
     try:
-        for step in range(start, total):
-            local = [next(loader) for _ in range(accum)]
-            batch = T.global_batch(mesh, {k: np.stack([b[k] for b in local]) for k in T.BATCH_KEYS}, True)
-            state, metrics = step_fn(state, batch)
-            done = step + 1
-            if done % cfg.run.logging_steps == 0 or done == total or done == start + 1:
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                sec = timer.update(done)  # None until a step after the compiled first one
-                m.update(step=done, epoch=loader.epoch,
-                         tokens_per_s=tokens_per_step / sec if sec else None,
-                         mfu=flops * tokens_per_step / sec / peak if (peak and sec) else None)
-                if not math.isfinite(m["loss"]):
-                    raise FloatingPointError(f"loss is {m['loss']} at step {done}; stopping (last checkpoint kept)")
-                logger.log(m)
-                logger.progress(done, m)
-            if eval_fn is not None and cfg.run.eval_steps and (done % cfg.run.eval_steps == 0 or done == total):
-                last_eval = evaluate(eval_fn, state, val_docs, rows=per_process_rows, seq=seq, mesh=mesh)
-                logger.log({"step": done, "eval_loss": last_eval})
-                logger.write(f"step {done}: eval loss {last_eval:.4f}")
-            if done % cfg.run.save_steps == 0 or done == total:
-                ckpt.save(done, state, loader.state(), meta)
-        ckpt.wait()
+        with stop.at_step_boundary():
+            for step in range(start, total):
+                local = [next(loader) for _ in range(accum)]
+                batch = T.global_batch(mesh, {k: np.stack([b[k] for b in local]) for k in T.BATCH_KEYS}, True)
+                state, metrics = step_fn(state, batch)
+                done = step + 1
+                ckpt.check_errors()  # a failed background save stops the run here, not at the next save
+                logged = done % cfg.run.logging_steps == 0 or done == total or done == start + 1
+                if logged:
+                    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    sec = timer.update(done)  # None until a step after the compiled first one
+                    m.update(step=done, epoch=loader.epoch,
+                             tokens_per_s=tokens_per_step / sec if sec else None,
+                             mfu=flops * tokens_per_step / sec / peak if (peak and sec) else None)
+                    logger.log(m)
+                    check_finite(state, ckpt, cfg)
+                    logger.progress(done, m)
+                    warning = plateau.update(done, m["loss"], m["lr"])
+                    if warning:
+                        logger.write(f"warning: step {done}: {warning}")
+                stopping = stop_agreed(stop, logged)
+                if not stopping and eval_fn is not None and cfg.run.eval_steps and (
+                        done % cfg.run.eval_steps == 0 or done == total):
+                    last_eval = evaluate(eval_fn, state, val_docs, rows=per_process_rows, seq=seq, mesh=mesh)
+                    logger.log({"step": done, "eval_loss": last_eval})
+                    logger.write(f"step {done}: eval loss {last_eval:.4f}")
+                if stopping or done % cfg.run.save_steps == 0 or done == total:
+                    check_finite(state, ckpt, cfg)  # never save a non-finite state
+                    ckpt.save(done, state, loader.state(), meta)
+                if stopping:
+                    ckpt.wait()
+                    raise Interrupted(stop.signum or signal.SIGTERM,
+                                      f"stopped by {stop.name or 'a signal'} after step {done}: checkpoint saved in "
+                                      f"{ckpt.dir}; run the same command to resume")
+            ckpt.wait()
     finally:
         logger.close()
-        ckpt.close()
+        ckpt.close(quiet=True)
     summary = {"steps": total, "output_dir": str(out), "eval_loss": last_eval}
     # Exports read whole arrays: sharded-across-processes or host-offloaded leaves become numpy
     # (collective: every process takes part).
@@ -239,8 +324,50 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
     peak_mem = T.peak_memory_bytes()
     if peak_mem:
         summary["peak_memory_gb"] = peak_mem / 1e9
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if jax.process_index() == 0:
+        write_json_atomic(out / "summary.json", summary)
     return summary
+
+
+class _NoLock:
+    """What processes other than 0 hold instead of the output lock (process 0 holds it for the run)."""
+
+    def commit(self) -> None:
+        pass
+
+
+class NonFiniteError(SurogateError):
+    """The loss or gradient norm of a step was NaN or infinite; nothing after the last good checkpoint is saved."""
+
+
+def check_finite(state, ckpt: Checkpointer, cfg: SFTConfig) -> None:
+    """Raises NonFiniteError when a step so far had a non-finite loss or gradient norm (one read of a
+    flag the jitted step carries: a host sync only where the loop logs or saves)."""
+    bad = int(jax.device_get(state.first_nonfinite))
+    if not bad:
+        return
+    ckpt.wait()
+    last = ckpt.latest_step()
+    where = (f"the last good checkpoint is step {last} in {ckpt.dir} (run the same command to resume from it)"
+             if last is not None else "no checkpoint was saved")
+    raise NonFiniteError(f"the loss or gradient norm is not finite at step {bad} (learning_rate "
+                         f"{cfg.optim.learning_rate:g}, max_grad_norm {cfg.optim.max_grad_norm:g}); stopped without "
+                         f"saving it: {where}. Lower learning_rate, or check the data around that step")
+
+
+def stop_agreed(stop: StopSignals, logged: bool) -> bool:
+    """Whether every process stops after this step. One process: as soon as a signal came. Several:
+    they agree at logged steps (the loop syncs there anyway), since a checkpoint is collective."""
+    if jax.process_count() == 1:
+        return stop.requested()
+    if not logged:
+        return False
+    from jax.experimental import multihost_utils
+
+    signums = np.asarray(multihost_utils.process_allgather(np.int32(stop.signum or 0)))
+    if signums.any() and stop.signum is None:
+        stop.signum = int(signums[signums > 0][0])
+    return bool(signums.any())
 
 
 def log_target(cfg: SFTConfig, out: Path):

@@ -58,6 +58,9 @@ class TrainState:
     # buffer assignment). This buffer took 2 GiB off that step's temporaries, not all of it: the
     # 8B all-offload step still does not fit one H100 (benchmarks/RESULTS.md, fourth session).
     grad_buf: Any = flax.struct.field(default_factory=dict)
+    # The first step (1-based) whose loss or gradient norm was not finite, 0 while all were; set
+    # inside the step so the host reads it only when it logs or saves. Not checkpointed ({} = off).
+    first_nonfinite: Any = flax.struct.field(default_factory=dict)
 
 
 def variables(model: Decoder, params: Any, trainable: Any, quant: Any = None) -> dict:
@@ -157,10 +160,14 @@ def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: 
                 lambda g, s, t: apply_fused(tx, g, s, t, norm=grad_norm), tx.init, grads, state.opt_state,
                 state.trainable, prep=prep, grads_host=plan.offload_grads, opt_host=plan.offload_optimizer,
                 params_host=plan.offload_master)
-        metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "lr": schedule(state.step),
-                   "supervised_tokens": n_tokens}
+        loss = loss_sum / denom
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "supervised_tokens": n_tokens}
+        flag = state.first_nonfinite
+        if not isinstance(flag, dict):
+            bad = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+            flag = jnp.where((flag == 0) & bad, state.step + 1, flag)
         new = state.replace(step=state.step + 1, trainable=trainable, opt_state=opt_state, rng=jax.random.key_data(rng),
-                            quant=quant, grad_buf=grads if use_buf else state.grad_buf)
+                            quant=quant, grad_buf=grads if use_buf else state.grad_buf, first_nonfinite=flag)
         return new, metrics
 
     return step
@@ -259,7 +266,13 @@ def init_state(model: Decoder, tx, params: Any, trainable: Any, seed: int, mesh:
     trainable = jax.device_put(trainable, sh.trainable)  # to pinned_host when offload_master
     return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), sh.step), params=params, trainable=trainable,
                       opt_state=opt_state, rng=jax.device_put(jax.random.key_data(jax.random.key(seed)), sh.rng),
-                      quant=jax.device_put(quant, sh.quant), grad_buf=grad_buffer(layout, abstract.trainable))
+                      quant=jax.device_put(quant, sh.quant), grad_buf=grad_buffer(layout, abstract.trainable),
+                      first_nonfinite=fresh_flag(mesh))
+
+
+def fresh_flag(mesh: Mesh) -> jax.Array:
+    """TrainState.first_nonfinite of a run that has seen only finite steps."""
+    return jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
 
 
 def grad_buffer(layout: Layout, trainable) -> Any:

@@ -14,7 +14,8 @@ BASE = {"model": "some/model", "datasets": [{"path": "data.jsonl"}]}
 
 
 @pytest.mark.parametrize("path", sorted(ROOT.glob("examples/**/*.yaml")), ids=lambda p: p.name)
-def test_every_example_parses(path):
+def test_every_example_parses(path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # example paths are relative to the repo root, and exact_match_file is checked at load
     cfg = load_config(path)
     assert cfg.model.model and cfg.data.datasets
 

@@ -62,13 +62,16 @@ def build_datasets(cfg: DataConfig, tokenizer, *, sequence_len: int, cache_dir: 
     job = _Job(tokenizer, sequence_len, "all" if mode == "pretrain" else cfg.loss_scale, mode,
                _workers(cfg.dataloader_num_workers))
     cache_dir = None if cache_dir is None else Path(cache_dir)
-    train = _build_split(cfg.datasets, job, cache_dir)
+    pending: list = []  # cache files are written once every split has built: a refused run writes nothing
+    train = _build_split(cfg.datasets, job, cache_dir, pending)
     if cfg.validation_datasets:
-        valid = _build_split(cfg.validation_datasets, job, cache_dir)
+        valid = _build_split(cfg.validation_datasets, job, cache_dir, pending)
     elif cfg.validation_split_ratio > 0:
         train, valid = split_validation(train, cfg.validation_split_ratio, seed)
     else:
         valid = None
+    for path, docs in pending:
+        cache.save(path, docs)
     for name, docs in (("train", train), ("validation", valid)):
         if docs is not None:
             log.info("%s", describe(name, docs.stats, sequence_len))
@@ -98,7 +101,8 @@ def _workers(configured: int) -> int:
     return configured if configured > 0 else min(os.cpu_count() or 1, 8)
 
 
-def _build_split(datasets: tuple[DatasetConfig, ...], job: _Job, cache_dir: Path | None) -> TokenizedDocs:
+def _build_split(datasets: tuple[DatasetConfig, ...], job: _Job, cache_dir: Path | None,
+                 pending: list) -> TokenizedDocs:
     sources = [resolve(d) for d in datasets]
     path = None
     if cache_dir is not None:
@@ -112,7 +116,7 @@ def _build_split(datasets: tuple[DatasetConfig, ...], job: _Job, cache_dir: Path
             return docs
     docs = TokenizedDocs.concat([_tokenize_dataset(d, s, job) for d, s in zip(datasets, sources)])
     if path is not None:
-        cache.save(path, docs)
+        pending.append((path, docs))
     docs.stats.update(cache=None if path is None else str(path), from_cache=False)
     return docs
 

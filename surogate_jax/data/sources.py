@@ -3,10 +3,17 @@
 `DatasetConfig.path` is, in order: an existing local file (.jsonl/.json/.parquet/.csv/.txt; a .txt
 file is one row per line with the field "text"), an existing local directory of such files (one
 format per directory), or otherwise a Hub id loaded with `subset`/`split` (needs the network or
-HF's local cache). Local files go through HF `datasets` (memory-mapped Arrow), except that a JSON
-file whose rows Arrow cannot put in one schema (say, a field that is a string in one row and a list
-in another) is read with the `json` module instead, so such rows reach the formatter and are
-skipped and counted there rather than failing the whole file. `samples` keeps the first N rows.
+HF's local cache). `samples` keeps the first N rows.
+
+Local .json/.jsonl files are read with the `json` module, never through HF `datasets`: Arrow infers
+one schema per file, which silently changes values (a string "2" becomes the int 2 once another row
+has a list where this one has a string) and so loses valid rows. Each row reaches the formatter
+exactly as parsed and the formatter decides per row. A file is a JSON array of rows, one object
+(pretty-printed or not), or JSON lines, streamed line by line. A JSON line that is not valid UTF-8
+or not valid JSON, or a value that is not an object, is one skipped row, counted with its reason
+(`Rows.unparsed`; the UTF-8 reason names the first such line); a broken JSON array is a DataError.
+Parquet/csv/txt files go through `datasets` (memory-mapped Arrow); one that is not UTF-8 is a
+DataError naming the file (and line, for csv/txt).
 
 `Source.fingerprint()` is what the tokenization cache keys on: size + mtime of every local file, or
 the Hub dataset's own `datasets` fingerprint.
@@ -15,6 +22,7 @@ the Hub dataset's own `datasets` fingerprint.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,12 +38,13 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 class Rows:
     """The rows of one dataset: `len`, `chunk(a, b)` -> list of dicts, `columns`, and the count of
-    rows that could not even be parsed (`unparsed`, reason -> count)."""
+    rows that could not even be parsed (`unparsed`, reason -> count). `name` is for error messages."""
 
-    def __init__(self, data: Any, columns: list[str], unparsed: Counter | None = None):
+    def __init__(self, data: Any, columns: list[str], unparsed: Counter | None = None, name: str = "the dataset"):
         self._data = data  # a datasets.Dataset or a list of dicts
         self.columns = columns
         self.unparsed = unparsed or Counter()
+        self.name = name
 
     def __len__(self) -> int:
         return len(self._data)
@@ -44,14 +53,27 @@ class Rows:
         if n >= len(self):
             return self
         data = self._data[:n] if isinstance(self._data, list) else self._data.select(range(n))
-        return Rows(data, self.columns, self.unparsed)
+        return Rows(data, self.columns, self.unparsed, self.name)
 
     def chunk(self, a: int, b: int) -> list[dict]:
         if isinstance(self._data, list):
             return self._data[a:b]
-        cols = self._data[a:b]  # datasets returns a dict of column lists
+        try:
+            cols = self._data[a:b]  # datasets returns a dict of column lists
+        except UnicodeDecodeError:  # Arrow keeps unvalidated bytes (parquet, Hub data) until they are read
+            row = self._first_undecodable(a, b) + 1
+            raise DataError(f"{self.name}: not UTF-8 text (first invalid string in row {row}); "
+                            "re-save it as UTF-8") from None
         keys = list(cols)
         return [dict(zip(keys, vals)) for vals in zip(*(cols[k] for k in keys))]
+
+    def _first_undecodable(self, a: int, b: int) -> int:
+        for i in range(a, min(b, len(self))):
+            try:
+                self._data[i]
+            except UnicodeDecodeError:
+                return i
+        return a
 
 
 @dataclass
@@ -106,51 +128,191 @@ def resolve(cfg: DatasetConfig) -> Source:
 
 
 def _load_local(src: Source) -> Rows:
+    if src.builder == "json":
+        return _JsonReader(src.files).read(src.name)
     try:
         import datasets
-    except ImportError:  # JSON needs only the json module (e.g. a GPU image without `datasets`)
-        if src.builder == "json":
-            return _read_json(src.files)
+    except ImportError:
         raise DataError(f"{src.name}: reading {src.builder} files needs the `datasets` package "
                         "(pip install datasets)") from None
 
     files = [str(f) for f in src.files]
+    reader_log = logging.getLogger(f"datasets.packaged_modules.{src.builder}.{src.builder}")
+    reader_log.addFilter(_drop_read_failures)
     try:
         ds = datasets.load_dataset(src.builder, data_files=files, split="train")
-    except Exception as e:  # noqa: BLE001 - any reader failure is reported or worked around below
-        if src.builder == "json":
-            return _read_json(src.files)
+    except Exception as e:  # noqa: BLE001 - any reader failure is the user's data to fix
+        if _is_decode_error(e):
+            raise DataError(_not_utf8(src)) from None
         raise DataError(f"{src.name}: cannot read {src.builder} data: {_reason(e)}") from None
-    return Rows(ds, list(ds.column_names))
+    finally:
+        reader_log.removeFilter(_drop_read_failures)
+    return Rows(ds, list(ds.column_names), name=src.name)
 
 
-def _read_json(files: tuple[Path, ...]) -> Rows:
-    """JSON array or JSON lines with the `json` module; unparsable lines are counted, not fatal."""
-    rows: list[dict] = []
-    bad: Counter = Counter()
-    for f in files:
-        text = f.read_text(encoding="utf-8", errors="replace")
-        try:
-            whole = json.loads(text)
-        except json.JSONDecodeError:
-            whole = None
-        items = whole if isinstance(whole, list) else [whole] if isinstance(whole, dict) else None
-        if items is None:
-            items = []
-            for line in text.splitlines():
+def _drop_read_failures(record: logging.LogRecord) -> bool:
+    """`datasets` logs a reader failure and then raises it; our DataError says it once, on one line."""
+    return not record.getMessage().startswith("Failed to read file")
+
+
+def _is_decode_error(e: BaseException) -> bool:
+    """A UnicodeDecodeError anywhere in the cause chain, or Arrow's invalid-UTF-8 error."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, UnicodeDecodeError) or re.search(r"invalid utf-?8", str(e), re.IGNORECASE):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _not_utf8(src: Source) -> str:
+    """The DataError message for a text file that does not decode, naming the file and line."""
+    if src.builder in ("csv", "text"):
+        for f in src.files:
+            line = _first_bad_utf8_line(f)
+            if line is not None:
+                where = src.name if len(src.files) == 1 else f
+                return f"{where}: not UTF-8 text (first invalid byte on line {line}); re-save it as UTF-8"
+    return f"{src.name}: the {src.builder} data is not valid UTF-8 text; re-save it as UTF-8"
+
+
+def _first_bad_utf8_line(f: Path) -> int | None:
+    with f.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return lineno
+    return None
+
+
+# --- JSON and JSON lines: the json module, row by row -------------------------------------------
+
+BOM = b"\xef\xbb\xbf"
+NOT_OBJECT = "row is not a JSON object"
+MALFORMED = "malformed JSON line"
+NOT_UTF8 = "not valid UTF-8"
+LONE_SURROGATE = "lone UTF-16 surrogate escape in a string"  # tokenizers reject such strings
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a cheap pre-check before walking a parsed row
+
+
+class _JsonReader:
+    """Reads JSON files into `rows` (dicts exactly as parsed) and counts what is not a row in `bad`;
+    the reasons for bad text name where it first occurs."""
+
+    def __init__(self, files: tuple[Path, ...]):
+        self.files = files
+        self.rows: list[dict] = []
+        self.bad: Counter = Counter()
+        self.first: dict[str, str] = {}  # reason -> where it first occurred
+
+    def read(self, name: str) -> Rows:
+        for f in self.files:
+            if _is_json_document(f):
+                self._document(f)
+            else:
+                self._lines(f)
+        for reason, where in self.first.items():
+            self.bad[f"{reason} (first at {where})"] = self.bad.pop(reason)
+        columns = list(dict.fromkeys(k for r in self.rows for k in r))
+        return Rows(self.rows, columns, self.bad, name)
+
+    def _skip(self, reason: str, f: Path, where: str) -> None:
+        self.bad[reason] += 1
+        self.first.setdefault(reason, where + (f" of {f}" if len(self.files) > 1 else ""))
+
+    def _add(self, item: Any) -> None:
+        if isinstance(item, dict):
+            self.rows.append(item)
+        else:
+            self.bad[NOT_OBJECT] += 1
+
+    def _lines(self, f: Path) -> None:
+        """JSON lines, streamed: one row per non-blank line; a bad line costs only that row."""
+        with f.open("rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                if lineno == 1:
+                    raw = raw.removeprefix(BOM)
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    self._skip(NOT_UTF8, f, f"line {lineno}")
+                    continue
                 if not line.strip():
                     continue
                 try:
-                    items.append(json.loads(line))
+                    item = json.loads(line)
                 except json.JSONDecodeError:
-                    bad["malformed JSON line"] += 1
-        for item in items:
-            if isinstance(item, dict):
-                rows.append(item)
+                    self.bad[MALFORMED] += 1
+                    continue
+                if SURROGATE_ESCAPE.search(line) and _has_surrogates(item):
+                    self._skip(LONE_SURROGATE, f, f"line {lineno}")
+                    continue
+                self._add(item)
+
+    def _document(self, f: Path) -> None:
+        """One JSON document: an array of rows or a single (pretty-printed) object."""
+        data = f.read_bytes().removeprefix(BOM)
+        bad_at = None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            bad_at = data.count(b"\n", 0, e.start) + 1
+            # undecodable bytes become lone surrogates, so the rows around them still parse
+            text = data.decode("utf-8", "surrogateescape")
+        del data
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError as e:
+            if text.lstrip().startswith("["):
+                raise DataError(f"{f}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+            del text
+            self._lines(f)  # not one document after all: JSON lines whose first line is malformed
+            return
+        check = bad_at is not None or SURROGATE_ESCAPE.search(text) is not None
+        del text
+        for i, item in enumerate(whole if isinstance(whole, list) else [whole]):
+            if check and _has_surrogates(item):
+                if bad_at is not None:
+                    self._skip(NOT_UTF8, f, f"line {bad_at}")
+                else:
+                    self._skip(LONE_SURROGATE, f, f"item {i + 1}")
             else:
-                bad["row is not a JSON object"] += 1
-    columns = sorted({k for r in rows for k in r})
-    return Rows(rows, columns, bad)
+                self._add(item)
+
+
+def _is_json_document(f: Path) -> bool:
+    """True for a JSON array file, and for an object that spans lines (its first line alone is not
+    JSON); otherwise the file is read as JSON lines."""
+    with f.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            line = (raw.removeprefix(BOM) if lineno == 1 else raw).strip()
+            if not line:
+                continue
+            if line.startswith(b"["):
+                return True
+            if not line.startswith(b"{"):
+                return False
+            try:
+                json.loads(line.decode("utf-8", "surrogateescape"))
+            except json.JSONDecodeError:
+                return True
+            return False
+    return False
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_surrogates(value: Any) -> bool:
+    if isinstance(value, str):
+        return SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_has_surrogates(k) or _has_surrogates(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_surrogates(v) for v in value)
+    return False
 
 
 def _load_hub(cfg: DatasetConfig) -> Rows:
@@ -161,7 +323,7 @@ def _load_hub(cfg: DatasetConfig) -> Rows:
     except Exception as e:  # noqa: BLE001 - no network, unknown id, bad split...: all the user's to fix
         raise DataError(f"{cfg.path}: no such local file or directory, and loading it from the Hugging Face "
                         f"Hub failed: {_reason(e)}") from None
-    return Rows(ds, list(ds.column_names))
+    return Rows(ds, list(ds.column_names), name=cfg.path)
 
 
 def _reason(e: BaseException) -> str:
