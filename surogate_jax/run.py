@@ -216,6 +216,7 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
     mesh = par.make_mesh(par.run_devices(cfg.parallel.gpus))
     check_host_memory(cfg, sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index()))
     tokenizer = load_tokenizer(model_dir)
+    check_exact_match(cfg, tokenizer, model_dir)
     lock = OutputLock(out) if jax.process_index() == 0 else contextlib.nullcontext(_NoLock())
     with StopSignals() as stop, lock as held:
         return _train(cfg, mode, model_dir, meta, out, ckpt, mesh, tokenizer, stop, held)
@@ -436,20 +437,45 @@ def export(cfg: SFTConfig, model: Decoder, model_dir: Path, state, out: Path) ->
                                          overwrite=True, copy_side_files_from=model_dir))}
 
 
+def exact_match_rows(cfg: SFTConfig) -> list[dict]:
+    """The held-out rows the exact-match check uses (config.py checked the file at load)."""
+    text = Path(cfg.run.exact_match_file).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()][:cfg.run.exact_match_samples]
+
+
+def check_exact_match(cfg: SFTConfig, tokenizer, model_dir: Path) -> None:
+    """What the exact-match check would refuse after training (no chat template or stop token, a
+    prompt plus answer longer than the model's positions), refused before any work."""
+    if not cfg.run.exact_match_file:
+        return
+    from .generate import encode_prompts, split_row, stop_token_ids
+
+    try:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template to render the prompts with")
+        stop_token_ids(tokenizer)
+        split = [split_row(r, i) for i, r in enumerate(exact_match_rows(cfg))]
+        prompt_len = max(len(ids) for ids in encode_prompts(tokenizer, [p for p, _ in split]))
+        answer_len = max(len(tokenizer(e, add_special_tokens=False)["input_ids"]) for _, e in split) + 2
+    except Exception as e:  # noqa: BLE001 - the user's rows or template (jinja errors included)
+        raise ConfigError(f"exact_match_file={cfg.run.exact_match_file}: {e}") from None
+    max_pos = read_hf_config(model_dir).get("max_position_embeddings")
+    if isinstance(max_pos, int) and prompt_len + answer_len > max_pos:
+        raise ConfigError(f"exact_match_file={cfg.run.exact_match_file}: a prompt of {prompt_len} tokens plus an answer "
+                          f"of up to {answer_len} exceeds the model's max_position_embeddings={max_pos}")
+
+
 def exact_match_report(cfg: SFTConfig, model: Decoder, state, tokenizer) -> float:
     from .generate import exact_match
 
     path = Path(cfg.run.exact_match_file)
-    if not path.is_file():
-        raise ConfigError(f"exact_match_file={str(path)!r}: file not found")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = exact_match_rows(cfg)
     spec = model.config.lora
     plain = Decoder(dataclasses.replace(model.config, lora=None, recipe=None))  # generation runs unquantized
     params = (merge(unquantized_base(cfg, resolve_model(cfg.model.model), state.params, model), state.trainable, spec)
               if spec is not None else T.variables(model, {}, state.trainable)["params"])
     acc, examples = exact_match(plain, params, tokenizer, rows, max_samples=cfg.run.exact_match_samples)
-    log.info("exact match on %d held-out prompts from %s: %.1f%%", min(len(rows), cfg.run.exact_match_samples),
-             path.name, 100 * acc)
+    log.info("exact match on %d held-out prompts from %s: %.1f%%", len(rows), path.name, 100 * acc)
     for prompt, want, got in examples[:3]:
         log.info("  %r -> %r (expected %r)", prompt, got, want)
     return acc

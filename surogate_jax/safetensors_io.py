@@ -61,6 +61,9 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ModelLoadError(f"{self.path}: corrupt safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise ModelLoadError(f"{self.path}: corrupt safetensors header (a JSON {type(header).__name__}, "
+                                 "not an object)")
         self.metadata = header.pop("__metadata__", None) or {}
         self._start = 8 + n
         self.tensors: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
@@ -98,9 +101,9 @@ class CheckpointReader:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                files = sorted(set(weight_map.values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise ModelLoadError(f"{index}: corrupt index file ({e!r})") from None
-            files = sorted(set(weight_map.values()))
             missing = [f for f in files if not (self.dir / f).is_file()]
             if missing:
                 raise ModelLoadError(f"{self.dir}: missing shard(s) listed in {index.name}: {missing}")

@@ -94,6 +94,22 @@ def test_corrupt_header(saved, tmp_path):
         surogate_jax.load_pretrained(d)
 
 
+@pytest.mark.parametrize("header", [b"[1, 2]", b'"text"', b"42"])
+def test_header_that_is_not_an_object(saved, tmp_path, header):
+    d = _copy(saved, tmp_path / "m")
+    (d / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(ModelLoadError, match="not an object"):
+        surogate_jax.load_pretrained(d)
+
+
+@pytest.mark.parametrize("index", ['{"weight_map": ["a"]}', "[]", '{"weight_map": 3}'])
+def test_index_of_the_wrong_shape(saved, tmp_path, index):
+    d = _copy(saved, tmp_path / "m")
+    (d / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ModelLoadError, match="corrupt index file"):
+        surogate_jax.load_pretrained(d)
+
+
 def test_missing_shard(tmp_path):
     d = tmp_path / "m"
     build_hf("llama3_tied").save_pretrained(d, max_shard_size="40KB")

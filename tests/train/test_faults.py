@@ -102,11 +102,15 @@ def test_unusable_data_leaves_no_output_dir(tmp_path, env):
 @pytest.mark.parametrize("over, needles", [
     ({"checkpoint_dir": "{file}/ckpt"}, ("checkpoint_dir=", "is not a directory")),
     ({"per_device_train_batch_size": 10**9}, ("host memory", "per_device_train_batch_size=1000000000")),
+    ({"exact_match_file": "{long_rows}"}, ("exact_match_file=", "exceeds the model's max_position_embeddings=512")),
 ])
 def test_bad_paths_and_sizes_are_refused_before_any_work(tmp_path, env, over, needles):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    over = {k: v.format(file=blocker) if isinstance(v, str) else v for k, v in over.items()}
+    long_rows = tmp_path / "held_out.jsonl"  # a prompt the tiny model (512 positions) cannot take
+    long_rows.write_text(json.dumps({"messages": [{"role": "user", "content": "word " * 2000},
+                                                  {"role": "assistant", "content": "ok"}]}) + "\n")
+    over = {k: v.format(file=blocker, long_rows=long_rows) if isinstance(v, str) else v for k, v in over.items()}
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("keep")
@@ -214,3 +218,11 @@ def test_a_damaged_checkpoint_is_set_aside_and_an_optimizer_switch_refused(tmp_p
     assert (out / "checkpoints_damaged" / "3").is_dir()
     assert ckpt_steps(out) == [3, 4, 5]
     assert sorted(losses(out)) == [1, 2, 3, 4, 5]
+
+
+def test_a_diverged_run_with_a_flat_loss_gets_one_warning(tmp_path, env):
+    cfg = write_config(tmp_path, learning_rate=1e6, warmup_steps=0, lr_scheduler_type="constant", max_steps=60,
+                       save_steps=100)
+    r = sft(cfg, env)
+    warnings = [x for x in r.stderr.splitlines() if x.startswith("warning:") and "has not moved" in x]
+    assert len(warnings) == 1 and "learning rate 1e+06" in warnings[0], r.stderr[-3000:]
