@@ -7,6 +7,7 @@ half-written model or adapter that a later run or a serving stack would pick up.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -30,3 +31,19 @@ def atomic_directory(out: Path, *, overwrite: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def probe_creatable(d: Path) -> Path:
+    """Checks that `d` (a directory to be written) exists writable or can be created: returns its
+    nearest existing ancestor after creating and removing a probe file there (permission bits say
+    nothing for root, read-only mounts or ACLs). NotADirectoryError when that ancestor is a file,
+    the probe's OSError when it cannot be written."""
+    p = Path(d).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        raise NotADirectoryError(20, "not a directory", str(p))
+    fd, probe = tempfile.mkstemp(prefix=".surogate_jax_probe.", dir=p)
+    os.close(fd)
+    os.unlink(probe)
+    return p

@@ -8,10 +8,9 @@ fp32 and the output takes --dtype (default: the base's parameter dtype as loaded
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 from pathlib import Path
 
+from .atomic import probe_creatable
 from .cli import run as run_cli
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
@@ -28,19 +27,14 @@ def check_out(out: Path) -> None:
             raise NotADirectoryError(f"{out}: --out exists and is not a directory; choose another --out")
         if any(out.iterdir()):
             raise FileExistsError(f"{out}: --out exists and is not empty; choose a new --out (nothing was written)")
-    parent = out.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise NotADirectoryError(f"{out}: --out cannot be created because {parent} is a file; choose another --out")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".surogate-write-test-", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
+        probe_creatable(out.absolute().parent)
+    except NotADirectoryError as e:
+        raise NotADirectoryError(f"{out}: --out cannot be created because {e.filename} is a file; "
+                                 "choose another --out") from None
     except OSError as e:
-        raise PermissionError(
-            f"{out}: --out cannot be created, {parent} is not writable ({e.strerror or e}); choose another --out"
-        ) from None
+        raise PermissionError(f"{out}: --out cannot be created there ({e.strerror or e}); "
+                              "choose another --out") from None
 
 
 def main(argv):

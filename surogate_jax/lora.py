@@ -140,13 +140,6 @@ def peft_spec(cfg: dict) -> LoraSpec:
     return LoraSpec(rank=cfg["r"], alpha=float(cfg["lora_alpha"]), targets=tuple(sorted(set(cfg["target_modules"]))))
 
 
-def _read_tensors(d: Path) -> CheckpointReader:
-    try:
-        return CheckpointReader(d)
-    except (AttributeError, TypeError) as e:  # a header that is valid JSON but not the safetensors layout
-        raise ModelLoadError(f"{d}: corrupt adapter_model.safetensors ({e}); re-export the adapter") from None
-
-
 def load_peft(adapter_dir: str | os.PathLike, model: Decoder) -> Any:
     """Reads a PEFT LoRA adapter into our `lora` tree for `model` (whose LoraSpec must match).
 
@@ -162,7 +155,7 @@ def load_peft(adapter_dir: str | os.PathLike, model: Decoder) -> Any:
     if set(cfg["target_modules"]) != set(spec.targets):
         raise ModelLoadError(f"{cfg_path}: target_modules={sorted(set(cfg['target_modules']))} but the model "
                              f"expects {sorted(spec.targets)}")
-    reader = _read_tensors(d)
+    reader = CheckpointReader(d)
     abstract = jax.eval_shape(lambda: init_adapters(model, jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     # name -> (HF shape, leaf index, layer): lora_A [r, in], lora_B [out, r] per layer.

@@ -27,6 +27,7 @@ import numpy as np
 
 from . import parallel as par
 from . import train as T
+from .atomic import probe_creatable
 from .checkpoint import Checkpointer, abstract_like, strip_scratch
 from .config import ConfigError, SFTConfig
 from .errors import ModelLoadError, SurogateError
@@ -88,19 +89,13 @@ def check_output(cfg: SFTConfig) -> tuple[Path, Checkpointer]:
 
 
 def _check_writable(key: str, d: Path) -> None:
-    """`d` exists as a writable directory, or can be created (probed in its nearest existing
-    ancestor, which is left as it was)."""
-    p = d
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    if not p.is_dir():
-        raise ConfigError(f"{key}={str(d)!r} cannot be created: {str(p)!r} is not a directory")
+    """`d` exists as a writable directory, or can be created (the probe leaves everything as it was)."""
     try:
-        fd, probe = tempfile.mkstemp(prefix=".surogate_jax_probe.", dir=p)
-        os.close(fd)
-        os.unlink(probe)
+        probe_creatable(d)
+    except NotADirectoryError as e:
+        raise ConfigError(f"{key}={str(d)!r} cannot be created: {e.filename!r} is not a directory") from None
     except OSError as e:
-        raise ConfigError(f"{key}={str(d)!r} cannot be written ({e.strerror or e} in {str(p)!r})") from None
+        raise ConfigError(f"{key}={str(d)!r} cannot be written ({e.strerror or e})") from None
 
 
 def check_host_memory(cfg: SFTConfig, n_local_devices: int) -> None:
@@ -204,6 +199,11 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
     """Checks everything that can be checked, then (holding output_dir's lock) tokenizes, builds
     the state, trains and exports. Until the loop starts the run writes nothing but the
     tokenization cache: a run refused on the way leaves output_dir as it found it."""
+    with StopSignals() as stop:  # from the start: a SIGTERM during the checks is one line too, not a silent kill
+        return _checked_run(cfg, mode, stop)
+
+
+def _checked_run(cfg: SFTConfig, mode: str, stop: StopSignals) -> dict:
     par.initialize_distributed()  # before anything touches a device
     check_launch(cfg)
     check_backends(cfg.run)
@@ -218,7 +218,7 @@ def run(cfg: SFTConfig, mode: str = "sft") -> dict:
     tokenizer = load_tokenizer(model_dir)
     check_exact_match(cfg, tokenizer, model_dir)
     lock = OutputLock(out) if jax.process_index() == 0 else contextlib.nullcontext(_NoLock())
-    with StopSignals() as stop, lock as held:
+    with lock as held:
         return _train(cfg, mode, model_dir, meta, out, ckpt, mesh, tokenizer, stop, held)
 
 
@@ -461,8 +461,8 @@ def check_exact_match(cfg: SFTConfig, tokenizer, model_dir: Path) -> None:
         raise ConfigError(f"exact_match_file={cfg.run.exact_match_file}: {e}") from None
     max_pos = read_hf_config(model_dir).get("max_position_embeddings")
     if isinstance(max_pos, int) and prompt_len + answer_len > max_pos:
-        raise ConfigError(f"exact_match_file={cfg.run.exact_match_file}: a prompt of {prompt_len} tokens plus an answer "
-                          f"of up to {answer_len} exceeds the model's max_position_embeddings={max_pos}")
+        raise ConfigError(f"exact_match_file={cfg.run.exact_match_file}: a prompt of {prompt_len} tokens plus an "
+                          f"answer of up to {answer_len} exceeds the model's max_position_embeddings={max_pos}")
 
 
 def exact_match_report(cfg: SFTConfig, model: Decoder, state, tokenizer) -> float:

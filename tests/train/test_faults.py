@@ -8,8 +8,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,37 +15,22 @@ import time
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).parents[2]
-DATA = ROOT / "examples" / "data"
+import sft_cli
+from sft_cli import DATA, TINY_RUN, cli_env, losses, sft
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    return {**os.environ, "SUROGATE_JAX_CACHE": str(cache), "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    return cli_env(tmp_path_factory.mktemp("cache"))
 
 
-def write_config(tmp: Path, name: str = "cfg.yaml", **over) -> Path:
-    cfg = {
-        "model": "builtin:tiny-qwen3", "output_dir": str(tmp / "out"), "model_dtype": "fp32",
-        "datasets": [{"path": str(DATA / "quickstart_train.jsonl"), "type": "conversation", "samples": 200}],
-        "validation_split_ratio": 0.0, "sequence_len": 128, "per_device_train_batch_size": 4,
-        "gradient_accumulation_steps": 1, "max_steps": 6, "save_steps": 2, "eval_steps": 0,
-        "learning_rate": 3e-3, "warmup_steps": 1, "lora_rank": 8, "lora_alpha": 16, "logging_steps": 1,
-    }
-    cfg.update(over)
-    p = tmp / name
-    p.write_text(json.dumps(cfg))  # JSON is YAML
-    return p
+# Smaller than test_run's: no eval, no validation split, one micro-batch a step.
+FAST = {**TINY_RUN, "validation_split_ratio": 0.0, "gradient_accumulation_steps": 1, "save_steps": 2, "eval_steps": 0,
+        "datasets": [{"path": str(DATA / "quickstart_train.jsonl"), "type": "conversation", "samples": 200}]}
 
 
-def sft(cfg: Path, env, *extra, check=True):
-    r = subprocess.run([sys.executable, "-m", "surogate_jax.sft", str(cfg), *extra], env=env, capture_output=True,
-                       text=True, timeout=900)
-    if check:
-        assert r.returncode == 0, r.stderr[-4000:]
-    return r
+def write_config(tmp: Path, **over) -> Path:
+    return sft_cli.write_config(tmp, FAST, **over)
 
 
 def snapshot(d: Path) -> dict[str, str]:
@@ -66,11 +49,6 @@ def assert_one_error(r, *needles: str) -> str:
     for n in needles:
         assert n in lines[0], (n, lines[0])
     return lines[0]
-
-
-def losses(out: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r.get("loss") is not None}
 
 
 def ckpt_steps(out: Path) -> list[int]:

@@ -5,51 +5,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).parents[2]
-DATA = ROOT / "examples" / "data"
+from sft_cli import cli_env, losses, sft, write_config
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    return {**os.environ, "SUROGATE_JAX_CACHE": str(cache), "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-
-
-def write_config(tmp: Path, **over) -> Path:
-    cfg = {
-        "model": "builtin:tiny-qwen3", "output_dir": str(tmp / "out"), "model_dtype": "fp32",
-        "datasets": [{"path": str(DATA / "quickstart_train.jsonl"), "type": "conversation", "samples": 400}],
-        "validation_split_ratio": 0.05, "sequence_len": 128, "per_device_train_batch_size": 4,
-        "gradient_accumulation_steps": 2, "max_steps": 6, "save_steps": 3, "eval_steps": 3,
-        "learning_rate": 3e-3, "warmup_steps": 1, "lora_rank": 8, "lora_alpha": 16, "logging_steps": 1,
-    }
-    cfg.update(over)
-    p = tmp / "cfg.yaml"
-    p.write_text(json.dumps(cfg))  # JSON is YAML
-    return p
-
-
-def sft(cfg: Path, env, *extra, check=True, **kw):
-    r = subprocess.run([sys.executable, "-m", "surogate_jax.sft", str(cfg), *extra], env=env, capture_output=True,
-                       text=True, timeout=900, **kw)
-    if check:
-        assert r.returncode == 0, r.stderr[-4000:]
-    return r
-
-
-def losses(out: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r.get("loss") is not None}
+    return cli_env(tmp_path_factory.mktemp("cache"))
 
 
 def test_lora_run_outputs_and_exact_resume(tmp_path, env):
