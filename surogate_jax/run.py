@@ -268,10 +268,11 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
     lock.commit()  # from here on the run writes its outputs
     if jax.process_index() == 0:
         write_json_atomic(out / "config.json", cfg.to_flat())
-        dropped = truncate_metrics(out / "metrics.jsonl", start)
-        if dropped:
-            log.info("metrics.jsonl: dropped %d records after step %d (re-done by this run)", dropped, start)
-    logger = RunLogger(*log_target(cfg, out), total_steps=total, start_step=start, config_flat=cfg.to_flat())
+    log_dir, log_cfg = log_target(cfg, out)
+    dropped = truncate_metrics(log_dir / "metrics.jsonl", start)
+    if dropped:
+        log.info("metrics.jsonl: dropped %d records after step %d (re-done by this run)", dropped, start)
+    logger = RunLogger(log_dir, log_cfg, total_steps=total, start_step=start, config_flat=cfg.to_flat())
     plateau = PlateauWatch()
     last_eval = None
     timer = T.Throughput()
