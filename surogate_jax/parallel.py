@@ -55,10 +55,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .config import ConfigError, ParallelConfig
+from .zero import DATA, zero_spec
 
 log = logging.getLogger("surogate_jax")
 
-DATA = "data"
 HOST = "pinned_host"
 DEVICE = "device"
 
@@ -199,22 +199,8 @@ class Plan:
         return self.offload_optimizer or self.offload_master or self.offload_grads
 
 
-def _under_layers(path) -> bool:
-    return any(getattr(k, "key", getattr(k, "name", None)) == "layers" for k in path)
-
-
-def zero_spec(path, shape: tuple[int, ...], n: int) -> P:
-    """The largest dim divisible by n (never a `layers` leaf's leading axis), else replicated."""
-    if n <= 1:
-        return P()
-    first = 1 if _under_layers(path) else 0
-    best = None
-    for d in range(first, len(shape)):
-        if shape[d] >= n and shape[d] % n == 0 and (best is None or shape[d] > shape[best]):
-            best = d
-    if best is None:
-        return P()
-    return P(*([None] * best), DATA)
+def _shards_itself(x) -> bool:
+    return callable(getattr(x, "zero_specs", None))
 
 
 class Layout:
@@ -235,25 +221,22 @@ class Layout:
     def shardings(self, tree, shard: bool, host: bool = False, device_kind: bool = False):
         """A NamedSharding per leaf of `tree`: ZeRO-sharded when `shard`, in pinned_host when `host`
         (else explicitly in device memory when `device_kind`); 8-bit moments keep codes and absmax together."""
-        from .optim.adamw_8bit import QuantizedMoment, shard_specs  # late: optim imports parallel lazily
-
         kind = HOST if host else (DEVICE if device_kind else None)
 
         def one(path, x):
             spec = zero_spec(path, tuple(x.shape), self.n) if shard else P()
             return NamedSharding(self.mesh, spec, memory_kind=kind)
 
-        def moment(path, q):
-            # an 8-bit moment's absmax [S[:j] + (R,)] splits where its codes split, so each shard
-            # holds whole blocks and the per-shard update needs no collective (adamw_8bit.shard_specs)
-            specs = shard_specs(path, tuple(q.codes.shape), self.n) if shard else None
-            if not isinstance(specs, tuple):  # replicated, or blocks straddling shards
-                return QuantizedMoment(one(path, q.codes), one(path, q.absmax))
-            return QuantizedMoment(*(NamedSharding(self.mesh, s, memory_kind=kind) for s in specs))
+        def own(path, x):
+            # a state that shards its own way (an 8-bit moment keeps each block's codes and absmax
+            # on one shard) gives a spec per part, or None for the rule above on each part
+            specs = x.zero_specs(path, self.n) if shard else None
+            if specs is None:
+                return type(x)(*(one(path, part) for part in x))
+            return type(x)(*(NamedSharding(self.mesh, s, memory_kind=kind) for s in specs))
 
         return jax.tree_util.tree_map_with_path(
-            lambda path, x: moment(path, x) if isinstance(x, QuantizedMoment) else one(path, x), tree,
-            is_leaf=lambda x: isinstance(x, QuantizedMoment))
+            lambda path, x: own(path, x) if _shards_itself(x) else one(path, x), tree, is_leaf=_shards_itself)
 
     def state_shardings(self, state):
         """Like `state` (arrays or ShapeDtypeStructs): a NamedSharding per leaf."""

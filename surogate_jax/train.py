@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from .loss import cross_entropy_sum
 from .models import Decoder, DecoderConfig
 from .offload import Streamer, num_layers
-from .optim.adamw_8bit import apply_fused
+from .optim.fused import apply_fused
 from .parallel import Layout, make_mesh  # noqa: F401  (make_mesh: re-exported)
 from .precision import fp8 as fp8_lib
 from .precision import recipe as recipe_lib

@@ -13,7 +13,8 @@ import jax
 import optax
 
 from ..config import OptimConfig
-from .adamw_8bit import FusedGradientTransformation, adamw_8bit, apply_fused, chain_clip
+from .adamw_8bit import adamw_8bit
+from .fused import FusedGradientTransformation, apply_fused, chain_clip
 from .normuon import normuon
 from .schedules import make_schedule
 

@@ -65,9 +65,7 @@ Kernel variants (`kernel_variant`, env SUROGATE_ADAMW8_VARIANT): 0 the first ker
 Public API:
   adamw_8bit(learning_rate, b1, b2, eps, weight_decay, block_size, *, mask, min_8bit_size,
              fp32_mask, impl, kernel_variant, shard_update) -> FusedGradientTransformation
-  apply_fused(tx, grads, opt_state, params) -> (new_params, new_opt_state)
-  chain_clip(max_norm, tx): optax.chain(optax.clip_by_global_norm(max_norm), tx) whose fused path
-                            folds the clip into the kernel as the gradient scale.
+  (apply_fused / chain_clip, the protocol the train step calls, live in optim/fused.py.)
 """
 
 from __future__ import annotations
@@ -85,6 +83,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from ..ops._loader import resolve_impl
+from ..zero import DATA, zero_spec
+from .fused import FusedGradientTransformation
 
 _log = logging.getLogger("surogate_jax")
 
@@ -251,6 +251,12 @@ class QuantizedMoment(NamedTuple):
     codes: jax.Array  # uint8 [param shape]
     absmax: jax.Array  # float32 [ceil(n / block_size)]
 
+    def zero_specs(self, path, n: int):
+        """(codes spec, absmax spec) when ZeRO over n devices splits this moment with whole blocks
+        on each shard, else None (parallel.Layout then applies its rule to each part)."""
+        specs = shard_specs(path, tuple(self.codes.shape), n)
+        return specs if isinstance(specs, tuple) else None
+
 
 class Adam8bitState(NamedTuple):
     """count: int32 []; mu / nu: trees shaped like the params whose leaves are either a float32
@@ -404,74 +410,6 @@ def update_8bit(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE, *, 
 
 
 # ---------------------------------------------------------------------------------------------
-# Fused transformations: optax transforms that can also write the parameters themselves
-
-
-class FusedGradientTransformation(optax.GradientTransformation):
-    """An optax GradientTransformation (init, update) with one more method:
-
-    fused_update(grads, state, params, grad_scale=None) -> (new_params, new_state)
-
-    which computes `params + update(grads * grad_scale)` directly (for adamw_8bit: one kernel pass
-    per tensor that writes the parameter in place). Use it through `apply_fused`."""
-
-    def __new__(cls, init, update, fused_update):
-        self = super().__new__(cls, init, update)
-        self.fused_update = fused_update
-        return self
-
-
-def apply_fused(tx: optax.GradientTransformation, grads, opt_state, params, norm: jax.Array | None = None):
-    """(new_params, new_opt_state): tx's fused path when it has one, else
-    `tx.update` + `optax.apply_updates` (the same result, one more pass over memory).
-    norm: the gradients' global norm when the caller knows it (a clipping chain then uses it
-    instead of the norm of `grads`: the layer-streamed update passes one layer's gradients)."""
-    fused = getattr(tx, "fused_update", None)
-    if fused is not None:
-        return fused(grads, opt_state, params, norm=norm) if isinstance(tx, ClipChain) else fused(grads, opt_state, params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-
-def global_norm(tree) -> jax.Array:
-    """sqrt of the float32 sum of squares of every leaf (the train step's grad_norm formula)."""
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
-
-
-class ClipChain(FusedGradientTransformation):
-    """optax.chain(optax.clip_by_global_norm(max_norm), inner) with a fused_update that also
-    takes the global norm from the caller (see `chain_clip`)."""
-
-
-def chain_clip(max_norm: float, tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """optax.chain(optax.clip_by_global_norm(max_norm), tx) (same init, update and state), as a
-    ClipChain whose `fused_update(grads, state, params, grad_scale=None, norm=None)` clips by
-    `norm` when given (else the norm of `grads`). When tx is fused, its kernel scales the
-    gradients by min(1, max_norm / norm) instead of writing clipped gradients first (equal to the
-    optax clip up to one float32 rounding of the scale); otherwise the clip is optax's formula,
-    then tx.update and optax.apply_updates."""
-    chained = optax.chain(optax.clip_by_global_norm(max_norm), tx)
-    inner = getattr(tx, "fused_update", None)
-
-    def fused_update(grads, state, params, grad_scale=None, norm=None):
-        norm = global_norm(grads) if norm is None else norm
-        if inner is not None:
-            scale = jnp.where(norm < max_norm, jnp.float32(1.0), jnp.float32(max_norm) / norm)
-            if grad_scale is not None:
-                scale = scale * grad_scale
-            new_params, inner_state = inner(grads, state[1], params, scale)
-            return new_params, (state[0], inner_state)
-        if grad_scale is not None:
-            raise ValueError("chain_clip: grad_scale needs a fused inner transformation")
-        trigger = norm < max_norm  # optax.clip_by_global_norm's formula, with the given norm
-        grads = jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), grads)
-        updates, inner_state = tx.update(grads, state[1], params)
-        return optax.apply_updates(params, updates), (state[0], inner_state)
-
-    return ClipChain(chained.init, chained.update, fused_update)
-
-
-# ---------------------------------------------------------------------------------------------
 # The optax transform
 
 
@@ -521,11 +459,6 @@ def shard_specs(path, shape: tuple[int, ...], n: int, block_size: int = BLOCK_SI
     The codes (and g, p) follow parallel.zero_spec: the largest dim d divisible by n. The absmax,
     shaped S[:j] + (R,), splits along d when d < j, along its last dim when d == j and n divides R
     (each shard then holds whole blocks); otherwise blocks straddle shards."""
-    from ..parallel import (  # late import: parallel imports the config only
-        DATA,
-        zero_spec,
-    )
-
     spec = zero_spec(path, tuple(shape), n)
     if spec == P():
         return None
@@ -680,15 +613,11 @@ __all__ = [
     "CODE_U",
     "KERNEL_AUX",
     "Adam8bitState",
-    "FusedGradientTransformation",
     "QuantizedMoment",
     "absmax_shape",
     "adamw_8bit",
-    "apply_fused",
-    "chain_clip",
     "dequantize",
     "dynamic_map",
-    "global_norm",
     "lookup_np",
     "midpoints",
     "quantize",
