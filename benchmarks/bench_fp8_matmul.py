@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from surogate_jax.ops import ffi_available
 from surogate_jax.ops.fp8_matmul import _gemm_ffi, _quantize_ffi, fp8_matmul
+from surogate_jax.ops import fp8_formats
 from surogate_jax.precision import fp8
 
 BF16_PEAK = 989e12
@@ -38,8 +39,8 @@ SHAPES = [("q/o proj", 4096, 4096), ("gate|up", 4096, 12288), ("down", 12288, 40
 
 
 def _state(x, w, dy):
-    st = fp8.init_matmul_state(16)
-    d = fp8.Fp8MatmulState(*(fp8.Fp8TensorState(fp8.amax(t), jnp.zeros(16)) for t in (x, w, dy)))
+    st = fp8_formats.init_matmul_state(16)
+    d = fp8_formats.Fp8MatmulState(*(fp8_formats.Fp8TensorState(fp8_formats.amax(t), jnp.zeros(16)) for t in (x, w, dy)))
     return fp8.update(st, d)
 
 
@@ -149,8 +150,8 @@ def main() -> None:
                     print(f"| {name} | {m} x {k} x {n} | {mode} | {iname} | failed: {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]} |||||", flush=True)
             if mode == "fwd":
-                xq, _, _ = _quantize_ffi(x, jnp.float32(1.0), fp8.E4M3, transposed=False)
-                _, wq_t, _ = _quantize_ffi(w, jnp.float32(1.0), fp8.E4M3, transposed=True)
+                xq, _, _ = _quantize_ffi(x, jnp.float32(1.0), fp8_formats.E4M3, transposed=False)
+                _, wq_t, _ = _quantize_ffi(w, jnp.float32(1.0), fp8_formats.E4M3, transposed=True)
                 try:
                     ms["fp8 ffi gemm"] = 1e3 * _time(_gemm_chain(args.steps, jnp.float32(1.0)), (xq, wq_t),
                                                      args.repeats) / args.steps

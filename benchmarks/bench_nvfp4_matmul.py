@@ -23,15 +23,15 @@ import jax
 import jax.numpy as jnp
 
 from surogate_jax.ops import ffi_available
-from surogate_jax.precision import nvfp4
-from surogate_jax.precision import nvfp4_gemm as g
+from surogate_jax.ops import nvfp4_quantize
+from surogate_jax.ops import nvfp4_matmul as g
 
 SHAPES = {"qo_proj": (4096, 4096), "gate_up": (14336, 4096), "down": (4096, 14336)}  # (N, K)
 BF16_PEAK_TFLOPS = 989.0
 
 
 def _tensor(codes, scales, gs, shape, tile_2d):
-    return nvfp4.NVFP4Tensor(codes, scales, gs, shape, tile_2d, None)
+    return nvfp4_quantize.NVFP4Tensor(codes, scales, gs, shape, tile_2d, None)
 
 
 def _gemm_step(gemm, m, n, k):
@@ -77,8 +77,8 @@ def main() -> None:
         ka, kb, key = jax.random.split(key, 3)
         x = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
         w = (jax.random.normal(kb, (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
-        a = nvfp4.quantize(x, impl="ffi")
-        bt = g.transpose(nvfp4.quantize(w, tile_2d=True, impl="ffi"), impl="ffi")  # [N, K] tiles
+        a = nvfp4_quantize.quantize(x, impl="ffi")
+        bt = g.transpose(nvfp4_quantize.quantize(w, tile_2d=True, impl="ffi"), impl="ffi")  # [N, K] tiles
         flops = 2.0 * m * n * k
         y0 = jnp.zeros((m, n), jnp.bfloat16)
         wt = w.T
@@ -92,7 +92,7 @@ def main() -> None:
         if native:
             rows.append(("native", _opbench.time_chain(_gemm_step(g.nvfp4_gemm_native, m, n, k), ops, args.steps, args.repeats)))
         # operand preparation alone (any GPU): swizzle of a's and W^T's scales, W^T nibble transpose
-        wq = nvfp4.quantize(w, tile_2d=True, impl="ffi")
+        wq = nvfp4_quantize.quantize(w, tile_2d=True, impl="ffi")
         o1 = g.swizzle_scales(a.scales, m, 1, impl="ffi")
         o2 = g.swizzle_scales(bt.scales, n, 16, impl="ffi")
         t_sw = _opbench.time_chain(_swizzle_step(m, n), (a.scales, bt.scales, o1, o2), args.steps, args.repeats)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from surogate_jax.ops import ffi_available
-from surogate_jax.precision import hadamard, nvfp4
+from surogate_jax.ops import hadamard, nvfp4_quantize
 
 SHAPES = [(16384, 4096), (8192, 14336)]
 CONFIGS = {
@@ -48,7 +48,7 @@ def _step(fn):
 
 
 def _carry(x, kw):
-    q = nvfp4.quantize(x, impl="ffi", **kw)
+    q = nvfp4_quantize.quantize(x, impl="ffi", **kw)
     return (x, q.codes, q.scales, q.global_scale)
 
 
@@ -80,17 +80,17 @@ def main() -> None:
             nscales = (-(-rows // 16) * (cols // 16)) if kw["tile_2d"] else rows * cols // 16
             out_bytes = n // 2 + nscales + 4
             mask = kw.get("rht_sign_mask")
-            amax = jax.jit(lambda x: nvfp4.global_amax(x, rht_sign_mask=mask, impl="ffi"))(x)
+            amax = jax.jit(lambda x: nvfp4_quantize.global_amax(x, rht_sign_mask=mask, impl="ffi"))(x)
             carry = _carry(x, kw)
-            full = _opbench.time_chain(_step(lambda x: nvfp4.quantize(x, impl="ffi", **kw)), carry,
+            full = _opbench.time_chain(_step(lambda x: nvfp4_quantize.quantize(x, impl="ffi", **kw)), carry,
                                        args.steps, args.repeats)
             quant = _opbench.time_chain(
-                _step(lambda x: nvfp4.quantize(x, impl="ffi", amax=amax, **kw)), carry, args.steps,
+                _step(lambda x: nvfp4_quantize.quantize(x, impl="ffi", amax=amax, **kw)), carry, args.steps,
                 args.repeats)
             amax_s = _opbench.time_chain(
-                lambda x, a: (x, nvfp4.global_amax(x, rht_sign_mask=mask, impl="ffi")), (x, amax),
+                lambda x, a: (x, nvfp4_quantize.global_amax(x, rht_sign_mask=mask, impl="ffi")), (x, amax),
                 args.steps, args.repeats)
-            xla = _opbench.time_chain(_step(lambda x: nvfp4.quantize(x, impl="ref", **kw)), carry,
+            xla = _opbench.time_chain(_step(lambda x: nvfp4_quantize.quantize(x, impl="ref", **kw)), carry,
                                       args.steps, args.repeats)
             full_b, quant_b = 2 * n * 2 + out_bytes, n * 2 + out_bytes
             fg, qg = full_b / full / 1e9, quant_b / quant / 1e9

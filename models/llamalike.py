@@ -29,7 +29,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from surogate_jax.ops import add_rms_norm, rms_norm, rope_qk, swiglu, swiglu_lora
-from surogate_jax.precision import fp8 as fp8_lib
+from surogate_jax.ops import fp8_formats
 from surogate_jax.precision import recipe as recipe_lib
 from surogate_jax.precision.recipe import QuantRecipe
 
@@ -284,7 +284,7 @@ class Linear(nn.Module):
         cfg, r = self.cfg, self.cfg.recipe
         state = None
         if r.has_state:
-            state = self.variable(recipe_lib.FP8_COLLECTION, "state", fp8_lib.init_matmul_state, r.amax_history).value
+            state = self.variable(recipe_lib.FP8_COLLECTION, "state", fp8_formats.init_matmul_state, r.amax_history).value
         key = None
         if r.name == "nvfp4":  # only the backward uses it; eval without the rng gets a fixed key
             key = self.make_rng(recipe_lib.QUANT_RNG) if self.has_rng(recipe_lib.QUANT_RNG) else jax.random.key(0)

@@ -78,9 +78,9 @@ def test_fp8_on_an_old_gpu_names_it_and_the_recipe_that_works():
 
 
 def test_nvfp4_logs_one_emulation_line(caplog):
-    from surogate_jax.precision import nvfp4
+    from surogate_jax.ops import nvfp4_matmul
 
-    nvfp4.log_emulation.cache_clear()
+    nvfp4_matmul.log_emulation.cache_clear()
     with caplog.at_level("INFO", logger="surogate_jax"):
         check_device(QuantRecipe("nvfp4"))
         check_device(QuantRecipe("nvfp4"))

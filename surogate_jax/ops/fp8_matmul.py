@@ -6,7 +6,7 @@ Shapes and dtypes:
   (default x.dtype). dx comes back in x.dtype, dw in w.dtype.
 
 Math (s_x, s_w, s_g the state's PREVIOUS scales; Q4 / Q5 = saturating round-to-nearest-even
-casts to E4M3 / E5M2, see precision/fp8.quantize):
+casts to E4M3 / E5M2, see precision/fp8_formats.quantize):
   forward   xq = Q4(x s_x), wq = Q4(w s_w);  y = (xq @ wq) / (s_x s_w)
   backward  gq = Q5(dy s_g);  dx = (gq @ wq^T) / (s_g s_w);  dw = (xq^T @ gq) / (s_x s_g)
 every GEMM accumulating in fp32 and rounding once to its output dtype. The gradient w.r.t. the
@@ -41,7 +41,7 @@ jnp.transpose: on the H100 (Qwen3-8B LoRA, 2026-11-22) XLA's layout assignment t
 per-layer jnp.transpose into transposed copies of the WHOLE stacked [L, K, N] cache hoisted out of
 the layer scan (12 GB of temporaries at 8B), which a custom call on the per-layer slice prevents.
 
-Known issues (H100 run of 2026-11-22, jax 0.11.2; see precision/fp8.quantize):
+Known issues (H100 run of 2026-11-22, jax 0.11.2; see precision/fp8_formats.quantize):
   * XLA's GPU compiler folds convert chains (f32 -> f8 -> f32 / bf16 becomes one convert,
     SimplifyFPConversions under the default xla_allow_excess_precision), so before the fix in
     `quantize` the "ref" and "xla" paths on GPU sometimes skipped the FP8 rounding, depending on
@@ -73,7 +73,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from surogate_jax.ops._loader import ENV_VAR, ffi_available, resolve_impl
 from surogate_jax.ops._sharding import data_axes, on_shards
-from surogate_jax.precision.fp8 import (
+from surogate_jax.ops.fp8_formats import (
     E4M3,
     E5M2,
     Fp8MatmulState,

@@ -9,7 +9,7 @@ Recipes (Surogate's `recipe:` key; seed 002 "Precision & Recipes"):
               (`surogate_jax.ops.fp8_matmul`, state in precision/fp8.py).
   nvfp4       NVFP4 operands (1x16 blocks for x and dY, 16x16 tiles for W, stochastic rounding for
               dY, 16-point RHT on the wgrad inputs, 4/6 block scales) (precision/nvfp4.py). GEMMs:
-              native cuBLASLt block-scaled FP4 on SM100+ GPUs (precision/nvfp4_gemm.py; compiled,
+              native cuBLASLt block-scaled FP4 on SM100+ GPUs (precision/nvfp4_matmul.py; compiled,
               not run on hardware in this project), emulated elsewhere (Hopper and CPU have no FP4
               tensor cores): quantize, dequantize to bf16, bf16 GEMM.
 
@@ -35,8 +35,8 @@ is built and adds a per-layer `kernel_scale` next to each kernel (its presence m
     `ops.fp8_matmul.fp8_matmul_frozen`). With skip counts > 0 the skipped layers must keep their
     exact weights, so the stacked kernel keeps the model dtype and holds the E4M3 values (exactly
     representable) in the quantized layers;
-  * nvfp4: the 16x16-tile quantize-dequantized weights (`nvfp4.fake_quantize_weight`, bf16 values),
-    used by `nvfp4.nvfp4_linear_frozen` (same forward and dX as quantizing every step).
+  * nvfp4: the 16x16-tile quantize-dequantized weights (`nvfp4_matmul.fake_quantize_weight`, bf16 values),
+    used by `nvfp4_matmul.nvfp4_linear_frozen` (same forward and dX as quantizing every step).
 Full fine-tuning quantizes the master weights every step (delayed scaling for fp8).
 """
 
@@ -52,7 +52,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from surogate_jax.precision import fp8, nvfp4
+from surogate_jax.ops import nvfp4_matmul, nvfp4_quantize
+from surogate_jax.ops import fp8_formats
+from surogate_jax.precision import fp8
 
 _log = logging.getLogger("surogate_jax")
 
@@ -78,7 +80,7 @@ class QuantRecipe:
     skip_first / skip_last: decoder layers kept plain at each end (skip_quant_*_layers).
     fp4_four_over_six / fp4_stochastic / fp4_backend / fp4_impl: NVFP4 knobs. fp4_backend names
       Surogate's CUTLASS or cuDNN FP4 kernels, which we do not have: both values select the
-      native cuBLASLt FP4 GEMM on SM100+ GPUs and the emulated GEMM elsewhere (nvfp4_gemm.py);
+      native cuBLASLt FP4 GEMM on SM100+ GPUs and the emulated GEMM elsewhere (nvfp4_matmul.py);
       fp4_impl is the quantizer backend (None = CUDA kernels on GPU, reference elsewhere; "ref"
       also forces the emulated GEMM).
     matmul_dtype / gradient_dtype: "fp32" | "bf16" GEMM dtypes under the bf16 recipe (None = the
@@ -87,7 +89,7 @@ class QuantRecipe:
 
     name: str = "bf16"
     fp8_impl: str | None = None
-    amax_history: int = fp8.DEFAULT_AMAX_HISTORY
+    amax_history: int = fp8_formats.DEFAULT_AMAX_HISTORY
     margin: float = 0.0
     skip_first: int = 0
     skip_last: int = 0
@@ -159,9 +161,9 @@ class QuantRecipe:
         dims = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
                 "num_heads * head_dim": cfg.num_heads * cfg.head_dim,
                 "num_kv_heads * head_dim": cfg.num_kv_heads * cfg.head_dim}
-        bad = {k: v for k, v in dims.items() if v % nvfp4.BLOCK}
+        bad = {k: v for k, v in dims.items() if v % nvfp4_quantize.BLOCK}
         if bad:
-            raise ValueError(f"recipe nvfp4 needs every projection dim to be a multiple of {nvfp4.BLOCK} "
+            raise ValueError(f"recipe nvfp4 needs every projection dim to be a multiple of {nvfp4_quantize.BLOCK} "
                              f"(NVFP4 blocks of 16 along the GEMM reduction); this model has {bad}")
 
     def describe(self) -> str:
@@ -169,9 +171,7 @@ class QuantRecipe:
         if self.name == "fp8-hybrid":
             parts.append(f"amax history {self.amax_history}, impl {self.fp8_impl or 'auto'}")
         if self.name == "nvfp4":
-            from surogate_jax.precision import nvfp4_gemm
-
-            gemm = ("native FP4 GEMMs (cuBLASLt, SM100+)" if nvfp4_gemm.native_available(impl=self.fp4_impl)
+            gemm = ("native FP4 GEMMs (cuBLASLt, SM100+)" if nvfp4_matmul.native_available(impl=self.fp4_impl)
                     else "emulated GEMMs (native FP4 needs SM100+, not run on hardware here)")
             parts.append(f"4/6 {'on' if self.fp4_four_over_six else 'off'}, stochastic rounding "
                          f"{'on' if self.fp4_stochastic else 'off'}, {gemm}")
@@ -191,7 +191,7 @@ def check_device(recipe: QuantRecipe | None, device: Any = None) -> None:
     if recipe.name == "fp8-hybrid":
         fp8.check_fp8_supported(device, recipe="fp8-hybrid")
     elif recipe.name == "nvfp4":
-        nvfp4.log_emulation()
+        nvfp4_matmul.log_emulation()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -232,21 +232,21 @@ def _quantized_2d(recipe: QuantRecipe, x2, w2, state, kernel_scale, key, dtype):
 
     if recipe.name == "fp8-hybrid":
         if kernel_scale is not None:  # frozen, cached E4M3 (kept in the model dtype when layers are skipped)
-            wq = w2 if w2.dtype == jnp.dtype(fp8.E4M3) else w2.astype(fp8.E4M3)
+            wq = w2 if w2.dtype == jnp.dtype(fp8_formats.E4M3) else w2.astype(fp8_formats.E4M3)
             return fp8_matmul_frozen(x2, wq, kernel_scale, state, impl=recipe.fp8_impl, out_dtype=dtype)
         return fp8_matmul(x2, w2, state, impl=recipe.fp8_impl, out_dtype=dtype)
     if recipe.name == "nvfp4":
         kw = {"four_over_six": recipe.fp4_four_over_six, "stochastic_grad": recipe.fp4_stochastic, "impl": recipe.fp4_impl}
         if kernel_scale is not None:
-            return nvfp4.nvfp4_linear_frozen(x2, w2, key, **kw).astype(dtype)
-        return nvfp4.nvfp4_linear_emulated(x2, w2, key, **kw).astype(dtype)
+            return nvfp4_matmul.nvfp4_linear_frozen(x2, w2, key, **kw).astype(dtype)
+        return nvfp4_matmul.nvfp4_linear_emulated(x2, w2, key, **kw).astype(dtype)
     mm = MATMUL_DTYPES[recipe.matmul_dtype] if recipe.matmul_dtype else dtype
     gd = MATMUL_DTYPES[recipe.gradient_dtype] if recipe.gradient_dtype else mm
     return mixed_linear(x2, w2, mm, gd, dtype)
 
 
 def linear(recipe: QuantRecipe, x: jax.Array, kernel: jax.Array, *, in_dims: int, dtype: Any,
-           fp8_state: fp8.Fp8MatmulState | None = None, kernel_scale: jax.Array | None = None,
+           fp8_state: fp8_formats.Fp8MatmulState | None = None, kernel_scale: jax.Array | None = None,
            key: jax.Array | None = None, layer: jax.Array | None = None, num_layers: int | None = None) -> jax.Array:
     """y [..., out...] = x [..., in...] @ kernel [in..., out...] under `recipe` (one projection of
     one decoder layer; the caller fetches state, kernel_scale and key, this function is pure).
@@ -315,21 +315,21 @@ def cache_kernel(recipe: QuantRecipe, proj: str, w: jax.Array, num_layers: int):
     bshape = (L,) + (1,) * (w.ndim - 1)
     if recipe.name == "fp8-hybrid":
         am = jnp.max(jnp.abs(w.astype(jnp.float32)).reshape(L, -1), axis=1)
-        scale = jnp.where((am > 0) & jnp.isfinite(am), fp8.E4M3_MAX / jnp.where(am > 0, am, 1.0), 1.0)
+        scale = jnp.where((am > 0) & jnp.isfinite(am), fp8_formats.E4M3_MAX / jnp.where(am > 0, am, 1.0), 1.0)
         scale = scale.astype(jnp.float32)
-        q = fp8.quantize(w, scale.reshape(bshape), fp8.E4M3)
+        q = fp8_formats.quantize(w, scale.reshape(bshape), fp8_formats.E4M3)
         if not recipe.skips:
             return q, scale
         return jnp.where(layers_q.reshape(bshape), q.astype(w.dtype), w), scale
     # nvfp4: per layer, the 2-D [in, out] matrix in 16x16 tiles (global scale per layer)
     def one(wl):
-        wq = nvfp4.fake_quantize_weight(wl.reshape(k, -1), four_over_six=recipe.fp4_four_over_six,
+        wq = nvfp4_matmul.fake_quantize_weight(wl.reshape(k, -1), four_over_six=recipe.fp4_four_over_six,
                                         impl=recipe.fp4_impl)
         return wq.reshape(wl.shape).astype(w.dtype)
 
     q = jax.lax.map(one, w)
-    s_dec = jax.lax.map(lambda wl: 1.0 / nvfp4.global_encode_scale(jnp.max(jnp.abs(wl.astype(jnp.float32))),
-                                                                   recipe.fp4_four_over_six), w)
+    s_dec = jax.lax.map(lambda wl: 1.0 / nvfp4_quantize.global_encode_scale(
+        jnp.max(jnp.abs(wl.astype(jnp.float32))), recipe.fp4_four_over_six), w)
     return jnp.where(layers_q.reshape(bshape), q, w), s_dec.astype(jnp.float32)
 
 

@@ -1,5 +1,5 @@
 """GPU tests of the FP8 GEMM stack: the fused quantizer kernels bit-exact against
-`precision.fp8.quantize`, the cuBLASLt FP8 GEMM handler against the fp32 GEMM of its dequantized
+`precision.fp8_formats.quantize`, the cuBLASLt FP8 GEMM handler against the fp32 GEMM of its dequantized
 operands, the public `fp8_matmul` ("ffi" and "xla") against the reference (forward, dx, dw, amaxes)
 and against unquantized GEMMs within the formats' error, the compiled HLO (XLA's rewrite into
 `__cublas$lt$matmul$f8`, our custom calls), odd row counts, and outputs over poisoned memory; the
@@ -26,11 +26,12 @@ from surogate_jax.ops.fp8_matmul import (
     fp8_matmul_frozen,
     resolve_fp8_impl,
 )
+from surogate_jax.ops import fp8_formats
 from surogate_jax.precision import fp8
 
 pytestmark = pytest.mark.gpu
 
-FORMATS = {"e4m3": fp8.E4M3, "e5m2": fp8.E5M2}
+FORMATS = {"e4m3": fp8_formats.E4M3, "e5m2": fp8_formats.E5M2}
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 _seed = itertools.count(2000)
 HI = jax.lax.Precision.HIGHEST
@@ -66,9 +67,9 @@ def _same_fp8(got, want, what):
 
 
 def _np_quantize(x, scale, f8):
-    """Host reference of fp8.quantize: one f32 multiply, clip, ml_dtypes' round-to-nearest-even
+    """Host reference of fp8_formats.quantize: one f32 multiply, clip, ml_dtypes' round-to-nearest-even
     cast (independent of how XLA's GPU backend lowers f32 -> f8 converts)."""
-    fmax = fp8.fp8_max(f8)
+    fmax = fp8_formats.fp8_max(f8)
     xs = np.asarray(jax.device_get(jnp.asarray(x, jnp.float32)), np.float32) * np.float32(scale)
     return np.clip(xs, -fmax, fmax).astype(jnp.dtype(f8))
 
@@ -165,12 +166,12 @@ def test_transpose_kernel_bytes_exact(rows, cols, fmt):
 
 
 def test_transpose_kernel_leading_dims_and_vmap():
-    x = _random_fp8_bytes((5, 7, 48), fp8.E5M2)  # the handler takes x [..., C]: R = 35 rows
+    x = _random_fp8_bytes((5, 7, 48), fp8_formats.E5M2)  # the handler takes x [..., C]: R = 35 rows
     call = jax.ffi.ffi_call(TRANSPOSE_TARGET, jax.ShapeDtypeStruct((48, 40), x.dtype), vmap_method="sequential")
     got = _u8(jax.jit(call)(x))
     np.testing.assert_array_equal(got[:, :35], _u8(x).reshape(35, 48).T)
     assert np.all(got[:, 35:] == 0)
-    xb = _random_fp8_bytes((3, 35, 48), fp8.E4M3)  # vmap: one call per example
+    xb = _random_fp8_bytes((3, 35, 48), fp8_formats.E4M3)  # vmap: one call per example
     got = jax.jit(jax.vmap(_transpose_ffi))(xb)
     np.testing.assert_array_equal(_u8(got), np.stack([_u8(xb[i]).T for i in range(3)]))
 
@@ -179,7 +180,7 @@ def test_transpose_rejects_non_fp8_and_short_ld():
     with pytest.raises(Exception, match="float8"):
         jax.jit(_transpose_ffi)(jnp.ones((32, 16), jnp.bfloat16)).block_until_ready()
     with pytest.raises(ValueError, match="ld_t"):
-        _transpose_ffi(_random_fp8_bytes((32, 16), fp8.E4M3), 16)
+        _transpose_ffi(_random_fp8_bytes((32, 16), fp8_formats.E4M3), 16)
 
 
 # ---- cuBLASLt FP8 GEMM handler -----------------------------------------------------------
@@ -192,7 +193,7 @@ COMBOS = [("e4m3", "e4m3", jnp.bfloat16, True), ("e4m3", "e4m3", jnp.float32, Tr
 
 
 def _random_fp8(shape, f8):
-    return fp8.quantize(jax.random.normal(_key(), shape, jnp.float32), 64.0, f8)
+    return fp8_formats.quantize(jax.random.normal(_key(), shape, jnp.float32), 64.0, f8)
 
 
 @pytest.mark.parametrize("ta,tb,out_dtype,fast_accum", COMBOS,
@@ -214,10 +215,10 @@ def test_gemm_matches_dequantized_fp32_gemm(m, k, n, ta, tb, out_dtype, fast_acc
 
 
 def test_gemm_rejects_unaligned_and_e5m2_pairs():
-    a = _random_fp8((32, 24), fp8.E4M3)
+    a = _random_fp8((32, 24), fp8_formats.E4M3)
     with pytest.raises(Exception, match="multiples of 16"):
         jax.jit(lambda a: _gemm_ffi(a, a[:16], 1.0, 1.0, jnp.bfloat16, True))(a).block_until_ready()
-    g = _random_fp8((32, 32), fp8.E5M2)
+    g = _random_fp8((32, 32), fp8_formats.E5M2)
     with pytest.raises(Exception, match="e5m2"):
         jax.jit(lambda g: _gemm_ffi(g, g, 1.0, 1.0, jnp.bfloat16, True))(g).block_until_ready()
 
@@ -229,8 +230,8 @@ OP_SHAPES = [((1000,), 256, 512), ((3, 77), 512, 1024), ((5,), 16, 16), ((4096,)
 
 def _state_for(x, w, dy, h=4):
     """A state whose scales are the delayed-scaling scales after one step that saw x, w, dy."""
-    st = fp8.init_matmul_state(h)
-    d = fp8.Fp8MatmulState(*(fp8.Fp8TensorState(fp8.amax(t), jnp.zeros(h)) for t in (x, w, dy)))
+    st = fp8_formats.init_matmul_state(h)
+    d = fp8_formats.Fp8MatmulState(*(fp8_formats.Fp8TensorState(fp8_formats.amax(t), jnp.zeros(h)) for t in (x, w, dy)))
     return fp8.update(st, d)
 
 
@@ -334,7 +335,7 @@ def test_auto_picks_a_gpu_backend():
     assert resolve_fp8_impl(None, 24, 1024) == "xla"  # unaligned K: the xla path pads
     with pytest.raises(ValueError, match="multiples of 16"):
         fp8_matmul(jnp.ones((4, 24), jnp.bfloat16), jnp.ones((24, 32), jnp.bfloat16),
-                   fp8.init_matmul_state(4), impl="ffi")
+                   fp8_formats.init_matmul_state(4), impl="ffi")
 
 
 def test_vmap_runs_per_example(assert_close):
@@ -373,9 +374,9 @@ def _frozen_scan_temp_bytes(matmul):
 
     S = jax.ShapeDtypeStruct
     L, D, F, M = SCAN_L, SCAN_D, SCAN_F, SCAN_M
-    st = fp8.init_matmul_state(4)
-    args = (S((M, D), jnp.bfloat16), S((L, D, F), fp8.E4M3), S((L,), jnp.float32),
-            S((L, F, D), fp8.E4M3), S((L,), jnp.float32), st)
+    st = fp8_formats.init_matmul_state(4)
+    args = (S((M, D), jnp.bfloat16), S((L, D, F), fp8_formats.E4M3), S((L,), jnp.float32),
+            S((L, F, D), fp8_formats.E4M3), S((L,), jnp.float32), st)
     compiled = jax.jit(jax.grad(loss)).lower(*args).compile()
     hlo = compiled.as_text()
     lines = [ln.strip()[:300] for ln in hlo.splitlines()
@@ -409,14 +410,14 @@ def _old_frozen_matmul():
     fp8 slice feeding our GEMM (dx only in the backward). Scales are irrelevant to the layout."""
     @jax.custom_vjp
     def mm(x2, wq):
-        xq, _, _ = _quantize_ffi(x2, jnp.float32(1.0), fp8.E4M3, transposed=False)
+        xq, _, _ = _quantize_ffi(x2, jnp.float32(1.0), fp8_formats.E4M3, transposed=False)
         return _gemm_ffi(xq, jnp.transpose(wq), 1.0, 1.0, x2.dtype, True)
 
     def fwd(x2, wq):
         return mm(x2, wq), wq
 
     def bwd(wq, dy):
-        gq, _, _ = _quantize_ffi(dy, jnp.float32(1.0), fp8.E5M2, transposed=False)
+        gq, _, _ = _quantize_ffi(dy, jnp.float32(1.0), fp8_formats.E5M2, transposed=False)
         return _gemm_ffi(gq, wq, 1.0, 1.0, dy.dtype, False), None
 
     mm.defvjp(fwd, bwd)

@@ -23,6 +23,7 @@ from surogate_jax import lora as lora_lib
 from surogate_jax import train as T
 from surogate_jax.ops._loader import ffi_available
 from surogate_jax.ops.fp8_matmul import resolve_fp8_impl
+from surogate_jax.ops import fp8_formats
 from surogate_jax.precision import fp8
 from surogate_jax.precision.recipe import (
     QuantRecipe,
@@ -96,11 +97,11 @@ def test_fp8_matmul_frozen_ffi_matches_reference(m, k, n, dtype, assert_close):
     rng = np.random.default_rng(m + k + n)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32)
-    s_w = jnp.float32(fp8.E4M3_MAX / float(jnp.max(jnp.abs(w))))
-    wq = fp8.quantize(w, s_w, fp8.E4M3)
-    st = fp8.init_matmul_state(4)
-    st = fp8.Fp8MatmulState(fp8.Fp8TensorState(jnp.float32(100.0), st.x.amax_history), st.w,
-                            fp8.Fp8TensorState(jnp.float32(2.0 ** 12), st.g.amax_history))
+    s_w = jnp.float32(fp8_formats.E4M3_MAX / float(jnp.max(jnp.abs(w))))
+    wq = fp8_formats.quantize(w, s_w, fp8_formats.E4M3)
+    st = fp8_formats.init_matmul_state(4)
+    st = fp8_formats.Fp8MatmulState(fp8_formats.Fp8TensorState(jnp.float32(100.0), st.x.amax_history), st.w,
+                            fp8_formats.Fp8TensorState(jnp.float32(2.0 ** 12), st.g.amax_history))
     dy = jnp.asarray(rng.standard_normal((m, n)) * 1e-3, dtype)
 
     def run(impl, x, wq, s_w, st, dy):  # arguments, not closures: closed-over arrays get constant-folded

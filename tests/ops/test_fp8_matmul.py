@@ -23,6 +23,7 @@ from surogate_jax.ops.fp8_matmul import (
     fp8_matmul_ref,
     resolve_fp8_impl,
 )
+from surogate_jax.ops import fp8_formats
 from surogate_jax.precision import fp8
 
 
@@ -34,8 +35,8 @@ def _full_f32_matmuls():
 
 
 def _state(sx, sw, sg, h=4):
-    mk = lambda s: fp8.Fp8TensorState(jnp.float32(s), jnp.zeros(h, jnp.float32))
-    return fp8.Fp8MatmulState(mk(sx), mk(sw), mk(sg))
+    mk = lambda s: fp8_formats.Fp8TensorState(jnp.float32(s), jnp.zeros(h, jnp.float32))
+    return fp8_formats.Fp8MatmulState(mk(sx), mk(sw), mk(sg))
 
 
 def _np_q(x, scale, np_dtype, fmax):
@@ -111,7 +112,7 @@ def test_out_dtype_and_mixed_input_dtypes(assert_close):
 def test_delayed_scaling_through_training_steps():
     """Each step quantizes with the previous step's scale; scales follow the formula exactly."""
     h, steps = 3, 6
-    state = fp8.init_matmul_state(h)
+    state = fp8_formats.init_matmul_state(h)
     np_s = {"x": np.float32(1.0), "w": np.float32(1.0), "g": np.float32(1.0)}
     np_h = {t: np.zeros(h, np.float32) for t in "xwg"}
     fmax = {"x": 448.0, "w": 448.0, "g": 57344.0}
@@ -203,7 +204,7 @@ def test_errors_and_impl_resolution(monkeypatch):
     with pytest.raises(ValueError, match="impl must be"):
         fp8_matmul(x, jnp.ones((32, 16)), st, impl="cuda")
     with pytest.raises(ValueError, match="scalar"):
-        fp8_matmul(x, jnp.ones((32, 16)), fp8.init_matmul_state(4, shape=(2,)))
+        fp8_matmul(x, jnp.ones((32, 16)), fp8_formats.init_matmul_state(4, shape=(2,)))
     if jax.default_backend() != "gpu":
         assert resolve_fp8_impl(None, 32, 16) == "ref"
     if ffi_available():
@@ -224,7 +225,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from surogate_jax.ops import ffi_available
 from surogate_jax.ops.fp8_matmul import fp8_matmul
-from surogate_jax.precision import fp8
+from surogate_jax.ops import fp8_formats
 assert len(jax.devices()) == 4
 rng = np.random.default_rng(0)
 x = jnp.asarray(rng.normal(size=(8, 5, 32)), jnp.float32)
@@ -232,7 +233,7 @@ x = x.at[6, 2, 3].set(9.5)  # the amax lives on the last shard
 w = jnp.asarray(0.05 * rng.normal(size=(32, 16)), jnp.float32)
 dy = jnp.asarray(1e-3 * rng.normal(size=(8, 5, 16)), jnp.float32)
 dy = dy.at[1, 0, 0].set(0.25)  # the dy amax on the first
-st = fp8.Fp8MatmulState(*(fp8.Fp8TensorState(jnp.float32(s), jnp.zeros(4)) for s in (40.0, 5000.0, 1e5)))
+st = fp8_formats.Fp8MatmulState(*(fp8_formats.Fp8TensorState(jnp.float32(s), jnp.zeros(4)) for s in (40.0, 5000.0, 1e5)))
 
 def loss(x, w, st):
     return jnp.sum(fp8_matmul(x, w, st, impl="ref") * dy)
@@ -261,11 +262,11 @@ def test_per_shard_matches_unsharded():
 
 def _emulated_quantize_ffi(x2, scale, dtype, transposed):
     """jnp stand-in for the CUDA quantizers with their exact output layout (qt zero-padded)."""
-    q = fp8.quantize(x2, scale, dtype)
+    q = fp8_formats.quantize(x2, scale, dtype)
     if not transposed:
-        return q, None, fp8.amax(x2)
+        return q, None, fp8_formats.amax(x2)
     pad = -x2.shape[0] % 16
-    return q, jnp.pad(q.T, ((0, 0), (0, pad))), fp8.amax(x2)
+    return q, jnp.pad(q.T, ((0, 0), (0, pad))), fp8_formats.amax(x2)
 
 
 def _emulated_gemm_ffi(a, b, a_inv, b_inv, out_dtype, fast_accum):

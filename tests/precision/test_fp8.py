@@ -13,13 +13,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from surogate_jax.ops import fp8_formats
 from surogate_jax.precision import fp8
 
-FORMATS = [(fp8.E4M3, 448.0, ml_dtypes.float8_e4m3fn), (fp8.E5M2, 57344.0, ml_dtypes.float8_e5m2)]
+FORMATS = [(fp8_formats.E4M3, 448.0, ml_dtypes.float8_e4m3fn), (fp8_formats.E5M2, 57344.0, ml_dtypes.float8_e5m2)]
 
 
 def np_quantize(x, scale, np_dtype, fmax):
-    """numpy twin of fp8.quantize: one f32 multiply, clip, ml_dtypes' round-to-nearest-even cast."""
+    """numpy twin of fp8_formats.quantize: one f32 multiply, clip, ml_dtypes' round-to-nearest-even cast."""
     xs = np.asarray(x, np.float32) * np.float32(scale)
     return np.clip(xs, -fmax, fmax).astype(np_dtype)
 
@@ -43,7 +44,7 @@ def test_quantize_matches_numpy_bit_exact(fmt, fmax, np_dtype, in_dtype):
     x = rng.normal(size=(37, 53)) * np.exp2(rng.integers(-24, 12, size=(37, 53)))
     x = np.asarray(jnp.asarray(x, in_dtype).astype(jnp.float32))  # representable in in_dtype
     for scale in (1.0, 3.7, 0.011, 1e4):
-        got = fp8.quantize(jnp.asarray(x, in_dtype), jnp.float32(scale), fmt)
+        got = fp8_formats.quantize(jnp.asarray(x, in_dtype), jnp.float32(scale), fmt)
         assert got.dtype == jnp.dtype(fmt)
         _same_fp8(got, np_quantize(x, scale, np_dtype, fmax))
 
@@ -54,26 +55,26 @@ def test_e4m3_rounding_ties_and_saturation():
                   np.inf, -np.inf, 2.0 ** -9, 2.0 ** -10, 2.0 ** -10 * 1.5, 0.0], np.float32)
     want = np.array([1.0, 1.25, 1.25, -1.0, 448.0, 448.0, 448.0, 448.0, 448.0, -448.0,
                      448.0, -448.0, 2.0 ** -9, 0.0, 2.0 ** -9, 0.0], np.float32)
-    got = np.asarray(fp8.quantize(jnp.asarray(x), 1.0, fp8.E4M3).astype(jnp.float32))
+    got = np.asarray(fp8_formats.quantize(jnp.asarray(x), 1.0, fp8_formats.E4M3).astype(jnp.float32))
     np.testing.assert_array_equal(got, want)
-    assert np.isnan(np.asarray(fp8.quantize(jnp.float32(np.nan), 1.0, fp8.E4M3).astype(jnp.float32)))
+    assert np.isnan(np.asarray(fp8_formats.quantize(jnp.float32(np.nan), 1.0, fp8_formats.E4M3).astype(jnp.float32)))
 
 
 def test_e5m2_saturation_and_nan():
     x = np.array([57344.0, 61440.0, 1e6, -np.inf, np.inf, 1.125, 1.375, np.nan], np.float32)
-    got = np.asarray(fp8.quantize(jnp.asarray(x), 1.0, fp8.E5M2).astype(jnp.float32))
+    got = np.asarray(fp8_formats.quantize(jnp.asarray(x), 1.0, fp8_formats.E5M2).astype(jnp.float32))
     np.testing.assert_array_equal(got[:7], [57344.0, 57344.0, 57344.0, -57344.0, 57344.0, 1.0, 1.5])
     assert np.isnan(got[7])
 
 
 def test_dequantize_and_amax():
     x = jnp.asarray([[0.5, -3.0], [2.0, 1.0]], jnp.bfloat16)
-    q = fp8.quantize(x, 4.0, fp8.E4M3)
-    np.testing.assert_array_equal(np.asarray(fp8.dequantize(q, 4.0)), np.asarray(x, np.float32))
-    assert float(fp8.amax(x)) == 3.0
-    assert float(fp8.amax(jnp.zeros((0, 3)))) == 0.0
-    assert np.isnan(float(fp8.amax(jnp.asarray([1.0, np.nan, 2.0]))))
-    assert float(fp8.amax(jnp.asarray([1.0, -np.inf]))) == np.inf
+    q = fp8_formats.quantize(x, 4.0, fp8_formats.E4M3)
+    np.testing.assert_array_equal(np.asarray(fp8_formats.dequantize(q, 4.0)), np.asarray(x, np.float32))
+    assert float(fp8_formats.amax(x)) == 3.0
+    assert float(fp8_formats.amax(jnp.zeros((0, 3)))) == 0.0
+    assert np.isnan(float(fp8_formats.amax(jnp.asarray([1.0, np.nan, 2.0]))))
+    assert float(fp8_formats.amax(jnp.asarray([1.0, -np.inf]))) == np.inf
 
 
 def _np_update(scale, hist, amax, fmax, margin=0.0):
@@ -86,7 +87,7 @@ def _np_update(scale, hist, amax, fmax, margin=0.0):
 
 def test_update_follows_the_formula_over_many_steps():
     h = 4
-    state = fp8.init_tensor_state(h)
+    state = fp8_formats.init_tensor_state(h)
     np_scale, np_hist = np.float32(1.0), np.zeros(h, np.float32)
     amaxes = [2.0, 0.5, 0.0, 8.0, 1.0, 0.25, 0.1, 0.3, np.inf, 0.2, 0.2, 0.2, 0.2, 0.2, np.nan, 3.0]
     for a in amaxes:
@@ -95,7 +96,7 @@ def test_update_follows_the_formula_over_many_steps():
         np.testing.assert_array_equal(np.asarray(state.amax_history), np_hist)
         assert np.float32(state.scale) == np_scale, (a, float(state.scale), np_scale)
     # spot checks of the rule: history max, not the latest amax
-    s = fp8.init_tensor_state(3)
+    s = fp8_formats.init_tensor_state(3)
     s = fp8.update_tensor_state(s, 4.0, 448.0)
     s = fp8.update_tensor_state(s, 1.0, 448.0)
     assert float(s.scale) == 112.0  # 448 / max(4, 1)
@@ -105,7 +106,7 @@ def test_update_follows_the_formula_over_many_steps():
 
 
 def test_zero_and_nonfinite_amax_keep_the_scale_and_margin():
-    s = fp8.Fp8TensorState(jnp.float32(7.0), jnp.zeros(2, jnp.float32))
+    s = fp8_formats.Fp8TensorState(jnp.float32(7.0), jnp.zeros(2, jnp.float32))
     assert float(fp8.update_tensor_state(s, 0.0, 448.0).scale) == 7.0  # all-zero history
     assert float(fp8.update_tensor_state(s, np.inf, 448.0).scale) == 7.0
     assert float(fp8.update_tensor_state(s, np.nan, 448.0).scale) == 7.0
@@ -114,11 +115,11 @@ def test_zero_and_nonfinite_amax_keep_the_scale_and_margin():
 
 
 def test_stacked_states_update_per_layer():
-    st = fp8.init_matmul_state(5, shape=(3,))
+    st = fp8_formats.init_matmul_state(5, shape=(3,))
     assert st.x.scale.shape == (3,) and st.g.amax_history.shape == (3, 5)
     d = jax.tree.map(jnp.zeros_like, st)
-    d = fp8.Fp8MatmulState(fp8.Fp8TensorState(jnp.asarray([1.0, 2.0, 0.0]), d.x.amax_history), d.w,
-                           fp8.Fp8TensorState(jnp.asarray([4.0, 8.0, 16.0]), d.g.amax_history))
+    d = fp8_formats.Fp8MatmulState(fp8_formats.Fp8TensorState(jnp.asarray([1.0, 2.0, 0.0]), d.x.amax_history), d.w,
+                           fp8_formats.Fp8TensorState(jnp.asarray([4.0, 8.0, 16.0]), d.g.amax_history))
     new = fp8.update({"layers": st}, {"layers": d})["layers"]
     np.testing.assert_array_equal(np.asarray(new.x.scale), [448.0, 224.0, 1.0])
     np.testing.assert_array_equal(np.asarray(new.w.scale), [1.0, 1.0, 1.0])
@@ -127,7 +128,7 @@ def test_stacked_states_update_per_layer():
 
 
 def test_combine_observations_is_max():
-    a = fp8.init_matmul_state(2)
+    a = fp8_formats.init_matmul_state(2)
     b = jax.tree.map(lambda v: v + 3.0, a)
     c = fp8.combine_observations(a, b)
     assert float(c.x.scale) == 4.0
@@ -136,7 +137,7 @@ def test_combine_observations_is_max():
 
 
 def test_state_is_a_checkpointable_pytree(tmp_path):
-    st = {"q_proj": fp8.init_matmul_state(16), "mlp": fp8.init_matmul_state(16, shape=(2,))}
+    st = {"q_proj": fp8_formats.init_matmul_state(16), "mlp": fp8_formats.init_matmul_state(16, shape=(2,))}
     st = jax.tree.map(lambda v: v + jnp.arange(v.size, dtype=v.dtype).reshape(v.shape), st)
     leaves, treedef = jax.tree.flatten(st)
     assert len(leaves) == 12 and all(v.dtype == jnp.float32 for v in leaves)
@@ -146,7 +147,7 @@ def test_state_is_a_checkpointable_pytree(tmp_path):
     np.savez(tmp_path / "fp8.npz", **flat)
     loaded = np.load(tmp_path / "fp8.npz")
     restored = jax.tree.unflatten(treedef, [jnp.asarray(loaded[k]) for k in flat])
-    assert isinstance(restored["mlp"], fp8.Fp8MatmulState)
+    assert isinstance(restored["mlp"], fp8_formats.Fp8MatmulState)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), st, restored)
     # jit carries it, and an update of the restored state equals the update of the original
     d = jax.tree.map(lambda v: jnp.full_like(v, 2.0), st)

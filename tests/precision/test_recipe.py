@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from surogate_jax.ops.fp8_matmul import fp8_matmul, fp8_matmul_frozen
-from surogate_jax.precision import fp8, nvfp4
+from surogate_jax.ops import nvfp4_matmul
+from surogate_jax.ops import fp8_formats
 from surogate_jax.precision.recipe import QuantRecipe, linear, mixed_linear
 
 
@@ -22,8 +23,8 @@ def _full_f32_matmuls():
 
 
 def _state(s_x=2.0, s_w=3.0, s_g=5.0):
-    st = fp8.init_matmul_state(4)
-    return fp8.Fp8MatmulState(*(fp8.Fp8TensorState(jnp.float32(s), t.amax_history) for s, t in
+    st = fp8_formats.init_matmul_state(4)
+    return fp8_formats.Fp8MatmulState(*(fp8_formats.Fp8TensorState(jnp.float32(s), t.amax_history) for s, t in
                                 zip((s_x, s_w, s_g), (st.x, st.w, st.g), strict=True)))
 
 
@@ -31,9 +32,9 @@ def _state(s_x=2.0, s_w=3.0, s_g=5.0):
 def test_fp8_frozen_equals_fp8_matmul_with_the_same_weight_scale(impl):
     x = jax.random.normal(jax.random.key(0), (7, 48), jnp.float32)
     w = jax.random.normal(jax.random.key(1), (48, 32), jnp.float32)
-    s_w = fp8.E4M3_MAX / float(jnp.max(jnp.abs(w)))  # current scaling, as the cache does
+    s_w = fp8_formats.E4M3_MAX / float(jnp.max(jnp.abs(w)))  # current scaling, as the cache does
     st = _state(s_w=s_w)
-    wq = fp8.quantize(w, s_w, fp8.E4M3)
+    wq = fp8_formats.quantize(w, s_w, fp8_formats.E4M3)
 
     def f_frozen(x, st):
         return jnp.sum(jnp.sin(fp8_matmul_frozen(x, wq, jnp.float32(s_w), st, impl=impl)))
@@ -56,9 +57,9 @@ def test_nvfp4_frozen_equals_emulated_linear():
     x = jax.random.normal(jax.random.key(0), (2, 9, 32), jnp.float32)
     w = jax.random.normal(jax.random.key(1), (32, 48), jnp.float32)
     key = jax.random.key(4)
-    wq = nvfp4.fake_quantize_weight(w, impl="ref")
-    f1 = lambda x: jnp.sum(jnp.sin(nvfp4.nvfp4_linear_frozen(x, wq, key, impl="ref")))
-    f2 = lambda x: jnp.sum(jnp.sin(nvfp4.nvfp4_linear_emulated(x, w, key, impl="ref")))
+    wq = nvfp4_matmul.fake_quantize_weight(w, impl="ref")
+    f1 = lambda x: jnp.sum(jnp.sin(nvfp4_matmul.nvfp4_linear_frozen(x, wq, key, impl="ref")))
+    f2 = lambda x: jnp.sum(jnp.sin(nvfp4_matmul.nvfp4_linear_emulated(x, w, key, impl="ref")))
     (y1, g1), (y2, g2) = jax.value_and_grad(f1)(x), jax.value_and_grad(f2)(x)
     np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
     np.testing.assert_array_equal(np.asarray(g1), np.asarray(g2))

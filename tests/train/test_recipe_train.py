@@ -16,7 +16,7 @@ from tiny import CFG, SPEC, base_params, random_batch
 from surogate_jax import lora as lora_lib
 from surogate_jax import train as T
 from surogate_jax.checkpoint import Checkpointer, abstract_like, strip_scratch
-from surogate_jax.precision import fp8
+from surogate_jax.ops import fp8_formats
 from surogate_jax.precision import recipe as R
 from surogate_jax.precision.recipe import (
     KERNEL_SCALE,
@@ -99,7 +99,7 @@ def test_recipe_trains_close_to_bf16(recipe, rel, bf16_losses):
             ts = getattr(st, t)
             hist = np.asarray(ts.amax_history)  # [L, 8]
             assert (hist[:, :STEPS] > 0).all() and (hist[:, STEPS:] == 0).all(), (name, t, hist)
-            want = fp8.fp8_max(fp8.MATMUL_FORMATS[t]) / hist.max(axis=1)
+            want = fp8_formats.fp8_max(fp8_formats.MATMUL_FORMATS[t]) / hist.max(axis=1)
             np.testing.assert_allclose(np.asarray(ts.scale), want, rtol=1e-6, err_msg=f"{name}.{t}")
 
 
@@ -190,7 +190,7 @@ def test_skipped_layer_is_plain_and_gets_no_observations():
     # still rounds values such as 17 or 37, so the quantized GEMM differs from the plain one
     x = jnp.asarray(np.random.default_rng(0).integers(-40, 41, (3, 5, 32)), jnp.float32)
     w = jnp.asarray(np.random.default_rng(1).integers(-40, 41, (32, 4, 8)), jnp.float32)
-    st = fp8.init_matmul_state(4)
+    st = fp8_formats.init_matmul_state(4)
     r = dataclasses.replace(FP8, skip_first=1, skip_last=1)
     f = jax.jit(lambda layer: R.linear(r, x, w, in_dims=1, dtype=jnp.float32, fp8_state=st, layer=layer, num_layers=3))
     plain = jax.lax.dot_general(x, w, (((2,), (0,)), ((), ())))
@@ -226,7 +226,7 @@ def test_lora_base_cache_equals_quantizing_every_step(recipe):
                 group = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
                 s = cached["layers"][group][proj][KERNEL_SCALE]
                 st = node["state"]
-                return {"state": fp8.Fp8MatmulState(st.x, fp8.Fp8TensorState(s, st.w.amax_history), st.g)}
+                return {"state": fp8_formats.Fp8MatmulState(st.x, fp8_formats.Fp8TensorState(s, st.w.amax_history), st.g)}
             return {k: with_w_scale(c, (*path, k)) for k, c in node.items()} if isinstance(node, dict) else node
 
         v["fp8"] = with_w_scale(quant)

@@ -74,9 +74,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from surogate_jax.ops._loader import resolve_impl
-from surogate_jax.ops._sharding import data_axes, on_shards
-from surogate_jax.precision import hadamard
+from . import hadamard
+from ._loader import resolve_impl
+from ._sharding import data_axes, on_shards
 
 _log = logging.getLogger("surogate_jax")
 
@@ -334,7 +334,7 @@ def _uniforms(key, shape):
     return jax.random.uniform(key, shape, jnp.float32)
 
 
-def _check_flags(stochastic, key, rht_sign_mask):
+def check_flags(stochastic, key, rht_sign_mask):
     if stochastic and key is None:
         raise ValueError("nvfp4: stochastic=True needs a PRNG key (key=jax.random.key(...))")
     if not stochastic and key is not None:
@@ -349,7 +349,7 @@ def quantize_ref(x, *, tile_2d=False, four_over_six=True, stochastic=False, key=
                  rht_sign_mask=None, amax=None) -> NVFP4Tensor:
     """Pure-JAX reference quantizer (see the module docstring). amax: optional float32 scalar."""
     _check_input(x, tile_2d, "quantize_ref")
-    _check_flags(stochastic, key, rht_sign_mask)
+    check_flags(stochastic, key, rht_sign_mask)
     u = _uniforms(key, x.shape) if stochastic else None
     mask = None if rht_sign_mask is None else int(rht_sign_mask)
     codes, scales, s_dec = _quantize_ref_jit(x, amax, u, tile_2d=bool(tile_2d),
@@ -362,7 +362,7 @@ def fake_quantize_ref(x, *, tile_2d=False, four_over_six=True, stochastic=False,
                       rht_sign_mask=None, amax=None) -> jax.Array:
     """dequantize(quantize_ref(x, ...)) without packing: float32 of x's shape."""
     _check_input(x, tile_2d, "fake_quantize_ref")
-    _check_flags(stochastic, key, rht_sign_mask)
+    check_flags(stochastic, key, rht_sign_mask)
     u = _uniforms(key, x.shape) if stochastic else None
     mask = None if rht_sign_mask is None else int(rht_sign_mask)
     return _fake_quantize_ref_jit(x, amax, u, tile_2d=bool(tile_2d), four_over_six=bool(four_over_six),
@@ -465,7 +465,7 @@ def _shards(fn, n, args, batched, out_batched):
 def global_amax(x: jax.Array, *, rht_sign_mask: int | None = None, impl: str | None = None) -> jax.Array:
     """max |x| (of rht(x) along the last axis when rht_sign_mask is given), float32 []; NaN if any."""
     _check_input(x, False, "global_amax")
-    _check_flags(False, None, rht_sign_mask)
+    check_flags(False, None, rht_sign_mask)
     return _global_amax(x, rht_sign_mask, _resolve(impl, x), _num_shards(x, False))
 
 
@@ -493,7 +493,7 @@ def quantize(x, *, tile_2d=False, four_over_six=True, stochastic=False, key=None
     one global amax, so the result equals the unsharded one (stochastic bits aside).
     """
     _check_input(x, tile_2d, "quantize")
-    _check_flags(stochastic, key, rht_sign_mask)
+    check_flags(stochastic, key, rht_sign_mask)
     impl = _resolve(impl, x)
     if x.size == 0 or impl == "ref":
         return quantize_ref(x, tile_2d=tile_2d, four_over_six=four_over_six, stochastic=stochastic,
@@ -545,229 +545,10 @@ def fake_quantize(x, *, tile_2d=False, four_over_six=True, stochastic=False, key
     multiple of 16 (ValueError otherwise). See the module docstring for every formula.
     """
     _check_input(x, tile_2d, "fake_quantize")
-    _check_flags(stochastic, key, None)
+    check_flags(stochastic, key, None)
     if _resolve(impl, x) == "ref":
         return fake_quantize_ref(x, tile_2d=tile_2d, four_over_six=four_over_six,
                                  stochastic=stochastic, key=key)
     q = quantize(x, tile_2d=tile_2d, four_over_six=four_over_six, stochastic=stochastic, key=key,
                  impl=impl)
     return dequantize(q)
-
-
-# --------------------------------------------------------------------------------------------
-# Emulated NVFP4 GEMM (Hopper and CPU: no FP4 tensor cores)
-
-
-@functools.cache
-def log_emulation() -> None:
-    """The one log line (once per process) saying whether NVFP4 GEMMs run natively (SM100+ GPU)
-    or emulated (elsewhere; the line says the native path exists for SM100+ and has not run on
-    hardware in this project). Text: precision/nvfp4_gemm.py `log_backend`."""
-    from surogate_jax.precision import nvfp4_gemm
-
-    nvfp4_gemm.log_backend(nvfp4_gemm.native_available())
-
-
-log_gemm_backend = log_emulation
-
-
-_log_emulation = log_emulation
-
-
-def nvfp4_matmul_emulated(x: jax.Array, w: jax.Array, *, four_over_six: bool = True,
-                          out_dtype=None, impl: str | None = None) -> jax.Array:
-    """y = Q(x) @ Q(w) with x [..., K] quantized in 1x16 blocks along K and w [K, N] in 16x16
-    tiles, both dequantized to bfloat16, bf16 GEMM with float32 accumulation; out_dtype defaults
-    to x.dtype. K and N must be multiples of 16. Forward only (no custom gradient)."""
-    if w.ndim != 2 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"nvfp4_matmul_emulated: need x [..., K] and w [K, N], got {x.shape} and {w.shape}")
-    if w.shape[1] % BLOCK:
-        raise ValueError(f"nvfp4_matmul_emulated: N = {w.shape[1]} must be a multiple of {BLOCK}")
-    _log_emulation()
-    xq = fake_quantize(x, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
-    wq = fake_quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
-    y = jnp.matmul(xq, wq, preferred_element_type=jnp.float32)
-    return y.astype(out_dtype or x.dtype)
-
-
-def _flat_tokens(a, multiple=BLOCK):
-    """[..., D] -> [T, D] with T padded with zero rows to a multiple of `multiple` (16; 32 for the
-    native GEMM) (leaves sums over T unchanged)."""
-    a2 = a.reshape(-1, a.shape[-1])
-    pad = (-a2.shape[0]) % multiple
-    return jnp.pad(a2, ((0, pad), (0, 0))) if pad else a2
-
-
-def _use_native(k: int, n: int, impl) -> bool:
-    """Trace-time choice of the native (SM100+ cuBLASLt) GEMMs for a linear x [.., K] @ w [K, N]:
-    the device has them and the three GEMMs' shapes fit (K and N multiples of 32)."""
-    from surogate_jax.precision import nvfp4_gemm
-
-    m = nvfp4_gemm.K_MULTIPLE
-    return k % m == 0 and n % m == 0 and nvfp4_gemm.resolve_backend("auto", impl) == "native"
-
-
-def _gemm_dtype(dtype):
-    """The native GEMM's output dtype for a wanted dtype (it writes bf16, f16 or f32)."""
-    d = jnp.dtype(dtype)
-    return d if d in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(jnp.float32)
-
-
-def _native_gemm(a, b, dtype):
-    from surogate_jax.precision import nvfp4_gemm
-
-    return nvfp4_gemm.nvfp4_gemm_native(a, b, _gemm_dtype(dtype)).astype(dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _linear_emulated(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl, native=False):
-    return _linear_fwd(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl, native)[0]
-
-
-def _linear_fwd_native(x, w, key, four_over_six, impl):
-    """y = Q(x) Q(w) on the FP4 tensor cores: X [M, K] 1x16 along K, W^T [N, K] the exact
-    transpose of W's 16x16 tiles (the same quantized W serves dgrad)."""
-    from surogate_jax.precision import nvfp4_gemm
-
-    k = x.shape[-1]
-    xq = quantize(x.reshape(-1, k), four_over_six=four_over_six, impl=impl)
-    wq = quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl)
-    y = _native_gemm(xq, nvfp4_gemm.transpose(wq, impl=impl), x.dtype)
-    return y.reshape(*x.shape[:-1], w.shape[1]), wq
-
-
-def _linear_fwd(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl, native=False):
-    if native:
-        y, wq = _linear_fwd_native(x, w, key, four_over_six, impl)
-        return y, (x, wq, key, w)
-    wq = fake_quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
-    xq = fake_quantize(x, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
-    y = jnp.matmul(xq, wq, preferred_element_type=jnp.float32).astype(x.dtype)
-    return y, (x, wq, key, w)  # w only for its dtype (a parameter: no extra memory)
-
-
-def _linear_bwd_native(four_over_six, stochastic_grad, rht_sign_mask, impl, res, dy):
-    """dX = Q(dY) Q(W)^T with W's stored tiles as the [K, N] operand (already N-major);
-    dW = Q(X^T) Q(dY^T)^T with both along tokens (padded to a multiple of 32, RHT)."""
-    x, wq, key, w = res
-    k_dgrad, k_wgrad = jax.random.split(key)
-    n = dy.shape[-1]
-    sr = {"stochastic": True, "key": k_dgrad} if stochastic_grad else {}
-    dyq = quantize(dy.reshape(-1, n), four_over_six=four_over_six, impl=impl, **sr)
-    dx = _native_gemm(dyq, wq, x.dtype).reshape(x.shape)
-    from surogate_jax.precision import nvfp4_gemm
-
-    xt = _flat_tokens(x, nvfp4_gemm.K_MULTIPLE).T
-    dyt = _flat_tokens(dy, nvfp4_gemm.K_MULTIPLE).T
-    sr = {"stochastic": True, "key": k_wgrad} if stochastic_grad else {}
-    xtq = quantize(xt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask, impl=impl)
-    dytq = quantize(dyt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask, impl=impl, **sr)
-    dw = _native_gemm(xtq, dytq, w.dtype)
-    return dx, dw, None
-
-
-def _linear_bwd(four_over_six, stochastic_grad, rht_sign_mask, impl, native, res, dy):
-    if native:
-        return _linear_bwd_native(four_over_six, stochastic_grad, rht_sign_mask, impl, res, dy)
-    x, wq, key, w = res
-    k_dgrad, k_wgrad = jax.random.split(key)
-    sr = {"stochastic": True, "key": k_dgrad} if stochastic_grad else {}
-    # dgrad: dX = Q(dY) @ Q(W)^T, dY in 1x16 blocks along N (the reduction axis), the same 16x16
-    # quantized W as the forward.
-    dyq = fake_quantize(dy, four_over_six=four_over_six, impl=impl, **sr).astype(jnp.bfloat16)
-    dx = jnp.matmul(dyq, wq.T, preferred_element_type=jnp.float32).astype(x.dtype)
-    # wgrad: dW = X^T dY reduces over tokens T: both operands transposed to [., T], optional RHT
-    # along T, 1x16 blocks along T (X round-to-nearest, dY stochastic).
-    xt = _flat_tokens(x).T
-    dyt = _flat_tokens(dy).T
-    sr = {"stochastic": True, "key": k_wgrad} if stochastic_grad else {}
-    xtq = dequantize(quantize(xt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask, impl=impl))
-    dytq = dequantize(quantize(dyt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask,
-                               impl=impl, **sr))
-    dw = jnp.matmul(xtq.astype(jnp.bfloat16), dytq.astype(jnp.bfloat16).T,
-                    preferred_element_type=jnp.float32).astype(w.dtype)
-    return dx, dw, None
-
-
-_linear_emulated.defvjp(_linear_fwd, _linear_bwd)
-
-
-def nvfp4_linear_emulated(x: jax.Array, w: jax.Array, key: jax.Array, *, four_over_six: bool = True,
-                          stochastic_grad: bool = True, rht_sign_mask: int | None = hadamard.DEFAULT_SIGN_MASK,
-                          impl: str | None = None) -> jax.Array:
-    """Differentiable y = x @ w with the NVFP4 training recipe, emulated (bf16 GEMMs).
-
-    x [..., K] (K % 16 == 0), w [K, N] (N % 16 == 0), key: PRNG key for the gradient's stochastic
-    rounding (use a fresh one per step). Forward: x in 1x16 blocks along K (round to nearest), w in
-    16x16 tiles (the same quantized w serves the backward's dX = dY w^T). Backward: dY in 1x16
-    blocks with stochastic rounding (stochastic_grad); for dW = X^T dY both operands are taken
-    along the token axis, transformed by the 16-point RHT (rht_sign_mask; None disables it) and
-    quantized in 1x16 blocks along tokens. Output in x.dtype; dx in x.dtype, dw in w.dtype.
-    """
-    if w.ndim != 2 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"nvfp4_linear_emulated: need x [..., K] and w [K, N], got {x.shape} and {w.shape}")
-    if w.shape[0] % BLOCK or w.shape[1] % BLOCK:
-        raise ValueError(f"nvfp4_linear_emulated: K and N must be multiples of {BLOCK}, got w {w.shape}")
-    _check_flags(False, None, rht_sign_mask)
-    _log_emulation()
-    mask = None if rht_sign_mask is None else int(rht_sign_mask)
-    native = _use_native(w.shape[0], w.shape[1], impl)
-    return _linear_emulated(x, w, key, bool(four_over_six), bool(stochastic_grad), mask, impl, native)
-
-
-# --------------------------------------------------------------------------------------------
-# Frozen weights (LoRA base): quantized once, cached, no weight gradient
-
-
-def fake_quantize_weight(w: jax.Array, *, four_over_six: bool = True, impl: str | None = None) -> jax.Array:
-    """The bf16 operand the recipe's forward uses for a weight w [K, N]: 16x16 tiles, round to
-    nearest, dequantized to bfloat16 (what `nvfp4_linear_emulated` computes every step). Caching
-    it once for a frozen weight gives bit-identical results (`nvfp4_linear_frozen`)."""
-    return fake_quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _linear_frozen(x, wq, key, four_over_six, stochastic_grad, impl, native=False):
-    return _linear_frozen_fwd(x, wq, key, four_over_six, stochastic_grad, impl, native)[0]
-
-
-def _linear_frozen_fwd(x, wq, key, four_over_six, stochastic_grad, impl, native=False):
-    if native:
-        # The cache holds bf16 values on the NVFP4 grid; quantizing them again (16x16 tiles)
-        # recovers the codes and block scales (tests/precision/test_nvfp4_gemm.py checks it on
-        # random weights) with a global scale from max|wq| (within bf16 rounding of the original).
-        y, wq4 = _linear_fwd_native(x, wq.astype(jnp.bfloat16), key, four_over_six, impl)
-        return y, (wq4, key, jnp.zeros((0,), x.dtype))
-    xq = fake_quantize(x, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
-    y = jnp.matmul(xq, wq.astype(jnp.bfloat16), preferred_element_type=jnp.float32).astype(x.dtype)
-    return y, (wq, key, jnp.zeros((0,), x.dtype))
-
-
-def _linear_frozen_bwd(four_over_six, stochastic_grad, impl, native, res, dy):
-    wq, key, x_like = res
-    k_dgrad, _ = jax.random.split(key)  # the same dgrad key as nvfp4_linear_emulated
-    sr = {"stochastic": True, "key": k_dgrad} if stochastic_grad else {}
-    if native:
-        dyq = quantize(dy.reshape(-1, dy.shape[-1]), four_over_six=four_over_six, impl=impl, **sr)
-        dx = _native_gemm(dyq, wq, x_like.dtype).reshape(*dy.shape[:-1], wq.shape[0])
-        return dx, None, None
-    dyq = fake_quantize(dy, four_over_six=four_over_six, impl=impl, **sr).astype(jnp.bfloat16)
-    dx = jnp.matmul(dyq, wq.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32).astype(x_like.dtype)
-    return dx, None, None
-
-
-_linear_frozen.defvjp(_linear_frozen_fwd, _linear_frozen_bwd)
-
-
-def nvfp4_linear_frozen(x: jax.Array, wq: jax.Array, key: jax.Array, *, four_over_six: bool = True,
-                        stochastic_grad: bool = True, impl: str | None = None) -> jax.Array:
-    """`nvfp4_linear_emulated` for a frozen weight cached by `fake_quantize_weight` (wq [K, N],
-    bf16 values; stored in any float dtype that holds them exactly). Forward and dX are identical
-    to `nvfp4_linear_emulated(x, w, key)`; there is no weight gradient (no wgrad GEMM, no RHT)."""
-    if wq.ndim != 2 or x.shape[-1] != wq.shape[0]:
-        raise ValueError(f"nvfp4_linear_frozen: need x [..., K] and wq [K, N], got {x.shape} and {wq.shape}")
-    if wq.shape[0] % BLOCK or wq.shape[1] % BLOCK:
-        raise ValueError(f"nvfp4_linear_frozen: K and N must be multiples of {BLOCK}, got wq {wq.shape}")
-    _log_emulation()
-    native = _use_native(wq.shape[0], wq.shape[1], impl)
-    return _linear_frozen(x, wq, key, bool(four_over_six), bool(stochastic_grad), impl, native)

@@ -1,5 +1,5 @@
-"""GPU tests of the native NVFP4 GEMM path (surogate_jax/precision/nvfp4_gemm.py, kernels/nvfp4_matmul.cu,
-ffi/nvfp4_matmul.cc).
+"""GPU tests of the native NVFP4 GEMM path (surogate_jax/precision/g.py, kernels/g.cu,
+ffi/g.cc).
 
 Run on any CUDA GPU (H100 included): the scale-swizzle kernel against `swizzle_scales_ref` byte for
 byte (padding zeros included, outputs on poisoned memory), the code-transpose kernel and the W^T
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from surogate_jax.ops import ffi_available
-from surogate_jax.precision import nvfp4
-from surogate_jax.precision import nvfp4_gemm as g
+from surogate_jax.ops import nvfp4_matmul as g
+from surogate_jax.ops import nvfp4_quantize
 
 pytestmark = pytest.mark.gpu
 _seed = itertools.count(7000)
@@ -102,15 +102,15 @@ def test_transpose_codes_kernel_equals_reference(rows, cols):
 @pytest.mark.parametrize("shape", [(48, 80), (4096, 1024)])
 def test_weight_transpose_operand_equals_reference(shape):
     w = (jax.random.t(_key(), 3.0, shape) * 0.02).astype(jnp.bfloat16)
-    q = nvfp4.quantize(w, tile_2d=True, impl="ffi")
+    q = nvfp4_quantize.quantize(w, tile_2d=True, impl="ffi")
     t = g.transpose(q, impl="ffi")
     with jax.default_device(_cpu()):
         qc = jax.device_put(q, _cpu())
         tr = g.transpose(qc, impl="ref")
-        want_deq = np.asarray(nvfp4.dequantize(qc)).T
+        want_deq = np.asarray(nvfp4_quantize.dequantize(qc)).T
         want_sw = np.asarray(g.swizzle_scales_ref(*g.operand_scales(tr)))
     np.testing.assert_array_equal(np.asarray(t.codes), np.asarray(tr.codes))
-    np.testing.assert_array_equal(np.asarray(nvfp4.dequantize(t)), want_deq)
+    np.testing.assert_array_equal(np.asarray(nvfp4_quantize.dequantize(t)), want_deq)
     np.testing.assert_array_equal(np.asarray(g.swizzle_scales(*g.operand_scales(t), impl="ffi")), want_sw)
 
 
@@ -158,7 +158,7 @@ def test_gemm_handler_names_a_pre_sm100_gpu():
     with pytest.raises(Exception, match=r"SM100\+ GPU.*compute capability"):
         _gemm_call(*_valid())
     with pytest.raises(RuntimeError, match="SM100"):
-        a = nvfp4.quantize(jnp.ones((8, 64)), impl="ffi")
+        a = nvfp4_quantize.quantize(jnp.ones((8, 64)), impl="ffi")
         g.nvfp4_gemm(a, a, backend="native")
 
 
@@ -169,7 +169,7 @@ def test_gemm_handler_names_a_pre_sm100_gpu():
 def _bound(a, b, k, out_dtype):
     """fp32 accumulation in any order: |err| <= ~K eps32 sum|a||b| (16x margin); plus one
     rounding of the output."""
-    mag = np.abs(np.asarray(nvfp4.dequantize(a), np.float64)) @ np.abs(np.asarray(nvfp4.dequantize(b), np.float64)).T
+    mag = np.abs(np.asarray(nvfp4_quantize.dequantize(a), np.float64)) @ np.abs(np.asarray(nvfp4_quantize.dequantize(b), np.float64)).T
     tol = 16 * k * 2.0 ** -24 * mag
     ref = np.asarray(g.nvfp4_gemm_ref(a, b), np.float64)
     if jnp.dtype(out_dtype) != jnp.dtype(jnp.float32):
@@ -183,8 +183,8 @@ def test_native_gemm_matches_reference(m, n, k, out_dtype):
     _needs_sm100()
     x = jax.random.t(_key(), 3.0, (m, k)) * jnp.exp(jax.random.normal(_key(), (m, 1)))
     y = jax.random.normal(_key(), (n, k)) * 0.05
-    a = nvfp4.quantize(x, impl="ffi")
-    b = nvfp4.quantize(y, impl="ffi")
+    a = nvfp4_quantize.quantize(x, impl="ffi")
+    b = nvfp4_quantize.quantize(y, impl="ffi")
     _poison_allocator()
     d = np.asarray(g.nvfp4_gemm(a, b, out_dtype, backend="native"), np.float64)
     assert np.isfinite(d).all()
@@ -198,8 +198,8 @@ def test_native_gemm_with_a_transposed_tile_weight(k, n):
     _needs_sm100()
     x = jax.random.normal(_key(), (77, k))
     w = jax.random.normal(_key(), (k, n)) * 0.02
-    xq = nvfp4.quantize(x, impl="ffi")
-    wt = g.transpose(nvfp4.quantize(w, tile_2d=True, impl="ffi"))
+    xq = nvfp4_quantize.quantize(x, impl="ffi")
+    wt = g.transpose(nvfp4_quantize.quantize(w, tile_2d=True, impl="ffi"))
     d = np.asarray(g.nvfp4_gemm(xq, wt, jnp.float32, backend="native"), np.float64)
     ref, tol = _bound(xq, wt, k, jnp.float32)
     assert (np.abs(d - ref) <= tol).all()
@@ -212,7 +212,7 @@ def test_native_linear_close_to_emulated():
     dy = jax.random.normal(_key(), (4, 100, 256), jnp.bfloat16)
 
     def run(impl):
-        f = lambda x, w: nvfp4.nvfp4_linear_emulated(x, w, jax.random.key(0), stochastic_grad=False,
+        f = lambda x, w: g.nvfp4_linear_emulated(x, w, jax.random.key(0), stochastic_grad=False,
                                                      rht_sign_mask=None, impl=impl)
         y, vjp = jax.vjp(f, x, w)
         return (y, *vjp(dy))

@@ -1,4 +1,4 @@
-"""GPU tests of the NVFP4 quantizer kernels (surogate_jax.precision.nvfp4 with impl="ffi") against
+"""GPU tests of the NVFP4 quantizer kernels (surogate_jax.ops.nvfp4_quantize with impl="ffi") against
 the pure-JAX reference run on the CPU backend (XLA:GPU may contract or reorder float ops, XLA:CPU
 with our barriers does not): round-to-nearest codes, block scales and global scale bit for bit,
 1x16 and 16x16, Four Over Six on/off, fused RHT, f32/bf16/f16, odd row counts, poisoned outputs;
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from surogate_jax.ops import ffi_available
-from surogate_jax.precision import hadamard, nvfp4
+from surogate_jax.ops import hadamard, nvfp4_matmul, nvfp4_quantize
 
 pytestmark = pytest.mark.gpu
 
@@ -52,8 +52,8 @@ def _poison_allocator(nbytes=64 << 20):
 
 def _ref_on_cpu(x, **kw):
     with jax.default_device(_cpu()):
-        q = nvfp4.quantize_ref(jax.device_put(x, _cpu()), **kw)
-        return q, nvfp4.dequantize(q)
+        q = nvfp4_quantize.quantize_ref(jax.device_put(x, _cpu()), **kw)
+        return q, nvfp4_quantize.dequantize(q)
 
 
 def _u8(a):
@@ -82,21 +82,21 @@ def test_rne_matches_reference_bitwise(shape, dtype, tile_2d, four_over_six, rht
     kw = {"tile_2d": tile_2d, "four_over_six": four_over_six, "rht_sign_mask": mask}
     ref, ref_deq = _ref_on_cpu(x, **kw)
     _poison_allocator()
-    q = jax.jit(lambda x: nvfp4.quantize(x, impl="ffi", **kw))(x)
+    q = jax.jit(lambda x: nvfp4_quantize.quantize(x, impl="ffi", **kw))(x)
     _assert_same(q, ref, f"{shape} {jnp.dtype(dtype).name} {kw}")
-    deq = np.asarray(jax.device_get(nvfp4.dequantize(q)))
+    deq = np.asarray(jax.device_get(nvfp4_quantize.dequantize(q)))
     assert np.array_equal(deq.view(np.uint32), np.asarray(ref_deq).view(np.uint32))
 
 
 @pytest.mark.parametrize("tile_2d", [False, True], ids=["1x16", "16x16"])
 def test_fake_quantize_ffi_equals_reference(tile_2d):
     x = _input((333, 512), jnp.bfloat16)
-    got = jax.jit(lambda x: nvfp4.fake_quantize(x, tile_2d=tile_2d, impl="ffi"))(x)
+    got = jax.jit(lambda x: nvfp4_quantize.fake_quantize(x, tile_2d=tile_2d, impl="ffi"))(x)
     with jax.default_device(_cpu()):
-        want = nvfp4.fake_quantize_ref(jax.device_put(x, _cpu()), tile_2d=tile_2d)
+        want = nvfp4_quantize.fake_quantize_ref(jax.device_put(x, _cpu()), tile_2d=tile_2d)
     assert got.dtype == jnp.float32 and got.shape == x.shape
     assert np.array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
-    hlo = jax.jit(lambda x: nvfp4.fake_quantize(x, tile_2d=tile_2d)).lower(x).as_text()
+    hlo = jax.jit(lambda x: nvfp4_quantize.fake_quantize(x, tile_2d=tile_2d)).lower(x).as_text()
     assert "surogate_nvfp4_quantize" in hlo  # impl=None on GPU picks the kernels
 
 
@@ -104,12 +104,12 @@ def test_fake_quantize_ffi_equals_reference(tile_2d):
 def test_amax_kernel_exact(dtype):
     for shape in [(1, 16), (77, 4096), (3, 1000, 64), (8192, 1024)]:
         x = _input(shape, dtype)
-        got = jax.jit(lambda x: nvfp4.global_amax(x, impl="ffi"))(x)
+        got = jax.jit(lambda x: nvfp4_quantize.global_amax(x, impl="ffi"))(x)
         assert float(got) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
         mask = hadamard.signs_from_seed(7)
-        got = jax.jit(lambda x: nvfp4.global_amax(x, rht_sign_mask=mask, impl="ffi"))(x)
+        got = jax.jit(lambda x: nvfp4_quantize.global_amax(x, rht_sign_mask=mask, impl="ffi"))(x)
         with jax.default_device(_cpu()):
-            want = nvfp4.global_amax(jax.device_put(x, _cpu()), rht_sign_mask=mask, impl="ref")
+            want = nvfp4_quantize.global_amax(jax.device_put(x, _cpu()), rht_sign_mask=mask, impl="ref")
         assert float(got) == float(want)
 
 
@@ -127,22 +127,22 @@ def test_special_values():
         kw = {"tile_2d": tile_2d, "four_over_six": fos}
         ref, _ = _ref_on_cpu(jnp.asarray(x), **kw)
         _poison_allocator()
-        _assert_same(jax.jit(lambda x: nvfp4.quantize(x, impl="ffi", **kw))(jnp.asarray(x)), ref, str(kw))
-        z = jax.jit(lambda x: nvfp4.quantize(x, impl="ffi", **kw))(jnp.zeros((3, 32)))
+        _assert_same(jax.jit(lambda x: nvfp4_quantize.quantize(x, impl="ffi", **kw))(jnp.asarray(x)), ref, str(kw))
+        z = jax.jit(lambda x: nvfp4_quantize.quantize(x, impl="ffi", **kw))(jnp.zeros((3, 32)))
         assert float(z.global_scale) == 1.0 and not np.any(np.asarray(z.codes))
     for bad in (np.nan, np.inf, -np.inf):
         y = np.ones((4, 32), np.float32)
         y[2, 7] = bad
-        out = jax.jit(lambda x: nvfp4.fake_quantize(x, impl="ffi"))(jnp.asarray(y))
+        out = jax.jit(lambda x: nvfp4_quantize.fake_quantize(x, impl="ffi"))(jnp.asarray(y))
         assert np.all(np.isnan(np.asarray(out))), bad
 
 
 def test_vmap_quantizes_each_slice_separately():
     x = _input((3, 40, 64), jnp.bfloat16)
-    got = jax.jit(jax.vmap(lambda x: nvfp4.fake_quantize(x, impl="ffi")))(x)
+    got = jax.jit(jax.vmap(lambda x: nvfp4_quantize.fake_quantize(x, impl="ffi")))(x)
     with jax.default_device(_cpu()):
         xc = jax.device_put(x, _cpu())
-        want = np.stack([np.asarray(nvfp4.fake_quantize_ref(xc[i])) for i in range(3)])
+        want = np.stack([np.asarray(nvfp4_quantize.fake_quantize_ref(xc[i])) for i in range(3)])
     assert np.array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32))
 
 
@@ -157,8 +157,8 @@ def test_stochastic_rounding_statistics(tile_2d, rht):
 
     @jax.jit
     def sample(k):
-        q = nvfp4.quantize(x, stochastic=True, key=k, impl="ffi", **kw)
-        return nvfp4.dequantize(q), q.scales
+        q = nvfp4_quantize.quantize(x, stochastic=True, key=k, impl="ffi", **kw)
+        return nvfp4_quantize.dequantize(q), q.scales
 
     deq0, s0 = sample(keys[0])
     assert np.array_equal(_u8(s0), _u8(rne.scales))  # the scale choice is the RNE one
@@ -170,9 +170,9 @@ def test_stochastic_rounding_statistics(tile_2d, rht):
     with jax.default_device(_cpu()):
         target = np.asarray(hadamard.rht(jax.device_put(x, _cpu()), sign_mask=mask) if rht else
                             jnp.asarray(jax.device_put(x, _cpu()), jnp.float32), np.float64)
-    step = np.asarray(nvfp4.expand_scales(rne), np.float64).repeat(16, -1) * float(rne.global_scale)
+    step = np.asarray(nvfp4_quantize.expand_scales(rne), np.float64).repeat(16, -1) * float(rne.global_scale)
     xs = target / np.where(step == 0, 1, step)
-    grid = nvfp4.E2M1_VALUES.astype(np.float64)
+    grid = nvfp4_quantize.E2M1_VALUES.astype(np.float64)
     lo_i = np.searchsorted(grid, np.abs(xs), side="right") - 1
     lo = np.sign(xs) * grid[lo_i] * step
     hi = np.sign(xs) * grid[np.minimum(lo_i + 1, 7)] * step
@@ -193,7 +193,7 @@ def test_stochastic_rounding_statistics(tile_2d, rht):
 def test_emulated_matmul_runs_on_gpu():
     x = _input((256, 512), jnp.bfloat16, heavy=False)
     w = (_input((512, 384), jnp.float32, heavy=False) * 0.05).astype(jnp.bfloat16)
-    y = jax.jit(lambda x, w: nvfp4.nvfp4_matmul_emulated(x, w, impl="ffi"))(x, w)
+    y = jax.jit(lambda x, w: nvfp4_matmul.nvfp4_matmul_emulated(x, w, impl="ffi"))(x, w)
     exact = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
     rel = np.linalg.norm(np.asarray(y, np.float32) - exact) / np.linalg.norm(exact)
     assert y.dtype == jnp.bfloat16 and rel < 0.2, rel

@@ -1,4 +1,4 @@
-"""CPU tests of surogate_jax.precision.nvfp4 (and .hadamard): the JAX reference quantizer against
+"""CPU tests of surogate_jax.ops.nvfp4_quantize (and .hadamard): the JAX reference quantizer against
 an independent numpy implementation of the formulas (bit for bit), the rounding anchors, zero and
 tiny blocks, subnormal E4M3 scales, saturation, signed zero, NaN/inf policy, Four Over Six, the
 stochastic rounding statistics, packing, the RHT, the public signature and the sharded wiring."""
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surogate_jax.precision import hadamard, nvfp4
+from surogate_jax.ops import hadamard, nvfp4_matmul, nvfp4_quantize
 
 F32 = np.float32
 GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -127,16 +127,16 @@ def assert_bitwise(got, want, what=""):
 
 def check_against_numpy(x, tile_2d, four_over_six):
     codes, scales, s_dec, deq = np_quant(np.asarray(jnp.asarray(x, jnp.float32)), tile_2d, four_over_six)
-    q = nvfp4.quantize_ref(x, tile_2d=tile_2d, four_over_six=four_over_six)
+    q = nvfp4_quantize.quantize_ref(x, tile_2d=tile_2d, four_over_six=four_over_six)
     assert q.codes.dtype == jnp.uint8 and q.scales.dtype == jnp.float8_e4m3fn
     assert q.global_scale.dtype == jnp.float32 and q.global_scale.shape == ()
-    np.testing.assert_array_equal(np.asarray(nvfp4.unpack_codes(q.codes)), codes)
+    np.testing.assert_array_equal(np.asarray(nvfp4_quantize.unpack_codes(q.codes)), codes)
     assert_bitwise(q.scales.astype(jnp.float32), scales, "scales")
     assert_bitwise(q.global_scale, s_dec, "global scale")
-    fq = nvfp4.fake_quantize(x, tile_2d=tile_2d, four_over_six=four_over_six, impl="ref")
+    fq = nvfp4_quantize.fake_quantize(x, tile_2d=tile_2d, four_over_six=four_over_six, impl="ref")
     assert fq.dtype == jnp.float32 and fq.shape == x.shape
     assert_bitwise(fq, deq, "fake_quantize")
-    assert_bitwise(nvfp4.dequantize(q), deq, "dequantize")
+    assert_bitwise(nvfp4_quantize.dequantize(q), deq, "dequantize")
     return codes, scales, deq
 
 
@@ -164,8 +164,8 @@ def test_reference_matches_numpy(shape, dtype, dist, tile_2d, four_over_six):
 def test_reference_jit_equals_eager_equals_numpy():
     x = heavy_tailed(jax.random.key(7), (64, 256))
     for tile_2d in (False, True):
-        eager = nvfp4.fake_quantize_ref(x, tile_2d=tile_2d)
-        jitted = jax.jit(lambda x: nvfp4.fake_quantize_ref(x, tile_2d=tile_2d))(x)
+        eager = nvfp4_quantize.fake_quantize_ref(x, tile_2d=tile_2d)
+        jitted = jax.jit(lambda x: nvfp4_quantize.fake_quantize_ref(x, tile_2d=tile_2d))(x)
         assert_bitwise(jitted, eager, "jit vs eager")
         assert_bitwise(eager, np_quant(np.asarray(x), tile_2d)[3], "numpy")
 
@@ -177,10 +177,10 @@ def test_rounding_anchors_and_ties_to_even():
     x = np.array([[6.0] + mids + [-m for m in mids[:7]]], F32)
     x = np.concatenate([x, np.zeros((1, 16), F32)], 0)
     x[0, 8] = 6.0  # keep amax at 6 (7.0 would raise it): 7 is exercised below
-    fq = np.asarray(nvfp4.fake_quantize(jnp.asarray(x), four_over_six=False))
+    fq = np.asarray(nvfp4_quantize.fake_quantize(jnp.asarray(x), four_over_six=False))
     np.testing.assert_array_equal(fq[0, 1:8], want[:7])
     np.testing.assert_array_equal(fq[0, 9:16], [-w for w in want[:7]])
-    codes = np.asarray(nvfp4.unpack_codes(nvfp4.quantize(jnp.asarray(x), four_over_six=False).codes))
+    codes = np.asarray(nvfp4_quantize.unpack_codes(nvfp4_quantize.quantize(jnp.asarray(x), four_over_six=False).codes))
     np.testing.assert_array_equal(codes[0, 1:8], [0, 2, 2, 4, 4, 6, 6])
     np.testing.assert_array_equal(codes[0, 9:16], [8, 10, 10, 12, 12, 14, 14])
     check_against_numpy(jnp.asarray(x), False, False)
@@ -189,18 +189,18 @@ def test_rounding_anchors_and_ties_to_even():
     y = np.zeros((7, 16), F32)
     y[:, 0] = 6.0
     y[:, 1:3] = np.array(mids[:7], F32)[:, None] + eps
-    codes = np.asarray(nvfp4.unpack_codes(nvfp4.quantize(jnp.asarray(y), four_over_six=False).codes))
+    codes = np.asarray(nvfp4_quantize.unpack_codes(nvfp4_quantize.quantize(jnp.asarray(y), four_over_six=False).codes))
     np.testing.assert_array_equal(codes[:, 1:3], np.arange(7)[:, None] + [0, 1])  # lower, upper
 
 
 def test_worked_anchor_from_reference_doc():
     # Tensor amax 3.0 -> s_enc = 896; block amax 3 -> S = e4m3(0.5 * 896) = 448; 1.2 -> 2.4 -> 2.
     x = jnp.asarray([[3.0, 1.2] + [0.0] * 14], jnp.float32)
-    q = nvfp4.quantize(x, four_over_six=False)
+    q = nvfp4_quantize.quantize(x, four_over_six=False)
     assert float(q.scales.astype(jnp.float32)[0, 0]) == 448.0
     assert float(q.global_scale) == float(F32(1) / F32(896))
-    np.testing.assert_array_equal(np.asarray(nvfp4.unpack_codes(q.codes))[0, :2], [7, 4])
-    np.testing.assert_allclose(np.asarray(nvfp4.dequantize(q))[0, :2], [3.0, 1.0], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(nvfp4_quantize.unpack_codes(q.codes))[0, :2], [7, 4])
+    np.testing.assert_allclose(np.asarray(nvfp4_quantize.dequantize(q))[0, :2], [3.0, 1.0], rtol=1e-6)
 
 
 def test_saturation_at_six():
@@ -226,9 +226,9 @@ def test_zero_and_tiny_blocks_and_signed_zero():
     assert np.all(codes[1, :8] == 8) and np.all(codes[1, 8:16] == 0)
     assert np.signbit(deq[2, 3]) and not np.signbit(deq[2, 4])
     assert np.all(np.signbit(deq[3])) and np.all(codes[3] == 8)
-    zeros = nvfp4.quantize(jnp.zeros((2, 16), jnp.float32))
+    zeros = nvfp4_quantize.quantize(jnp.zeros((2, 16), jnp.float32))
     assert float(zeros.global_scale) == 1.0 and not np.any(np.asarray(zeros.codes))
-    assert not np.any(np.asarray(nvfp4.fake_quantize(jnp.zeros((3, 16)))))
+    assert not np.any(np.asarray(nvfp4_quantize.fake_quantize(jnp.zeros((3, 16)))))
 
 
 def test_subnormal_e4m3_block_scales():
@@ -253,9 +253,9 @@ def test_non_finite_inputs_give_nan():
         x = np.ones((2, 32), F32)
         x[1, 5] = bad
         for tile_2d in (False, True):
-            fq = np.asarray(nvfp4.fake_quantize(jnp.asarray(x), tile_2d=tile_2d))
+            fq = np.asarray(nvfp4_quantize.fake_quantize(jnp.asarray(x), tile_2d=tile_2d))
             assert np.all(np.isnan(fq)), bad
-        assert np.isnan(float(nvfp4.quantize(jnp.asarray(x)).global_scale))
+        assert np.isnan(float(nvfp4_quantize.quantize(jnp.asarray(x)).global_scale))
 
 
 def test_four_over_six_never_worse_than_the_six_candidate():
@@ -268,13 +268,13 @@ def test_four_over_six_never_worse_than_the_six_candidate():
              "uniform": lambda: jax.random.uniform(key, (64, 256), minval=-1, maxval=1)}[dist]()
         x = np.asarray(x, F32)
         for tile_2d in (False, True):
-            fos = np.asarray(nvfp4.fake_quantize(jnp.asarray(x), tile_2d=tile_2d), np.float64)
+            fos = np.asarray(nvfp4_quantize.fake_quantize(jnp.asarray(x), tile_2d=tile_2d), np.float64)
             # The 6 candidate with the 4/6 global scale: numpy reference forced to D = 6.
             only6 = np_quant_forced6(x, tile_2d)
             e_fos = np_blocks(((fos - x) ** 2), tile_2d).reshape(-1, 256 if tile_2d else 16).sum(-1)
             e_6 = np_blocks(((only6 - x) ** 2), tile_2d).reshape(-1, 256 if tile_2d else 16).sum(-1)
             assert np.all(e_fos <= e_6 * (1 + 1e-6) + 1e-30), dist
-            plain = np.asarray(nvfp4.fake_quantize(jnp.asarray(x), tile_2d=tile_2d, four_over_six=False), np.float64)
+            plain = np.asarray(nvfp4_quantize.fake_quantize(jnp.asarray(x), tile_2d=tile_2d, four_over_six=False), np.float64)
             assert np.sum((fos - x) ** 2) < np.sum((plain - x) ** 2), (dist, tile_2d)
 
 
@@ -299,10 +299,10 @@ def test_four_over_six_picks_four_when_better():
     x = np.zeros((2, 16), F32)
     x[0, 0] = 6.0  # tensor amax 6 -> s_enc = 256 with 4/6
     x[1, :] = [5.0, -5.0, 2.5, 1.25] * 4
-    q = nvfp4.quantize(jnp.asarray(x))
+    q = nvfp4_quantize.quantize(jnp.asarray(x))
     s = np.asarray(q.scales.astype(jnp.float32))
     assert s[1, 0] == np_e4m3(np.array([5.0 / 4 * 256], F32))[0]  # the 4 candidate
-    np.testing.assert_allclose(np.asarray(nvfp4.fake_quantize(jnp.asarray(x)))[1], x[1], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(nvfp4_quantize.fake_quantize(jnp.asarray(x)))[1], x[1], rtol=1e-6)
     check_against_numpy(jnp.asarray(x), False, True)
 
 
@@ -310,14 +310,14 @@ def test_stochastic_rounding_unbiased_and_neighbours_only():
     x = heavy_tailed(jax.random.key(5), (4, 64)).astype(jnp.float32)
     keys = jax.random.split(jax.random.key(6), 2000)
     for tile_2d in (False, True):
-        sr = jax.jit(jax.vmap(lambda k: nvfp4.fake_quantize(x, tile_2d=tile_2d, stochastic=True, key=k)))(keys)
+        sr = jax.jit(jax.vmap(lambda k: nvfp4_quantize.fake_quantize(x, tile_2d=tile_2d, stochastic=True, key=k)))(keys)
         sr = np.asarray(sr, np.float64)
-        rne = nvfp4.quantize(x, tile_2d=tile_2d)
+        rne = nvfp4_quantize.quantize(x, tile_2d=tile_2d)
         # Same block scales as round-to-nearest (the scale choice is deterministic).
-        q0 = nvfp4.quantize(x, tile_2d=tile_2d, stochastic=True, key=keys[0])
+        q0 = nvfp4_quantize.quantize(x, tile_2d=tile_2d, stochastic=True, key=keys[0])
         assert_bitwise(q0.scales.astype(jnp.float32), rne.scales.astype(jnp.float32), "sr scales")
         # Neighbours: each sample is lo or hi of the grid interval holding x * r.
-        step = np.asarray(nvfp4.expand_scales(rne), np.float64).repeat(16, -1) * float(rne.global_scale)
+        step = np.asarray(nvfp4_quantize.expand_scales(rne), np.float64).repeat(16, -1) * float(rne.global_scale)
         xs = np.asarray(x, np.float64) / np.where(step == 0, 1, step)
         lo = np.where(step == 0, 0, np.sign(xs) * GRID[np.searchsorted(GRID, np.abs(xs), side="right") - 1])
         hi_idx = np.minimum(np.searchsorted(GRID, np.abs(xs), side="right"), 7)
@@ -340,29 +340,29 @@ def test_stochastic_rounding_unbiased_and_neighbours_only():
         z = dev[inside & (se > 0)] / se[inside & (se > 0)]
         assert np.mean(z) < 1.2, np.mean(z)  # |N(0,1)| has mean 0.8
         # ... while round-to-nearest is biased on the same data (the test has power).
-        assert np.abs(np.asarray(nvfp4.dequantize(rne), np.float64) - xf).sum() > np.abs(mean - xf).sum()
+        assert np.abs(np.asarray(nvfp4_quantize.dequantize(rne), np.float64) - xf).sum() > np.abs(mean - xf).sum()
 
 
 def test_stochastic_needs_key_and_other_errors():
     x = jnp.ones((2, 32))
     with pytest.raises(ValueError, match="PRNG key"):
-        nvfp4.fake_quantize(x, stochastic=True)
+        nvfp4_quantize.fake_quantize(x, stochastic=True)
     with pytest.raises(ValueError, match="stochastic=True"):
-        nvfp4.fake_quantize(x, key=jax.random.key(0))
+        nvfp4_quantize.fake_quantize(x, key=jax.random.key(0))
     with pytest.raises(ValueError, match="multiple of 16"):
-        nvfp4.fake_quantize(jnp.ones((4, 24)))
+        nvfp4_quantize.fake_quantize(jnp.ones((4, 24)))
     with pytest.raises(ValueError, match="multiple of 16"):
-        nvfp4.fake_quantize(jnp.ones((16, 24)), tile_2d=True)
+        nvfp4_quantize.fake_quantize(jnp.ones((16, 24)), tile_2d=True)
     with pytest.raises(ValueError, match="rank >= 2"):
-        nvfp4.fake_quantize(jnp.ones((32,)), tile_2d=True)
+        nvfp4_quantize.fake_quantize(jnp.ones((32,)), tile_2d=True)
     with pytest.raises(TypeError, match="floating point"):
-        nvfp4.fake_quantize(jnp.ones((2, 16), jnp.int32))
+        nvfp4_quantize.fake_quantize(jnp.ones((2, 16), jnp.int32))
     with pytest.raises(ValueError, match="rht_sign_mask"):
-        nvfp4.quantize(x, rht_sign_mask=1 << 16)
+        nvfp4_quantize.quantize(x, rht_sign_mask=1 << 16)
 
 
 def test_fake_quantize_signature_and_dtypes():
-    sig = inspect.signature(nvfp4.fake_quantize)
+    sig = inspect.signature(nvfp4_quantize.fake_quantize)
     params = sig.parameters
     assert list(params)[:5] == ["x", "tile_2d", "four_over_six", "stochastic", "key"]
     for name, default in (("tile_2d", False), ("four_over_six", True), ("stochastic", False), ("key", None)):
@@ -370,27 +370,27 @@ def test_fake_quantize_signature_and_dtypes():
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
         x = jax.random.normal(jax.random.key(1), (3, 7, 32)).astype(dtype)
         for tile_2d in (False, True):
-            y = nvfp4.fake_quantize(x, tile_2d=tile_2d)
+            y = nvfp4_quantize.fake_quantize(x, tile_2d=tile_2d)
             assert y.dtype == jnp.float32 and y.shape == x.shape
-        y = nvfp4.fake_quantize(x, stochastic=True, key=jax.random.key(2))
+        y = nvfp4_quantize.fake_quantize(x, stochastic=True, key=jax.random.key(2))
         assert y.dtype == jnp.float32 and y.shape == x.shape
-    assert nvfp4.fake_quantize(jnp.zeros((0, 16))).shape == (0, 16)
+    assert nvfp4_quantize.fake_quantize(jnp.zeros((0, 16))).shape == (0, 16)
 
 
 def test_env_override_forces_reference(monkeypatch):
     monkeypatch.setenv("SUROGATE_JAX_OPS", "ref")
     x = jax.random.normal(jax.random.key(3), (5, 32))
-    hlo = jax.jit(lambda x: nvfp4.fake_quantize(x)).lower(x).as_text()
+    hlo = jax.jit(lambda x: nvfp4_quantize.fake_quantize(x)).lower(x).as_text()
     assert "surogate_nvfp4" not in hlo
-    assert_bitwise(nvfp4.fake_quantize(x, impl="auto"), nvfp4.fake_quantize_ref(x))
+    assert_bitwise(nvfp4_quantize.fake_quantize(x, impl="auto"), nvfp4_quantize.fake_quantize_ref(x))
     monkeypatch.setenv("SUROGATE_JAX_OPS", "ref:nvfp4_quantize")
-    assert nvfp4._resolve("ffi", x) == "ref"
+    assert nvfp4_quantize._resolve("ffi", x) == "ref"
 
 
 def test_pack_unpack_round_trip():
     x = heavy_tailed(jax.random.key(9), (6, 48))
-    q = nvfp4.quantize(x)
-    nib = nvfp4.unpack_codes(q.codes)
+    q = nvfp4_quantize.quantize(x)
+    nib = nvfp4_quantize.unpack_codes(q.codes)
     assert nib.shape == (6, 48) and int(nib.max()) <= 15
     repacked = nib[..., 0::2] | (nib[..., 1::2] << 4)
     np.testing.assert_array_equal(np.asarray(repacked), np.asarray(q.codes))
@@ -401,23 +401,23 @@ def test_pack_unpack_round_trip():
     # The packed tensor is a pytree (jit in and out) and dequantizes to fake_quantize.
     q2 = jax.jit(lambda q: q)(q)
     assert q2.shape == q.shape and q2.tile_2d is False
-    assert_bitwise(nvfp4.dequantize(q2), nvfp4.fake_quantize(x))
+    assert_bitwise(nvfp4_quantize.dequantize(q2), nvfp4_quantize.fake_quantize(x))
     w = heavy_tailed(jax.random.key(10), (2, 40, 32))
-    qw = nvfp4.quantize(w, tile_2d=True)
+    qw = nvfp4_quantize.quantize(w, tile_2d=True)
     assert qw.scales.shape == (2, 3, 2) and qw.codes.shape == (2, 40, 16)
-    assert_bitwise(nvfp4.dequantize(qw), nvfp4.fake_quantize(w, tile_2d=True))
+    assert_bitwise(nvfp4_quantize.dequantize(qw), nvfp4_quantize.fake_quantize(w, tile_2d=True))
 
 
 def test_tile_2d_is_transpose_invariant():
     w = np.asarray(heavy_tailed(jax.random.key(11), (64, 96)))
     for fos in (False, True):
-        a = np.asarray(nvfp4.fake_quantize(jnp.asarray(w), tile_2d=True, four_over_six=fos))
-        b = np.asarray(nvfp4.fake_quantize(jnp.asarray(w.T), tile_2d=True, four_over_six=fos))
+        a = np.asarray(nvfp4_quantize.fake_quantize(jnp.asarray(w), tile_2d=True, four_over_six=fos))
+        b = np.asarray(nvfp4_quantize.fake_quantize(jnp.asarray(w.T), tile_2d=True, four_over_six=fos))
         # Without 4/6 the tile scale depends only on the tile amax: exact. With 4/6 the error sum
         # order differs under transposition, so only near-ties could flip; none do on this data.
         assert_bitwise(a, b.T, f"W vs W^T (4/6={fos})")
-        s1 = nvfp4.quantize(jnp.asarray(w), tile_2d=True, four_over_six=fos).scales.astype(jnp.float32)
-        s2 = nvfp4.quantize(jnp.asarray(w.T), tile_2d=True, four_over_six=fos).scales.astype(jnp.float32)
+        s1 = nvfp4_quantize.quantize(jnp.asarray(w), tile_2d=True, four_over_six=fos).scales.astype(jnp.float32)
+        s2 = nvfp4_quantize.quantize(jnp.asarray(w.T), tile_2d=True, four_over_six=fos).scales.astype(jnp.float32)
         assert_bitwise(s1, np.asarray(s2).T, "tile scales")
 
 
@@ -464,12 +464,12 @@ def test_quantize_with_fused_rht_equals_rht_then_quantize():
     x = heavy_tailed(jax.random.key(31), (8, 64))
     mask = hadamard.DEFAULT_SIGN_MASK
     for tile_2d in (False, True):
-        q = nvfp4.quantize(x, tile_2d=tile_2d, rht_sign_mask=mask)
-        q2 = nvfp4.quantize(hadamard.rht(x, sign_mask=mask), tile_2d=tile_2d)
+        q = nvfp4_quantize.quantize(x, tile_2d=tile_2d, rht_sign_mask=mask)
+        q2 = nvfp4_quantize.quantize(hadamard.rht(x, sign_mask=mask), tile_2d=tile_2d)
         assert q.rht_sign_mask == mask
         np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(q2.codes))
-        assert_bitwise(nvfp4.dequantize(q), nvfp4.dequantize(q2))
-    assert float(nvfp4.global_amax(x, rht_sign_mask=mask)) == float(jnp.max(jnp.abs(hadamard.rht(x, sign_mask=mask))))
+        assert_bitwise(nvfp4_quantize.dequantize(q), nvfp4_quantize.dequantize(q2))
+    assert float(nvfp4_quantize.global_amax(x, rht_sign_mask=mask)) == float(jnp.max(jnp.abs(hadamard.rht(x, sign_mask=mask))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,23 +479,23 @@ def test_emulated_matmul():
     kx, kw = jax.random.split(jax.random.key(41))
     x = jax.random.normal(kx, (2, 8, 64), jnp.bfloat16)
     w = (jax.random.normal(kw, (64, 48)) * 0.1).astype(jnp.bfloat16)
-    y = nvfp4.nvfp4_matmul_emulated(x, w)
+    y = nvfp4_matmul.nvfp4_matmul_emulated(x, w)
     assert y.shape == (2, 8, 48) and y.dtype == jnp.bfloat16
-    xq = nvfp4.fake_quantize(x).astype(jnp.bfloat16).astype(np.float32)
-    wq = nvfp4.fake_quantize(w, tile_2d=True).astype(jnp.bfloat16).astype(np.float32)
+    xq = nvfp4_quantize.fake_quantize(x).astype(jnp.bfloat16).astype(np.float32)
+    wq = nvfp4_quantize.fake_quantize(w, tile_2d=True).astype(jnp.bfloat16).astype(np.float32)
     want = np.asarray(xq) @ np.asarray(wq)
     np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
     exact = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
     rel = np.linalg.norm(np.asarray(y, np.float32) - exact) / np.linalg.norm(exact)
     assert rel < 0.15, rel  # NVFP4 error level on Gaussian data (~0.1)
     with pytest.raises(ValueError, match=r"x \[\.\.\., K\]"):
-        nvfp4.nvfp4_matmul_emulated(x, w.T)
+        nvfp4_matmul.nvfp4_matmul_emulated(x, w.T)
 
 
 SHARD_SCRIPT = r'''
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from surogate_jax.precision import nvfp4
+from surogate_jax.ops import hadamard, nvfp4_matmul, nvfp4_quantize
 assert len(jax.devices()) == 4
 x = jax.random.t(jax.random.key(0), 2.0, (8, 5, 64))
 w = jax.random.t(jax.random.key(1), 2.0, (64, 48))
@@ -504,10 +504,10 @@ auto = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 explicit = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
 for arr, tile_2d, mesh in ((x, False, auto), (x, True, auto), (w, True, auto), (w[:40], True, auto),
                            (x, False, explicit), (w, True, explicit)):
-    want = nvfp4.quantize_ref(arr, tile_2d=tile_2d)
+    want = nvfp4_quantize.quantize_ref(arr, tile_2d=tile_2d)
     xs = jax.device_put(arr, NamedSharding(mesh, P("data")))
     with jax.set_mesh(mesh):
-        f = jax.jit(lambda a: nvfp4._quantize_sharded(a, tile_2d, True, False, None, None, None, "ref"))
+        f = jax.jit(lambda a: nvfp4_quantize._quantize_sharded(a, tile_2d, True, False, None, None, None, "ref"))
         got = f(xs)
         hlo = f.lower(xs).as_text()
     if arr.shape[0] % (16 * 4) == 0 or arr.ndim > 2:
@@ -536,19 +536,19 @@ def test_linear_emulated_recipe_gradients():
         return jax.jit(jax.grad(lambda x, w: jnp.sum(fn(x, w) * dy), argnums=(0, 1)))(x, w)
 
     exact = grads(lambda x, w: x @ w)
-    g = grads(lambda x, w: nvfp4.nvfp4_linear_emulated(x, w, jax.random.key(3)))
+    g = grads(lambda x, w: nvfp4_matmul.nvfp4_linear_emulated(x, w, jax.random.key(3)))
     for a, b in zip(g, exact):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 0.3
     # Without stochastic rounding and RHT the backward is two plain emulated GEMMs.
-    g = grads(lambda x, w: nvfp4.nvfp4_linear_emulated(x, w, jax.random.key(3), stochastic_grad=False,
+    g = grads(lambda x, w: nvfp4_matmul.nvfp4_linear_emulated(x, w, jax.random.key(3), stochastic_grad=False,
                                                        rht_sign_mask=None))
     bf = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float32)
-    dx = bf(nvfp4.fake_quantize(dy)) @ bf(nvfp4.fake_quantize(w, tile_2d=True)).T
+    dx = bf(nvfp4_quantize.fake_quantize(dy)) @ bf(nvfp4_quantize.fake_quantize(w, tile_2d=True)).T
     xt = jnp.pad(x.reshape(40, 64), ((0, 8), (0, 0))).T
     dyt = jnp.pad(dy.reshape(40, 32), ((0, 8), (0, 0))).T
-    dw = bf(nvfp4.fake_quantize(xt)) @ bf(nvfp4.fake_quantize(dyt)).T
+    dw = bf(nvfp4_quantize.fake_quantize(xt)) @ bf(nvfp4_quantize.fake_quantize(dyt)).T
     np.testing.assert_allclose(np.asarray(g[0]), dx, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(g[1]), dw, rtol=1e-5, atol=1e-5)
-    y = nvfp4.nvfp4_linear_emulated(x, w, jax.random.key(3))
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(nvfp4.nvfp4_matmul_emulated(x, w)))
+    y = nvfp4_matmul.nvfp4_linear_emulated(x, w, jax.random.key(3))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(nvfp4_matmul.nvfp4_matmul_emulated(x, w)))

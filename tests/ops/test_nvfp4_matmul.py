@@ -1,8 +1,8 @@
-"""NVFP4 GEMM paths on CPU (surogate_jax/precision/nvfp4_gemm.py): the cuBLASLt scale swizzle
+"""NVFP4 GEMM paths on CPU (surogate_jax/precision/g.py): the cuBLASLt scale swizzle
 reference against an independent loop over the documented formula, the exact W^T transpose, the
 emulated and reference GEMMs, the backend choice (never native on CPU), the one log line, and the
 native linear's plumbing (operand orientation, padding, gradients) with the cuBLASLt call replaced
-by the fp32 reference GEMM. The native GEMM itself needs an SM100 GPU (tests/gpu/test_nvfp4_gemm_gpu.py)."""
+by the fp32 reference GEMM. The native GEMM itself needs an SM100 GPU (tests/gpu/test_nvfp4_matmul_gpu.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surogate_jax.precision import nvfp4
-from surogate_jax.precision import nvfp4_gemm as g
+from surogate_jax.ops import nvfp4_matmul as g
+from surogate_jax.ops import nvfp4_quantize
 
 
 def _loop_swizzle(s: np.ndarray, rows: int, row_div: int) -> np.ndarray:
@@ -79,10 +79,10 @@ def test_swizzle_rejects_bad_arguments():
 
 def test_transpose_of_a_tiled_weight_is_exact():
     w = jax.random.t(jax.random.key(1), 3.0, (48, 80))
-    q = nvfp4.quantize_ref(w, tile_2d=True)
+    q = nvfp4_quantize.quantize_ref(w, tile_2d=True)
     t = g.transpose(q, impl="ref")
     assert t.shape == (80, 48) and t.tile_2d and t.codes.shape == (80, 24) and t.scales.shape == (5, 3)
-    np.testing.assert_array_equal(np.asarray(nvfp4.dequantize(t)), np.asarray(nvfp4.dequantize(q)).T)
+    np.testing.assert_array_equal(np.asarray(nvfp4_quantize.dequantize(t)), np.asarray(nvfp4_quantize.dequantize(q)).T)
     # the codes against an independent numpy transpose of the nibbles
     c = np.asarray(q.codes)
     nib = np.stack([c & 15, c >> 4], -1).reshape(48, 80).T
@@ -90,20 +90,20 @@ def test_transpose_of_a_tiled_weight_is_exact():
     np.testing.assert_array_equal(np.asarray(g.transpose_codes(q.codes)), np.asarray(t.codes))
     # Quantizing W^T afresh gives the same tiles here (Four Over Six could only differ where the
     # two candidate errors are equal up to float32 rounding); transpose() is exact by construction.
-    qt = nvfp4.quantize_ref(w.T, tile_2d=True)
-    np.testing.assert_array_equal(np.asarray(nvfp4.dequantize(qt)), np.asarray(nvfp4.dequantize(t)))
+    qt = nvfp4_quantize.quantize_ref(w.T, tile_2d=True)
+    np.testing.assert_array_equal(np.asarray(nvfp4_quantize.dequantize(qt)), np.asarray(nvfp4_quantize.dequantize(t)))
     with pytest.raises(ValueError, match="16x16-tile"):
-        g.transpose(nvfp4.quantize_ref(w))
+        g.transpose(nvfp4_quantize.quantize_ref(w))
     with pytest.raises(ValueError, match="multiple of 16"):
-        g.transpose(nvfp4.quantize_ref(w[:40], tile_2d=True))
+        g.transpose(nvfp4_quantize.quantize_ref(w[:40], tile_2d=True))
 
 
 def test_requantizing_a_cached_weight_recovers_codes_and_block_scales():
     """The native frozen path quantizes the cached bf16 weight again (nvfp4_linear_frozen)."""
     for dtype in (jnp.float32, jnp.bfloat16):
         w = jax.random.t(jax.random.key(2), 3.0, (64, 96)).astype(dtype)
-        q0 = nvfp4.quantize_ref(w, tile_2d=True)
-        q1 = nvfp4.quantize_ref(nvfp4.fake_quantize_weight(w, impl="ref"), tile_2d=True)
+        q0 = nvfp4_quantize.quantize_ref(w, tile_2d=True)
+        q1 = nvfp4_quantize.quantize_ref(g.fake_quantize_weight(w, impl="ref"), tile_2d=True)
         np.testing.assert_array_equal(np.asarray(q1.codes), np.asarray(q0.codes))
         np.testing.assert_array_equal(np.asarray(q1.scales.astype(jnp.float32)),
                                       np.asarray(q0.scales.astype(jnp.float32)))
@@ -115,26 +115,26 @@ def test_requantizing_a_cached_weight_recovers_codes_and_block_scales():
 
 def _operands(m=24, n=48, k=64, seed=3):
     ka, kb = jax.random.split(jax.random.key(seed))
-    a = nvfp4.quantize_ref(jax.random.normal(ka, (m, k)))
-    b = nvfp4.quantize_ref(jax.random.normal(kb, (n, k)) * 0.1)
+    a = nvfp4_quantize.quantize_ref(jax.random.normal(ka, (m, k)))
+    b = nvfp4_quantize.quantize_ref(jax.random.normal(kb, (n, k)) * 0.1)
     return a, b
 
 
 def test_reference_and_emulated_gemms():
     a, b = _operands()
-    da, db = np.asarray(nvfp4.dequantize(a), np.float64), np.asarray(nvfp4.dequantize(b), np.float64)
+    da, db = np.asarray(nvfp4_quantize.dequantize(a), np.float64), np.asarray(nvfp4_quantize.dequantize(b), np.float64)
     ref = g.nvfp4_gemm_ref(a, b)
     assert ref.shape == (24, 48) and ref.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(ref), da @ db.T, rtol=1e-5, atol=1e-6 * np.abs(da @ db.T).max())
     emu = g.nvfp4_gemm(a, b, jnp.bfloat16, backend="emulated")
-    want = jnp.matmul(nvfp4.dequantize(a).astype(jnp.bfloat16), nvfp4.dequantize(b).astype(jnp.bfloat16).T,
+    want = jnp.matmul(nvfp4_quantize.dequantize(a).astype(jnp.bfloat16), nvfp4_quantize.dequantize(b).astype(jnp.bfloat16).T,
                       preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(emu.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
     # auto on CPU = emulated
     np.testing.assert_array_equal(np.asarray(g.nvfp4_gemm(a, b).astype(jnp.float32)),
                                   np.asarray(want.astype(jnp.float32)))
     with pytest.raises(ValueError, match="reduction"):
-        g.nvfp4_gemm_ref(a, nvfp4.quantize_ref(jnp.ones((8, 32))))
+        g.nvfp4_gemm_ref(a, nvfp4_quantize.quantize_ref(jnp.ones((8, 32))))
     with pytest.raises(ValueError, match="backend"):
         g.nvfp4_gemm(a, b, backend="cutlass")
 
@@ -150,10 +150,10 @@ def test_no_native_backend_on_cpu():
 def test_one_log_line_says_emulated_and_that_native_is_unrun(caplog):
     from surogate_jax.precision.recipe import QuantRecipe, check_device
 
-    nvfp4.log_emulation.cache_clear()
+    g.log_emulation.cache_clear()
     with caplog.at_level("INFO", logger="surogate_jax"):
         check_device(QuantRecipe("nvfp4"))
-        nvfp4.nvfp4_linear_emulated(jnp.ones((2, 32)), jnp.ones((32, 32)), jax.random.key(0))
+        g.nvfp4_linear_emulated(jnp.ones((2, 32)), jnp.ones((32, 32)), jax.random.key(0))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("nvfp4:")]
     assert len(lines) == 1, lines
     assert "emulated" in lines[0] and "SM100+" in lines[0] and "has not run on hardware" in lines[0]
@@ -181,7 +181,7 @@ def fake_native(monkeypatch):
 
 
 def _deq(x, **kw):
-    return np.asarray(nvfp4.dequantize(nvfp4.quantize_ref(x, **kw)), np.float64)
+    return np.asarray(nvfp4_quantize.dequantize(nvfp4_quantize.quantize_ref(x, **kw)), np.float64)
 
 
 def test_native_linear_orients_operands_and_pads_tokens(fake_native):
@@ -189,7 +189,7 @@ def test_native_linear_orients_operands_and_pads_tokens(fake_native):
     x = jax.random.normal(kx, (2, 19, 64), jnp.float32)  # 38 tokens: padded to 64 for wgrad
     w = jax.random.normal(kw, (64, 96)) * 0.1
     dy = jax.random.normal(kd, (2, 19, 96))
-    f = lambda x, w: nvfp4.nvfp4_linear_emulated(x, w, jax.random.key(3), stochastic_grad=False,
+    f = lambda x, w: g.nvfp4_linear_emulated(x, w, jax.random.key(3), stochastic_grad=False,
                                                  rht_sign_mask=None, impl="ref")
     y, vjp = jax.vjp(f, x, w)
     dx, dw = vjp(dy)
@@ -204,14 +204,14 @@ def test_native_linear_orients_operands_and_pads_tokens(fake_native):
     np.testing.assert_allclose(np.asarray(dw), _deq(xt) @ _deq(dyt).T, rtol=1e-5, atol=1e-5)
     assert y.dtype == x.dtype and dx.dtype == x.dtype and dw.dtype == w.dtype
     # close to the emulated path (which rounds the dequantized operands to bf16)
-    emu = nvfp4.nvfp4_matmul_emulated(x, w, impl="ref")
+    emu = g.nvfp4_matmul_emulated(x, w, impl="ref")
     np.testing.assert_allclose(np.asarray(y), np.asarray(emu), rtol=0.05, atol=0.05 * float(jnp.abs(emu).max()))
 
 
 def test_native_linear_with_rht_and_stochastic_rounding_runs(fake_native):
     x = jax.random.normal(jax.random.key(6), (40, 64), jnp.bfloat16)
     w = (jax.random.normal(jax.random.key(7), (64, 32)) * 0.1).astype(jnp.bfloat16)
-    dx, dw = jax.grad(lambda x, w: jnp.sum(nvfp4.nvfp4_linear_emulated(x, w, jax.random.key(1), impl="ref")
+    dx, dw = jax.grad(lambda x, w: jnp.sum(g.nvfp4_linear_emulated(x, w, jax.random.key(1), impl="ref")
                                            .astype(jnp.float32) ** 2), argnums=(0, 1))(x, w)
     exact = jax.grad(lambda x, w: jnp.sum((x.astype(jnp.float32) @ w.astype(jnp.float32)) ** 2), argnums=(0, 1))
     for got, want in zip((dx, dw), exact(x, w), strict=True):
@@ -225,9 +225,9 @@ def test_native_frozen_linear_matches_the_native_linear(fake_native):
     x = jax.random.normal(jax.random.key(8), (3, 11, 64), jnp.float32)
     w = (jax.random.normal(jax.random.key(9), (64, 32)) * 0.1).astype(jnp.bfloat16)
     key = jax.random.key(4)
-    wq = nvfp4.fake_quantize_weight(w, impl="ref")
-    f1 = lambda x: jnp.sum(jnp.sin(nvfp4.nvfp4_linear_frozen(x, wq, key, impl="ref")))
-    f2 = lambda x: jnp.sum(jnp.sin(nvfp4.nvfp4_linear_emulated(x, w, key, impl="ref")))
+    wq = g.fake_quantize_weight(w, impl="ref")
+    f1 = lambda x: jnp.sum(jnp.sin(g.nvfp4_linear_frozen(x, wq, key, impl="ref")))
+    f2 = lambda x: jnp.sum(jnp.sin(g.nvfp4_linear_emulated(x, w, key, impl="ref")))
     (y1, g1), (y2, g2) = jax.value_and_grad(f1)(x), jax.value_and_grad(f2)(x)
     # bf16 weight: the re-quantized cache has the same codes, scales and global scale
     np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
@@ -237,6 +237,6 @@ def test_native_frozen_linear_matches_the_native_linear(fake_native):
 def test_shapes_the_native_gemm_does_not_take_stay_emulated(fake_native):
     x = jax.random.normal(jax.random.key(10), (8, 48), jnp.float32)  # K = 48: not a multiple of 32
     w = jax.random.normal(jax.random.key(11), (48, 32)) * 0.1
-    y = nvfp4.nvfp4_linear_emulated(x, w, jax.random.key(0), impl="ref")
+    y = g.nvfp4_linear_emulated(x, w, jax.random.key(0), impl="ref")
     assert fake_native == []
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(nvfp4.nvfp4_matmul_emulated(x, w, impl="ref")))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(g.nvfp4_matmul_emulated(x, w, impl="ref")))
