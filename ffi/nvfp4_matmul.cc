@@ -1,5 +1,5 @@
 // XLA FFI handlers for the native NVFP4 GEMM (cuBLASLt block-scaled FP4, SM100+) and its operand
-// preparation (Python side: surogate_jax/precision/nvfp4_gemm.py).
+// preparation (Python side: surogate_jax/ops/nvfp4_matmul.py).
 //
 //   surogate_nvfp4_swizzle_scales(scales [S, C] u8|f8e4m3fn; rows: i64, row_div: i32)
 //       -> u8 [ceil(rows/128)*128 * ceil(C/4)*4]           (kernels/nvfp4_matmul.h has the layout)

@@ -1,6 +1,6 @@
 // XLA FFI handlers for the NVFP4 quantizer: check shapes/dtypes, pick the element type, call the
 // launchers in kernels/nvfp4_quantize.h on XLA's stream. Python side:
-// surogate_jax/precision/nvfp4.py (quantize / fake_quantize with impl="ffi").
+// surogate_jax/ops/nvfp4_quantize.py (quantize / fake_quantize with impl="ffi").
 //
 //   surogate_nvfp4_amax(x [..., K]; rht_sign_mask: i32) -> amax [1] f32
 //   surogate_nvfp4_quantize(x [..., K], amax [1] f32, seed [2] u32;

@@ -1,6 +1,6 @@
 // Operand preparation for the native NVFP4 GEMM (cuBLASLt block-scaled FP4, SM100+); framework-free
 // launchers, bound to XLA by ffi/nvfp4_matmul.cc. These kernels run on any CUDA GPU (they only
-// move bytes), so they are tested on Hopper against surogate_jax/precision/nvfp4_gemm.py's
+// move bytes), so they are tested on Hopper against surogate_jax/ops/nvfp4_matmul.py's
 // pure-JAX references even though the GEMM itself needs SM100.
 //
 //   nvfp4_swizzle_scales(src, src_rows, cols, rows, row_div, dst):

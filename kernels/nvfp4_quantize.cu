@@ -1,4 +1,4 @@
-// NVFP4 quantizer kernels (see nvfp4_quantize.h for the contract, surogate_jax/precision/nvfp4.py
+// NVFP4 quantizer kernels (see nvfp4_quantize.h for the contract, surogate_jax/ops/nvfp4_quantize.py
 // for the formulas).
 //
 // Floor: memory bound. Per element the quantize pass reads x (2 B bf16 / 4 B f32) and writes

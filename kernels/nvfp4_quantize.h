@@ -1,6 +1,6 @@
 // NVFP4 quantizer CUDA launchers (framework-free; ffi/nvfp4_quantize.cc binds them to XLA).
 //
-// Formulas and float32 operation order: surogate_jax/precision/nvfp4.py (module docstring); the
+// Formulas and float32 operation order: surogate_jax/ops/nvfp4_quantize.py (module docstring); the
 // kernels reproduce the pure-JAX reference bit for bit for round-to-nearest, with and without
 // Four Over Six, 1x16 blocks and 16x16 tiles, with and without the fused 16-point RHT.
 //
@@ -17,7 +17,7 @@
 //                   For 1x16 blocks `batch` may be 1 with rows = all leading dims.
 //
 // T is float, __nv_bfloat16 or __half. rht_sign_mask: -1 = no transform, else the 16-bit sign
-// mask of surogate_jax/precision/hadamard.py. Stochastic rounding draws Philox4x32-10 bits keyed
+// mask of surogate_jax/ops/hadamard.py. Stochastic rounding draws Philox4x32-10 bits keyed
 // by seed[0..1] with counter (16-element block index, sub-block j in 0..3): different bits from
 // the JAX reference's jax.random stream (equal in distribution only).
 // Every launcher enqueues on `stream`, never synchronizes, and returns the first CUDA error.

@@ -2,7 +2,7 @@
 
 Shapes and dtypes:
   x [..., K] (float32 / bfloat16 / float16), w [K, N] (same choices), state: an
-  `Fp8MatmulState` (surogate_jax.precision.fp8) with scalar scales -> y [..., N] in `out_dtype`
+  `Fp8MatmulState` (surogate_jax.ops.fp8_formats) with scalar scales -> y [..., N] in `out_dtype`
   (default x.dtype). dx comes back in x.dtype, dw in w.dtype.
 
 Math (s_x, s_w, s_g the state's PREVIOUS scales; Q4 / Q5 = saturating round-to-nearest-even

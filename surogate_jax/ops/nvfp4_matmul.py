@@ -39,7 +39,7 @@ emulated GEMM for other shapes, "native" raises). Both operands must carry the s
 
 fp4_backend (Surogate's key, values "cutlass" / "cudnn" naming its CUTLASS or cuDNN FP4 kernels):
 we have neither kernel; both values select the same native cuBLASLt GEMM where available (SM100+),
-the emulated GEMM elsewhere. Forcing emulation on an SM100 GPU: SUROGATE_JAX_OPS=ref:nvfp4_gemm
+the emulated GEMM elsewhere. Forcing emulation on an SM100 GPU: SUROGATE_JAX_OPS=ref:nvfp4_matmul
 (or ref), or backend="emulated".
 """
 
@@ -239,7 +239,7 @@ def _device_cc(device) -> tuple[int, int] | None:
 def native_available(device=None, impl: str | None = None) -> bool:
     """Whether NVFP4 GEMMs run natively: an NVIDIA GPU of compute capability >= 10.0 (the first
     JAX device by default), the CUDA extension built, and neither impl="ref" nor
-    SUROGATE_JAX_OPS=ref / ref:nvfp4_gemm forcing emulation. False on CPU and Hopper."""
+    SUROGATE_JAX_OPS=ref / ref:nvfp4_matmul forcing emulation. False on CPU and Hopper."""
     if resolve_impl(impl, OP) == "ref":  # also "ref" when the extension is missing
         return False
     if device is None:
@@ -316,7 +316,7 @@ def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype=jnp.bfloat16, backend: 
 
     backend: "auto" (native on SM100+, else emulated; also emulated for shapes the native GEMM
     does not take), "native" (error off SM100+), "emulated" (dequantize to bf16, bf16 GEMM).
-    impl="ref" (or SUROGATE_JAX_OPS=ref[:nvfp4_gemm]) forces emulation."""
+    impl="ref" (or SUROGATE_JAX_OPS=ref[:nvfp4_matmul]) forces emulation."""
     _check_operands(a, b, "nvfp4_gemm")
     chosen = resolve_backend(backend, impl)
     if chosen == "native" and (backend == "native" or native_shape_ok(a.shape[1], b.shape[0])):

@@ -60,7 +60,7 @@ forces the reference), `quantize_ref` / `fake_quantize_ref` (always the referenc
 only) and `nvfp4_linear_emulated` (the same with the recipe's custom backward: stochastically
 rounded dY for dgrad, RHT + NVFP4 operands along tokens for wgrad). Despite its name,
 `nvfp4_linear_emulated` (and `nvfp4_linear_frozen`) run their three GEMMs natively on SM100+ GPUs
-(cuBLASLt block-scaled FP4, precision/nvfp4_gemm.py; written, not run on hardware in this project)
+(cuBLASLt block-scaled FP4, ops/nvfp4_matmul.py; written, not run on hardware in this project)
 and emulated everywhere else; the emulated path's numbers are unchanged by that option.
 """
 

@@ -8,8 +8,8 @@ Recipes (Surogate's `recipe:` key; seed 002 "Precision & Recipes"):
   fp8-hybrid  E4M3 activations and weights forward, E5M2 dY backward, per-tensor delayed scaling
               (`surogate_jax.ops.fp8_matmul`, state in precision/fp8.py).
   nvfp4       NVFP4 operands (1x16 blocks for x and dY, 16x16 tiles for W, stochastic rounding for
-              dY, 16-point RHT on the wgrad inputs, 4/6 block scales) (precision/nvfp4.py). GEMMs:
-              native cuBLASLt block-scaled FP4 on SM100+ GPUs (precision/nvfp4_matmul.py; compiled,
+              dY, 16-point RHT on the wgrad inputs, 4/6 block scales) (ops/nvfp4_quantize.py). GEMMs:
+              native cuBLASLt block-scaled FP4 on SM100+ GPUs (ops/nvfp4_matmul.py; compiled,
               not run on hardware in this project), emulated elsewhere (Hopper and CPU have no FP4
               tensor cores): quantize, dequantize to bf16, bf16 GEMM.
 
