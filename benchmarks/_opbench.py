@@ -3,23 +3,23 @@
 Timing: one jitted program applies a step in a dependent chain with an optimization barrier
 between steps (so XLA can neither fuse nor overlap steps). Chains of `steps` and `2 * steps`
 steps are timed alternately (median over `repeats` calls each, after warm-up); the time per step
-is their difference over `steps` (added in the tenth session after its GPU run). Each call pays a fixed dispatch +
-synchronize cost (about 0.1 ms, estimated from the same shapes at 10 and 40 steps) that a single
-chain spreads over its steps: at 10 steps it inflated 20-60 us kernels (ours and XLA's alike;
-H100, 2026-11-23: rms_norm fwd+bwd at 61-84% of 3000 GB/s with 10 steps, 75-89% with 40); the
-difference cancels it. Figures up to the tenth session's are single 40-step chains over one carry.
+is their difference over `steps`. Each call pays a fixed dispatch + synchronize cost (about 0.1 ms,
+estimated from the same shapes at 10 and 40 steps) that a single chain spreads over its steps: at
+10 steps it inflated 20-60 us kernels (ours and XLA's alike; H100, 2026-11-23: rms_norm fwd+bwd at
+61-84% of 3000 GB/s with 10 steps, 75-89% with 40); the difference cancels it. (Older figures in
+docs/benchmark_history.md are single 40-step chains over one carry.)
 
 Chains cycle through independent copies of their inputs, enough that one round reads L2_MULTIPLE
-times the L2 (`rotation`, added in the tenth session): before, a chain over an 8 MB tensor re-read
-from L2 what its previous step had written, and small-shape figures above 100% of 3000 GB/s or
-swinging 1.5x between runs came from that. `calibrate_opbench.py` checks the method on a plain copy.
-Its first run (eleventh session, H100, commit 5c3e53e) showed the chained timing cannot be trusted
-below ~100 MB moved a step, whatever the rotation: a copy of 100 MB read 2842-3021 GB/s at 2-16x
-the L2 (difference method; the single 40-step chain 2228-2406), but copies of 34 MB read 4648-6918
-GB/s and of 8 MB 5674-46046 GB/s, above the HBM3's 3350 GB/s (the per-call cost, which grows with
-the number of input copies, swamps a few-us kernel and does not cancel in the difference). Rows
-whose ours, XLA or copy figure is above the DRAM peak are marked "(!)"; for those shapes use Nsight
-Compute's kernel-only durations (profile_rope.py, RESULTS.md "Eleventh session").
+times the L2 (`rotation`): without it, a chain over an 8 MB tensor re-read from L2 what its
+previous step had written, and small-shape figures above 100% of 3000 GB/s or swinging 1.5x
+between runs came from that. `profile/calibrate_opbench.py` checks the method on a plain copy. Its
+run (H100, 2026-11-23, commit 5c3e53e) showed the chained timing cannot be trusted below ~100 MB
+moved a step, whatever the rotation: a copy of 100 MB read 2842-3021 GB/s at 2-16x the L2
+(difference method; the single 40-step chain 2228-2406), but copies of 34 MB read 4648-6918 GB/s
+and of 8 MB 5674-46046 GB/s, above the HBM3's 3350 GB/s (the per-call cost, which grows with the
+number of input copies, swamps a few-us kernel and does not cancel in the difference). Rows whose
+ours, XLA or copy figure is above the DRAM peak are marked "(!)"; for those shapes use Nsight
+Compute's kernel-only durations (profile/profile_*.py; benchmarks/RESULTS.md, "Ops").
 
 Bandwidth: "% of 3000" is the useful bytes per second over the H100's measured copy bandwidth;
 "% of copy" is the same over what a plain copy of the same number of bytes achieves on this GPU
@@ -53,8 +53,8 @@ MAX_ROTATE = 64
 def rotation(carry, l2_bytes: int = L2_BYTES, cap: int = MAX_ROTATE, multiple: int = L2_MULTIPLE) -> int:
     """Independent copies of `carry` a timed chain cycles through so that one round over them reads
     at least `multiple` times the L2: a chain over one small carry (the 8 MB k tensors) re-reads
-    what the previous step just wrote, from L2, and its time swung 1.5x between runs (tenth
-    session); at 2x the L2 a copy still measured above the DRAM's peak (eleventh)."""
+    what the previous step just wrote, from L2, and its time swung 1.5x between runs; at 2x the L2
+    a copy still measured above the DRAM's peak (profile/calibrate_opbench.py)."""
     nbytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(carry))
     return max(1, min(cap, -(-multiple * l2_bytes // max(nbytes, 1))))
 
@@ -139,7 +139,8 @@ def _cudart():
     import site
 
     roots = [*site.getsitepackages(), os.path.dirname(os.path.dirname(jax.__file__))]
-    cands = [f for r in roots for f in sorted(glob.glob(os.path.join(r, "nvidia", "**", "libcudart.so*"), recursive=True))]
+    pattern = os.path.join("nvidia", "**", "libcudart.so*")
+    cands = [f for r in roots for f in sorted(glob.glob(os.path.join(r, pattern), recursive=True))]
     cands += sorted(glob.glob("/usr/local/cuda*/lib64/libcudart.so*"))
     for c in cands:
         try:
@@ -198,14 +199,14 @@ class Table:
                "ours_gbs": gbs, "xla_gbs": nbytes / xla_s / 1e9, "pct_peak": 100 * gbs / PEAK_GBS,
                "copy_us": copy_s * 1e6, "pct_copy": 100 * copy_s / ours_s}
         # A copy or op "faster" than the DRAM allows was timed with L2 hits or a biased difference of
-        # chains (calibrate_opbench.py: copies of <= 34 MB a step read 4.6-46 TB/s): say so in the row.
+        # chains (profile/calibrate_opbench.py: copies of <= 34 MB a step read 4.6-46 TB/s): say so in the row.
         rec["above_dram_peak"] = max(gbs, nbytes / copy_s / 1e9, rec["xla_gbs"]) > DRAM_PEAK_GBS
         self.records.append(rec)
         flag = " (!)" if rec["above_dram_peak"] else ""
         if flag and not self._flagged:
             self._flagged = True
             print(f"(!): ours, XLA's or the copy's bytes/s above the DRAM peak ({DRAM_PEAK_GBS:.0f} GB/s): "
-                  "not a DRAM-bound timing; see calibrate_opbench.py", file=sys.stderr)
+                  "not a DRAM-bound timing; see benchmarks/profile/calibrate_opbench.py", file=sys.stderr)
         print(f"| {shape} | {dtype} | {pass_} | {rec['ours_us']:.1f} | {rec['xla_us']:.1f} | "
               f"{rec['speedup_vs_xla']:.2f}x | {gbs:.0f} | {rec['pct_peak']:.0f}% | {rec['pct_copy']:.0f}%{flag} |",
               flush=True)

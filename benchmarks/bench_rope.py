@@ -11,12 +11,13 @@ variant in --algos; the main table shows the op's default (ops/rope.py FWD_ALGO,
 rotation-only backward also uses), the sweep table at the end every variant (see
 bench_rms_norm.py). Norm backward variants (bwd_algo): the norm+rope backward is timed for each
 variant in --bwd-algos (default: the op's BWD_ALGO), the main table uses BWD_ALGO when listed (else
-the first), and a backward sweep table follows the forward one. The k shapes move ~10 MB (a few us of DRAM time), so per-call overheads
-weigh there; --steps 50 amortizes the program launch over more steps.
+the first), and a backward sweep table follows the forward one. The k shapes move ~10 MB (a few us
+of DRAM time), so per-call overheads weigh there; --steps 50 amortizes the program launch over more
+steps.
 
 Last rows: `rope_qk` (a layer's q and k through one paired launch per direction, what the models
 call) vs XLA's fusion of the two rope_ref calls, norm + table mode (84-126 MB a pass, where the
-chained timing holds; see calibrate_opbench.py).
+chained timing holds; see profile/calibrate_opbench.py).
 
 Timing and passes: see benchmarks/_opbench.py (fwd and bwd are timed separately, as in training;
 "fwd+bwd" rows are their sum). The norm backward of both sides also produces the weight gradient
@@ -108,7 +109,8 @@ def _pairs(table, dtype, steps, repeats) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", help="append one JSON line per measurement to this file")
-    ap.add_argument("--steps", type=int, default=40, help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
+    ap.add_argument("--steps", type=int, default=40,
+                    help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--algos", default="0,1,2,3", help="forward variants to time (fwd_algo)")
@@ -161,7 +163,8 @@ def main() -> None:
                     bwd_carry = (dy, x, a, b, acc)
                 else:
                     xla_fwd = lambda x, a, b: (_ref(x, a, b, None), a, b)
-                    ours_bwd = lambda dy, a, b: (_fwd_ffi(dy, a, b, no_w, eps=EPS, norm=False, inverse=True), a, b)  # noqa: B023
+                    ours_bwd = lambda dy, a, b: (
+                        _fwd_ffi(dy, a, b, no_w, eps=EPS, norm=False, inverse=True), a, b)  # noqa: B023
                     xla_bwd = lambda dy, a, b: (jax.vjp(lambda v: _ref(v, a, b, None), dy)[1](dy)[0], a, b)
                     bwd_carry = (dy, a, b)
                 xla_s = _opbench.time_chain(xla_fwd, (x, a, b), args.steps, args.repeats)

@@ -2,14 +2,22 @@
 # One device-machine call: build the CUDA extension, run the GPU tests (plus the op and model
 # suites), then the benchmarks; full logs land in $OUT (at most 8 files come back).
 #   run: [SKIP_TESTS=1] bash benchmarks/gpu_session.sh [bench ...]
-#   benches: rms_norm, calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the RoPE kernels), ncu_ops (kernel-only ours / XLA / same-bytes copy for rope_qk, swiglu, the norms), ncu_swiglu_lora (the same for swiglu_lora, both forms), fwd_sweep (norm/rope forward variants only), fp8_matmul, nvfp4_quantize, nvfp4_matmul, swiglu, add_rms_norm, lm_head_ce, rope, normuon, forward, sft:<size>[,<size>...] (default: rms_norm forward; 'none' for tests only)
+#   benches (default: rms_norm forward; 'none' for tests only; benchmarks/README.md says what each measures):
+#     op benchmarks: rms_norm, add_rms_norm, rope, swiglu, lm_head_ce, fp8_matmul, nvfp4_quantize,
+#       nvfp4_matmul, adamw_8bit, normuon; fwd_sweep (norm/rope forward variants only)
+#     model: forward, sft:<size>[,<size>...] (one fresh process per size)
+#     profilers: calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the
+#       RoPE kernels), ncu_ops (kernel-only ours / XLA / same-bytes copy for rope_qk, swiglu, the
+#       norms), ncu_swiglu_lora (the same for swiglu_lora, both forms)
 # The GPU image has jax + CUDA 13, nanobind, scikit-build-core, cmake and nvcc, and no network:
 # we install with --no-deps --no-build-isolation into its python3 and build only sm_90a (Hopper).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+B=benchmarks; P=benchmarks/profile
 benches=("${@:-rms_norm forward}"); benches=(${benches[*]}); [[ "${benches[0]}" == none ]] && benches=()
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; echo "commit ${SUROGATE_COMMIT:-unknown} (set SUROGATE_COMMIT=\$(git rev-parse HEAD) when calling)"; date -u;
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  echo "commit ${SUROGATE_COMMIT:-unknown} (set SUROGATE_COMMIT=\$(git rev-parse HEAD) when calling)"; date -u
   python3 -c 'import jax, jaxlib; print("jax", jax.__version__, jax.devices())'; } 2>&1 | tee "$OUT/env.txt"
 
 t0=$SECONDS
@@ -17,7 +25,8 @@ python3 -m pip install -v --no-deps --no-build-isolation -e . \
   -Ccmake.define.SUROGATE_JAX_REQUIRE_CUDA=ON -Ccmake.define.SUROGATE_JAX_CUDA_ARCHS=90a \
   > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
 echo "build: $((SECONDS - t0)) s" | tee -a "$OUT/env.txt"
-python3 -c 'import surogate_jax._ffi as m; print("extension:", m.__file__, sorted(m.registrations()))' | tee -a "$OUT/env.txt"
+python3 -c 'import surogate_jax._ffi as m; print("extension:", m.__file__, sorted(m.registrations()))' \
+  | tee -a "$OUT/env.txt"
 
 tests_rc=0
 if [[ -z "${SKIP_TESTS:-}" ]]; then
@@ -25,51 +34,72 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
   tests_rc=${PIPESTATUS[0]}
 fi
 
+op_bench() {  # op_bench OP TAIL: bench_<op>.py's json and log in $OUT, the last TAIL lines shown
+  python3 "$B/bench_$1.py" --out "$OUT/bench_$1.json" 2>&1 | tee "$OUT/bench_$1.log" | tail -"$2"
+}
+NCU_METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum
+NCU_METRICS+=,launch__grid_size,launch__block_size,launch__registers_per_thread
+NCU="ncu --profile-from-start off --clock-control none --print-units base --csv --metrics $NCU_METRICS"
+
 for b in "${benches[@]}"; do
   case "$b" in
-    rms_norm) python3 benchmarks/bench_rms_norm.py --out "$OUT/bench_rms_norm.json" 2>&1 | tee "$OUT/bench_rms_norm.log" | tail -40 ;;  # ends with the fwd_algo sweep
-    fp8_matmul) python3 benchmarks/bench_fp8_matmul.py --out "$OUT/bench_fp8_matmul.json" 2>&1 | tee "$OUT/bench_fp8_matmul.log" | tail -40 ;;
-    swiglu) python3 benchmarks/bench_$b.py --out "$OUT/bench_$b.json" 2>&1 | tee "$OUT/bench_$b.log" | tail -20 ;;
-    add_rms_norm) python3 benchmarks/bench_$b.py --out "$OUT/bench_$b.json" 2>&1 | tee "$OUT/bench_$b.log" | tail -32 ;;  # ends with the fwd_algo sweep
-    lm_head_ce) python3 benchmarks/bench_lm_head_ce.py --out "$OUT/bench_lm_head_ce.json" 2>&1 | tee "$OUT/bench_lm_head_ce.log" | tail -80 ;;
-    rope) python3 benchmarks/bench_rope.py --out "$OUT/bench_rope.json" 2>&1 | tee "$OUT/bench_rope.log" | tail -70 ;;  # ends with the fwd_algo sweep
-    fwd_sweep) for o in rms_norm add_rms_norm rope; do  # forward variants only (issue 4), --steps 50
-                 python3 benchmarks/bench_$o.py --fwd-only --steps 50 --out "$OUT/fwd_sweep.json" 2>&1 | tee "$OUT/fwd_sweep_$o.log" | grep -A30 "forward variants"
+    rms_norm) op_bench rms_norm 40 ;;  # ends with the fwd_algo sweep
+    add_rms_norm) op_bench add_rms_norm 32 ;;  # ends with the fwd_algo sweep
+    rope) op_bench rope 70 ;;  # ends with the fwd_algo sweep
+    swiglu) op_bench swiglu 20 ;;
+    lm_head_ce) op_bench lm_head_ce 80 ;;
+    fp8_matmul) op_bench fp8_matmul 40 ;;
+    nvfp4_quantize) op_bench nvfp4_quantize 16 ;;
+    nvfp4_matmul) op_bench nvfp4_matmul 20 ;;
+    adamw_8bit) op_bench adamw_8bit 48 ;;
+    normuon) op_bench normuon 16 ;;
+    fwd_sweep) for o in rms_norm add_rms_norm rope; do  # forward variants only, --steps 50
+                 python3 "$B/bench_$o.py" --fwd-only --steps 50 --out "$OUT/fwd_sweep.json" 2>&1 \
+                   | tee "$OUT/fwd_sweep_$o.log" | grep -A30 "forward variants"
                done ;;
-    ncu_rope) for c in "0.6b q|bwd|positions" "0.6b q|bwd|table" "0.6b k|bwd|positions" "8b k|bwd|table" "0.6b q|fwd|positions"; do
+    ncu_rope) for c in "0.6b q|bwd|positions" "0.6b q|bwd|table" "0.6b k|bwd|positions" "8b k|bwd|table" \
+                       "0.6b q|fwd|positions"; do
                 IFS='|' read -r shp pas src <<< "$c"   # kernel-only durations, DRAM throughput, stall reasons
-                ncu --clock-control none -k 'regex:rope|col_sum' --section SpeedOfLight --section MemoryWorkloadAnalysis \
-                    --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
-                    python3 benchmarks/profile_rope.py --shape "$shp" --pass "$pas" --source "$src" --calls 2
-              done > "$OUT/ncu_rope.log" 2>&1; grep -E "profile_rope|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|^  [a-z_]+.*\(" "$OUT/ncu_rope.log" | head -60 ;;
-    ncu_ops) M=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__block_size,launch__registers_per_thread
-             NCU="ncu --profile-from-start off --clock-control none --print-units base --csv --metrics $M"
-             { for c in "0.6b qk" "8b qk"; do for p in fwd bwd; do for i in ffi xla copy; do  # kernel-only, ours / XLA / same bytes
-                 echo "=== rope $c $p $i"; $NCU python3 benchmarks/profile_rope.py --shape "$c" --pass $p --source table --impl $i --calls 3
+                ncu --clock-control none -k 'regex:rope|col_sum' --section SpeedOfLight \
+                    --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+                    --section SchedulerStats --section LaunchStats \
+                    python3 "$P/profile_rope.py" --shape "$shp" --pass "$pas" --source "$src" --calls 2
+              done > "$OUT/ncu_rope.log" 2>&1
+              grep -E "profile_rope|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|^  [a-z_]+.*\(" \
+                "$OUT/ncu_rope.log" | head -60 ;;
+    ncu_ops) { for c in "0.6b qk" "8b qk"; do for p in fwd bwd; do for i in ffi xla copy; do  # ours / XLA / copy
+                 echo "=== rope $c $p $i"
+                 $NCU python3 "$P/profile_rope.py" --shape "$c" --pass $p --source table --impl $i --calls 3
                done; done; done
                for c in "16384x3072" "8192x17408"; do for p in fwd bwd; do for i in ffi xla; do
-                 echo "=== swiglu $c $p $i"; $NCU python3 benchmarks/profile_swiglu.py --shape $c --pass $p --impl $i --calls 3
+                 echo "=== swiglu $c $p $i"
+                 $NCU python3 "$P/profile_swiglu.py" --shape $c --pass $p --impl $i --calls 3
                done; done; done
-               for c in "rms_norm 16384x1024" "add_rms_norm 16384x1024" "rms_norm 262144x128"; do set -- $c; for p in fwd bwd; do for i in ffi xla copy; do
-                 echo "=== $1 $2 $p $i"; $NCU python3 benchmarks/profile_norm.py --op $1 --shape $2 --pass $p --impl $i --calls 3
-               done; done; done; } > "$OUT/ncu_ops.log" 2>&1
-             python3 benchmarks/ncu_summary.py "$OUT/ncu_ops.log" | tee "$OUT/ncu_ops_summary.txt" ;;
-    ncu_swiglu_lora) M=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__block_size,launch__registers_per_thread
-             NCU="ncu --profile-from-start off --clock-control none --print-units base --csv --metrics $M"
-             { for p in fwd bwd; do for i in ffi xla copy; do  # kernel-only at Qwen3-0.6B's shape, R = 16
-                 echo "=== swiglu_lora 4096x3072 $p $i packed"; $NCU python3 benchmarks/profile_swiglu_lora.py --shape 4096x3072 --pass $p --impl $i --calls 3
-               done; echo "=== swiglu_lora 4096x3072 $p ffi sep"; $NCU python3 benchmarks/profile_swiglu_lora.py --shape 4096x3072 --pass $p --impl ffi --form sep --calls 3
-               done; } > "$OUT/ncu_swiglu_lora.log" 2>&1
-             python3 benchmarks/ncu_summary.py --calls 3 "$OUT/ncu_swiglu_lora.log" | tee "$OUT/ncu_swiglu_lora_summary.txt" ;;
-    calibrate) python3 benchmarks/calibrate_opbench.py 2>&1 | tee "$OUT/calibrate_opbench.log" | tail -16 ;;
-    normuon) python3 benchmarks/bench_normuon.py --out "$OUT/bench_normuon.json" 2>&1 | tee "$OUT/bench_normuon.log" | tail -16 ;;
-    adamw_8bit) python3 benchmarks/bench_adamw_8bit.py --out "$OUT/bench_adamw_8bit.json" 2>&1 | tee "$OUT/bench_adamw_8bit.log" | tail -48 ;;
-    nvfp4_quantize) python3 benchmarks/bench_nvfp4_quantize.py --out "$OUT/bench_nvfp4_quantize.json" 2>&1 | tee "$OUT/bench_nvfp4_quantize.log" | tail -16 ;;
-    nvfp4_matmul) python3 benchmarks/bench_nvfp4_matmul.py --out "$OUT/bench_nvfp4_matmul.json" 2>&1 | tee "$OUT/bench_nvfp4_matmul.log" | tail -20 ;;
-    forward) for s in 0.6b 8b; do python3 benchmarks/bench_forward.py --size $s --out "$OUT/forward_$s.json" 2>&1 | tail -30; done ;;
+               for c in "rms_norm 16384x1024" "add_rms_norm 16384x1024" "rms_norm 262144x128"; do set -- $c
+                 for p in fwd bwd; do for i in ffi xla copy; do
+                   echo "=== $1 $2 $p $i"
+                   $NCU python3 "$P/profile_norm.py" --op $1 --shape $2 --pass $p --impl $i --calls 3
+                 done; done
+               done; } > "$OUT/ncu_ops.log" 2>&1
+             python3 "$P/ncu_summary.py" "$OUT/ncu_ops.log" | tee "$OUT/ncu_ops_summary.txt" ;;
+    ncu_swiglu_lora) { for p in fwd bwd; do  # kernel-only at Qwen3-0.6B's shape, R = 16
+                         for i in ffi xla copy; do
+                           echo "=== swiglu_lora 4096x3072 $p $i packed"
+                           $NCU python3 "$P/profile_swiglu_lora.py" --shape 4096x3072 --pass $p --impl $i --calls 3
+                         done
+                         echo "=== swiglu_lora 4096x3072 $p ffi sep"
+                         $NCU python3 "$P/profile_swiglu_lora.py" --shape 4096x3072 --pass $p --impl ffi --form sep \
+                           --calls 3
+                       done; } > "$OUT/ncu_swiglu_lora.log" 2>&1
+                     python3 "$P/ncu_summary.py" --calls 3 "$OUT/ncu_swiglu_lora.log" \
+                       | tee "$OUT/ncu_swiglu_lora_summary.txt" ;;
+    calibrate) python3 "$P/calibrate_opbench.py" 2>&1 | tee "$OUT/calibrate_opbench.log" | tail -16 ;;
+    forward) for s in 0.6b 8b; do
+               python3 "$B/bench_forward.py" --size $s --out "$OUT/forward_$s.json" 2>&1 | tail -30
+             done ;;
     sft:*) sizes=${b#sft:}   # e.g. "sft:0.6b,1.7b": one fresh process per size
            for s in ${sizes//,/ }; do
-             python3 benchmarks/sft_throughput.py --size "$s" --out "$OUT/sft_throughput.jsonl" 2>&1 | tail -2
+             python3 "$B/sft_throughput.py" --size "$s" --out "$OUT/sft_throughput.jsonl" 2>&1 | tail -2
            done ;;
     *) echo "unknown bench $b" ;;
   esac

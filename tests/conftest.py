@@ -76,9 +76,10 @@ def _assert_close_fixture():
 
 
 def benchmark_module(name: str):
-    """benchmarks/<name>.py loaded as a module (benchmarks/ is not a package), for tests of its pure parts."""
+    """benchmarks/<name>.py loaded as a module (benchmarks/ is not a package), for tests of its pure parts;
+    `name` may name a subfolder: "profile/ncu_summary", "experiments/recipe_accuracy"."""
     path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(Path(name).name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

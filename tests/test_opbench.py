@@ -1,6 +1,6 @@
 """benchmarks/_opbench.py's pure parts (the timing itself needs a GPU): how many input copies a
 timed chain cycles through, and that the chain applies every step to the right copy; and
-benchmarks/ncu_summary.py's per-call sums of Nsight Compute CSV logs."""
+benchmarks/profile/ncu_summary.py's per-call sums of Nsight Compute CSV logs."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ some script output
 def test_ncu_summary_sums_each_call(benchmark_module):
     """Two calls of two kernels each: per-call sums of durations (us), the last call's DRAM MB; a
     block whose kernels do not split into the calls is reported, not mis-summed."""
-    ncu = benchmark_module("ncu_summary")
+    ncu = benchmark_module("profile/ncu_summary")
     ours, broken = ncu.summarize(NCU_LOG, calls=2)
     assert ours["label"] == "ours fwd"
     assert ours["us"] == [2.0, 2.0]

@@ -1,4 +1,4 @@
-"""benchmarks/recipe_accuracy.py's pure parts: how the corpus is cut into documents and how the
+"""benchmarks/experiments/recipe_accuracy.py's pure parts: how the corpus is cut into documents and how the
 verdict against the issue's bars (fp8-hybrid within 1%, nvfp4 within 3% of bf16) is computed.
 The training runs themselves are ordinary `python -m surogate_jax.pretrain` runs (tests/train)."""
 
@@ -9,7 +9,7 @@ import pytest
 
 @pytest.fixture
 def ra(benchmark_module):
-    return benchmark_module("recipe_accuracy")
+    return benchmark_module("experiments/recipe_accuracy")
 
 
 def test_pieces_cut_at_line_ends_and_lose_nothing(ra):

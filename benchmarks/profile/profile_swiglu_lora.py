@@ -2,7 +2,7 @@
 
     ncu --profile-from-start off --clock-control none --print-units base --csv \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
-        python3 benchmarks/profile_swiglu_lora.py --shape 4096x3072 --rank 16 --pass fwd --impl ffi
+        python3 benchmarks/profile/profile_swiglu_lora.py --shape 4096x3072 --rank 16 --pass fwd --impl ffi
 
 --impl ffi: `swiglu_lora` on our kernel (--form packed: gate_up one [rows, 2F] array; sep: gate
 and up as two [rows, F] arrays); xla: XLA's compilation of the model's unfused formula
@@ -20,20 +20,25 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
+from pathlib import Path
 
-import _opbench
 import jax
 import jax.numpy as jnp
-from profile_swiglu import _shape
 
 from surogate_jax.ops import ffi_available, swiglu_lora, swiglu_lora_ref
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _opbench.py, bench_<op>.py
+import _opbench
+from profile_swiglu import _shape
 
 sl = importlib.import_module("surogate_jax.ops.swiglu_lora")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--shape", type=_shape, default=(4096, 3072), help="ROWSxF (default 4096x3072: Qwen3-0.6B, 2 x 2048 tokens)")
+    ap.add_argument("--shape", type=_shape, default=(4096, 3072),
+                    help="ROWSxF (default 4096x3072: Qwen3-0.6B, 2 x 2048 tokens)")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--scale", type=float, default=2.0,
                     help="LoRA scale (default 2.0; in bf16 a power of two >= 1 is folded into xa)")

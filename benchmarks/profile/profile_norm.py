@@ -2,7 +2,7 @@
 
     ncu --profile-from-start off --clock-control none --print-units base --csv \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
-        python3 benchmarks/profile_norm.py --op rms_norm --shape 16384x1024 --pass fwd --impl ffi
+        python3 benchmarks/profile/profile_norm.py --op rms_norm --shape 16384x1024 --pass fwd --impl ffi
 
 --impl ffi: our kernel (the op's default variant, or --algo); xla: XLA's fusion of the reference
 (forward, or jax.vjp's backward with the weight gradient); copy: an XLA element-wise fusion
@@ -16,13 +16,17 @@ the [16384, 1024] bf16 RMSNorm forward moves 67 MB, so its figure comes from her
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-import _opbench
 import jax
 import jax.numpy as jnp
-from profile_swiglu import _shape
 
 from surogate_jax.ops import add_rms_norm_ref, ffi_available, rms_norm_ref
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _opbench.py, bench_<op>.py
+import _opbench
+from profile_swiglu import _shape
 
 EPS = 1e-6
 

@@ -1,10 +1,10 @@
 """One fused 8-bit AdamW update over a Qwen3-0.6B-embedding-sized f32 leaf, repeated, for a profiler,
 plus the device's copy bandwidth measured the same way (x + 1 over 2 GiB: read + write).
 
-    python benchmarks/profile_adamw_8bit.py [--variant 1] [--dtype float32]
+    python benchmarks/profile/profile_adamw_8bit.py [--variant 1] [--dtype float32]
     ncu --kernel-name regex:adamw --launch-skip 3 --launch-count 1 --section SpeedOfLight \
         --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-        python benchmarks/profile_adamw_8bit.py --variant 1
+        python benchmarks/profile/profile_adamw_8bit.py --variant 1
 """
 
 from __future__ import annotations

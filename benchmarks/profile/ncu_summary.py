@@ -1,10 +1,10 @@
 """Per-call kernel-only sums from Nsight Compute CSV logs of the profile_*.py scripts.
 
-    python3 benchmarks/ncu_summary.py [--calls 3] LOG [LOG ...]
+    python3 benchmarks/profile/ncu_summary.py [--calls 3] LOG [LOG ...]
 
 A LOG holds blocks that start with a line "=== <label>" followed by the output of
 `ncu --csv --print-units base --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum
-[,launch__grid_size,launch__block_size,launch__registers_per_thread] python3 benchmarks/profile_X.py ...
+[,launch__grid_size,launch__block_size,launch__registers_per_thread] python3 benchmarks/profile/profile_X.py ...
 --calls N` (benchmarks/gpu_session.sh ncu_ops writes such logs). Each block's kernels split evenly
 into N calls (every call launches the same kernels); printed per block: each call's summed duration,
 the last call's DRAM bytes, and its kernels' launch shapes.

@@ -2,8 +2,11 @@
 one file per seed (run with `--key recipe ... train_seed=N`), eval loss per recipe: a thin line per
 seed, the mean thick; plus a table (mean, min, max of the final eval loss and exact match).
 
-    python3 benchmarks/plot_recipe_seeds.py benchmarks/figures/recipes_seeds/seed*.json \\
-        --out benchmarks/figures/recipes_quickstart_seeds.png
+    python3 benchmarks/experiments/plot_recipe_seeds.py output/seed*/results.json \\
+        --out benchmarks/experiments/figures/recipes_quickstart_seeds.png
+
+Why: on the quickstart one seed cannot separate the recipes from run-to-run spread. The plotted
+run's per-seed files are in git history: `git show 7e7eb2e:benchmarks/figures/recipes_seeds/seed1.json`.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
             for y in curves:
                 axis.plot(steps[:len(y)], y, color=c, lw=0.7, alpha=0.4)
             n = min(len(y) for y in curves)
-            axis.plot(steps[:n], np.mean([y[:n] for y in curves], 0), color=c, lw=2.2, label=f"{name} (mean of {len(rs)})")
+            axis.plot(steps[:n], np.mean([y[:n] for y in curves], 0), color=c, lw=2.2,
+                      label=f"{name} (mean of {len(rs)})")
     for axis, what in ((ax_t, "train loss"), (ax, "eval loss")):
         axis.set_xlabel("step")
         axis.set_ylabel(what)

@@ -2,27 +2,31 @@
 
     ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum,\
 launch__grid_size,launch__block_size,launch__registers_per_thread \
-        python3 benchmarks/profile_swiglu.py --shape 16384x3072 --pass fwd --impl ffi --algo 4
+        python3 benchmarks/profile/profile_swiglu.py --shape 16384x3072 --pass fwd --impl ffi --algo 4
 
 --impl ffi: our kernel (variant --algo, default the op's ALGO); xla: XLA's fusion of swiglu_ref
 (the forward, or jax.vjp's backward); copy: an XLA element-wise fusion that moves the same bytes
 (fwd h = gate + up; bwd (dh + gate, dh + up)), the kernel-only floor for that traffic.
 
-Why: the chained timings (bench_swiglu.py) put ours 1-5% behind XLA's fusion at the copy limit
-(eleventh session); kernel-only durations and launch shapes say whether the gap is the kernel
+Why: chained timings (bench_swiglu.py) of two kernels at the copy limit differ by a few percent
+that may be the harness's; kernel-only durations and launch shapes say whether a gap is the kernel
 (its grid, its access order) or the harness.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-import _opbench
 import jax
 import jax.numpy as jnp
 
 from surogate_jax.ops import ffi_available, swiglu_ref
 from surogate_jax.ops.swiglu import ALGO, ALGOS, _bwd_ffi, _fwd_ffi
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _opbench.py, bench_<op>.py
+import _opbench
 
 
 def _shape(s: str) -> tuple[int, int]:

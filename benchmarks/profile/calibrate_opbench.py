@@ -1,11 +1,12 @@
 """Check the op-bench timing method (_opbench.time_chain) on the one op whose answer is known: a
 plain element-wise copy, which no GPU can run faster than its DRAM allows (H100 80GB HBM3: 3.35
 TB/s peak, ~3.0 TB/s measured). For each size it prints the copy's GB/s with the chain rotating
-through inputs worth 1, 2, 4, 8 and 16 times the L2, by the difference method and by the single
-chain that figures up to the tenth session used. A figure above the peak means the timing is wrong
-at that size (L2 hits, or per-call costs that the difference of chains does not cancel).
+through inputs worth 1, 2, 4, 8 and 16 times the L2, by the difference method (_opbench's) and by a
+single chain (the method _opbench used before). A figure above the peak means the timing is wrong
+at that size (L2 hits, or per-call costs that the difference of chains does not cancel). Result
+(H100): only steps of >= ~100 MB time correctly (benchmarks/RESULTS.md, "Ops").
 
-    python benchmarks/calibrate_opbench.py [--sizes-mb 8,34,100] [--steps 40] [--repeats 20]
+    python benchmarks/profile/calibrate_opbench.py [--sizes-mb 8,34,100] [--steps 40] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
-import _opbench
 import jax
 import jax.numpy as jnp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _opbench.py, bench_<op>.py
+import _opbench
+
 
 def single_chain_seconds(step, carry, steps: int, repeats: int, r: int) -> float:
-    """The pre-eleventh-session figure: one chain's median call time over its steps."""
+    """The single-chain figure (the old method): one chain's median call time over its steps."""
     carries = tuple([tuple(carry)] + [tuple(jax.tree.map(jnp.copy, tuple(carry))) for _ in range(r - 1)])
     fn = jax.jit(_opbench.chain(step, steps, r))
     for _ in range(3):

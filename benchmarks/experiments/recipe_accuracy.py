@@ -1,12 +1,12 @@
 """Precision recipes on a low-variance task: pre-train a small Qwen3 from scratch on source text,
 once per (recipe, seed), and compare the final losses with bf16's.
 
-    python3 benchmarks/recipe_accuracy.py --out output/recipe_accuracy            # 3 recipes x 3 seeds
-    python3 benchmarks/recipe_accuracy.py --out /tmp/ra --steps 20 --seeds 1 --jobs 1   # smoke test (CPU ok)
+    python3 benchmarks/experiments/recipe_accuracy.py --out output/recipe_accuracy   # 3 recipes x 3 seeds
+    python3 benchmarks/experiments/recipe_accuracy.py --out /tmp/ra --steps 20 --seeds 1 --jobs 1  # smoke (CPU ok)
 
 Why not the quickstart: its exact-answer tasks are learned in sudden "clicks" whose timing varies
 with the seed, so at a fixed step the final loss of one recipe spans 0.09-0.45 across three seeds
-(benchmarks/RESULTS.md, fifth session) and "fp8 within 1% of bf16" cannot be decided there. Language
+(benchmarks/RESULTS.md, "Recipe accuracy") and "fp8 within 1% of bf16" cannot be decided there. Language
 modelling on real text has an entropy floor and a smooth loss curve, so seed-to-seed spread is small
 and a 1% gap is measurable.
 
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BARS = {"fp8-hybrid": 0.01, "nvfp4": 0.03}  # issue 5: final loss within this fraction of bf16's
 COLORS = {"bf16": "tab:blue", "fp8-hybrid": "tab:orange", "nvfp4": "tab:green"}
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__", "lib2to3"}
@@ -268,8 +268,8 @@ def summarize(runs: list[dict], recipes: list[str]) -> tuple[str, dict]:
         paired = [x["final_eval_loss"] / base[x["seed"]]["final_eval_loss"] - 1 for x in xs if x["seed"] in base]
         bar = BARS.get(r)
         ok = bool(bar is not None and gap_ev <= bar and gap_tr <= bar)
-        verdicts[r] = {"eval_gap": float(gap_ev), "train_gap": float(gap_tr), "paired_eval_gaps": [float(g) for g in paired],
-                       "bar": bar, "within": ok}
+        verdicts[r] = {"eval_gap": float(gap_ev), "train_gap": float(gap_tr),
+                       "paired_eval_gaps": [float(g) for g in paired], "bar": bar, "within": ok}
         lines.append(row + f" {100 * gap_ev:+.2f}% | {', '.join(f'{100 * g:+.2f}%' for g in paired)} | "
                      f"{tr.mean():.4f} ({tr.min():.4f}-{tr.max():.4f}) | {100 * gap_tr:+.2f}% | "
                      f"{'-' if bar is None else f'<= {100 * bar:.0f}%'} | {'within' if ok else 'NOT within'} |")

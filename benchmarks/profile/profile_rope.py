@@ -2,9 +2,9 @@
 
     ncu --clock-control none -k regex:'rope|col_sum' --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-        python3 benchmarks/profile_rope.py --shape "0.6b q" --pass bwd --algo 2 [--source table]
+        python3 benchmarks/profile/profile_rope.py --shape "0.6b q" --pass bwd --algo 2 [--source table]
     ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum \
-        python3 benchmarks/profile_rope.py --impl xla --shape "8b k" --pass bwd --source table
+        python3 benchmarks/profile/profile_rope.py --impl xla --shape "8b k" --pass bwd --source table
 
 --impl copy profiles an XLA element-wise fusion that moves the same row bytes (the kernel-only
 floor at that size: small tensors cannot reach the large-copy bandwidth). --impl xla profiles XLA's
@@ -13,24 +13,27 @@ between cudaProfilerStart and cudaProfilerStop, which this script calls around t
 when cudart can be loaded, so ncu --profile-from-start off skips the setup's kernels).
 
 Why: the chained timings of bench_rope.py include the launch gaps and, for the norm backward, the
-dw column-sum kernel; ncu gives each kernel's own duration, DRAM throughput and stall reasons, which
-is what decides where the q/k-norm + RoPE backward (47-82% of 3000 GB/s kernel-only, eleventh
-session) loses its time.
-`benchmarks/gpu_session.sh ncu_rope` runs it for the default forward and backward variants.
+dw column-sum kernel, and are not trustworthy below ~100 MB a step (calibrate_opbench.py); ncu gives
+each kernel's own duration, DRAM throughput and stall reasons. `bash benchmarks/gpu_session.sh
+ncu_rope` runs it for the default forward and backward variants, `ncu_ops` for ours / XLA / copy.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-import _opbench
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_rope import EPS, PAIRS, SHAPES, _ref
 
 from surogate_jax.ops import ffi_available
 from surogate_jax.ops.rope import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi, _qk_bwd_ffi, _qk_fwd_ffi
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _opbench.py, bench_<op>.py
+import _opbench
+from bench_rope import EPS, PAIRS, SHAPES, _ref
 
 
 def main() -> None:
