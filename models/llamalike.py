@@ -30,6 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from surogate_jax.ops import add_rms_norm, rms_norm, rope_qk, swiglu, swiglu_lora
 from surogate_jax.ops import fp8_formats
+from surogate_jax.names import PROJECTIONS, REMAT_POLICIES
 from surogate_jax.precision import recipe as recipe_lib
 from surogate_jax.precision.recipe import QuantRecipe
 
@@ -57,7 +58,6 @@ PACK_GATE_UP_MAX_BYTES = 16 << 20
 MODEL_KERNELS = ("rope", "rms_norm", "add_rms_norm", "swiglu", "swiglu_lora")
 DEFAULT_KERNELS: tuple[str, ...] = ("rope", "rms_norm", "add_rms_norm", "swiglu_lora")
 
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_residual")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +265,7 @@ class Linear(nn.Module):
                 raise ValueError(f"{self.name}: lora_parts needs LoRA on it, no recipe and no bias")
             xa, b = self._lora_factors(x, in_shape, contract)
             return kernel.astype(cfg.dtype), xa, b
-        if cfg.recipe is not None and self.name in recipe_lib.QUANT_PROJECTIONS:
+        if cfg.recipe is not None and self.name in PROJECTIONS:
             y = self._recipe_matmul(x, kernel, layer)
         else:
             y = jax.lax.dot_general(x.astype(cfg.dtype), kernel.astype(cfg.dtype), (contract, ((), ())))

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from .errors import SurogateError
+from .names import FP4_BACKENDS, PROJECTIONS, RECIPE_ALIASES, RECIPES, RECOMPUTE_POLICIES
 
 
 class ConfigError(SurogateError, ValueError):
@@ -116,8 +117,6 @@ class RunConfig:
                f"recompute={self.recompute!r}: use true, false or one of {RECOMPUTE_POLICIES}")
 
 
-# The decoder's remat policies (models/llamalike.py REMAT_POLICIES) a `recompute:` string may name.
-RECOMPUTE_POLICIES = ("none", "full", "dots", "dots_no_batch")
 
 
 @dataclass(frozen=True)
@@ -164,16 +163,15 @@ class LoraConfig:
     def __post_init__(self):
         _check(self.lora_rank >= 1, f"lora_rank={self.lora_rank}: must be >= 1")
         _check(0.0 <= self.lora_dropout < 1.0, f"lora_dropout={self.lora_dropout}: must be in [0, 1)")
-        valid = set(LORA_TARGETS) | {"all"}
+        valid = set(PROJECTIONS) | {"all"}
         bad = [t for t in self.lora_target_modules if t not in valid]
-        _check(not bad, f"lora_target_modules: unknown {bad}; use 'all' or some of {list(LORA_TARGETS)}")
+        _check(not bad, f"lora_target_modules: unknown {bad}; use 'all' or some of {list(PROJECTIONS)}")
 
     @property
     def targets(self) -> tuple[str, ...]:
-        return LORA_TARGETS if "all" in self.lora_target_modules else tuple(self.lora_target_modules)
+        return PROJECTIONS if "all" in self.lora_target_modules else tuple(self.lora_target_modules)
 
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -215,8 +213,6 @@ class OptimConfig:
 
 
 DTYPES = ("bf16", "fp32", "fp16")
-RECIPES = ("bf16", "fp8-hybrid", "nvfp4")
-RECIPE_ALIASES = {"fp8_hybrid": "fp8-hybrid"}
 # The seed's mixed-precision tables (002 "Precision & Recipes"): the values each knob takes and, per
 # recipe, what the GEMMs use. Only the bf16 recipe respects matmul_dtype / gradient_dtype.
 MATMUL_DTYPES = ("fp32", "bf16", "e4m3")
@@ -224,7 +220,6 @@ GRADIENT_DTYPES = ("fp32", "bf16", "e5m2")
 FORCED = {"fp8-hybrid": ("e4m3", "e5m2"), "nvfp4": ("e2m1", "e2m1")}  # (forward, backward) GEMM formats
 # Allowed GEMM dispatches (A, B, C): fp32 x fp32 -> fp32, bf16 x bf16 -> fp32 | bf16, e4m3 x e4m3 -> fp32 |
 # bf16 (FP8 forward), e4m3 x e5m2 -> bf16 (FP8 backward; the fp8-hybrid recipe).
-FP4_BACKENDS = ("cutlass", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -637,7 +632,7 @@ def load_config(path: str | Path, overrides: list[str] = (), *, defaults: dict |
 
 
 __all__ = [
-    "LORA_TARGETS", "ConfigError", "DataConfig", "DatasetConfig", "DistributedConfig", "LoraConfig", "ModelConfig",
+    "PROJECTIONS", "ConfigError", "DataConfig", "DatasetConfig", "DistributedConfig", "LoraConfig", "ModelConfig",
     "OptimConfig", "ParallelConfig", "PrecisionConfig", "RunConfig", "SFTConfig", "config_from_dict", "load_config",
     "parse_override",
 ]

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .atomic import atomic_directory
-from .config import LORA_TARGETS, LoraConfig
+from .config import LoraConfig
+from .names import PROJECTIONS
 from .errors import ModelLoadError
 from .models import Decoder, LoraSpec
 from .models import hf_names as names
@@ -123,9 +124,9 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> dict:
     targets = cfg.get("target_modules")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise ModelLoadError(f"{cfg_path}: target_modules must be a list of module names, got {targets!r}")
-    unknown = sorted(set(targets) - set(LORA_TARGETS))
+    unknown = sorted(set(targets) - set(PROJECTIONS))
     if unknown:
-        raise ModelLoadError(f"{cfg_path}: target_modules {unknown} cannot be adapted; supported: {list(LORA_TARGETS)}")
+        raise ModelLoadError(f"{cfg_path}: target_modules {unknown} cannot be adapted; supported: {list(PROJECTIONS)}")
     # Each of these changes which tensors exist or how they combine; merging without them would be wrong.
     for field, plain in (("rank_pattern", {}), ("alpha_pattern", {}), ("layers_to_transform", None),
                          ("bias", "none"), ("fan_in_fan_out", False), ("modules_to_save", None)):

@@ -54,19 +54,16 @@ import jax.numpy as jnp
 
 from surogate_jax.ops import nvfp4_matmul, nvfp4_quantize
 from surogate_jax.ops import fp8_formats
+from surogate_jax.names import FP4_BACKENDS, PROJECTIONS, RECIPE_ALIASES, RECIPES
 from surogate_jax.precision import fp8
 
 _log = logging.getLogger("surogate_jax")
 
-RECIPES = ("bf16", "fp8-hybrid", "nvfp4")
-RECIPE_ALIASES = {"fp8_hybrid": "fp8-hybrid"}
-QUANT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 IN_DIMS = {"o_proj": 2}  # trailing dims of x a projection contracts (1 for the others)
 FP8_COLLECTION = "fp8"
 QUANT_RNG = "quant"
 KERNEL_SCALE = "kernel_scale"
 FP8_IMPLS = (None, "auto", "ffi", "xla", "ref")
-FP4_BACKENDS = ("cutlass", "cudnn")
 MATMUL_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 
@@ -348,7 +345,7 @@ def cache_frozen_weights(params: Any, recipe: QuantRecipe | None, num_layers: in
             return node
         out = {}
         for key, v in node.items():
-            if (key == "kernel" and path and path[-1] in QUANT_PROJECTIONS and "layers" in path
+            if (key == "kernel" and path and path[-1] in PROJECTIONS and "layers" in path
                     and hasattr(v, "ndim")):
                 out["kernel"], out[KERNEL_SCALE] = (cache_one(path[-1], v) if cache_one is not None
                                                     else cache_kernel(recipe, path[-1], v, num_layers))

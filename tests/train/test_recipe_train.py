@@ -213,7 +213,7 @@ def test_lora_base_cache_equals_quantizing_every_step(recipe):
     if recipe.name == "fp8-hybrid" and not recipe.skips:
         assert q["kernel"].dtype == jnp.float8_e4m3fn  # half the bf16 memory
     paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(cached)[0]]
-    assert {p[-2] for p in paths if p[-1] == KERNEL_SCALE} == set(R.QUANT_PROJECTIONS)  # only the seven
+    assert {p[-2] for p in paths if p[-1] == KERNEL_SCALE} == set(R.PROJECTIONS)  # only the seven
     v = {}
     if recipe.has_state:
         from surogate_jax.precision.recipe import init_quant_state

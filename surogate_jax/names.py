@@ -1,0 +1,17 @@
+"""Names the config reader checks and the layers that act on them share: one definition each.
+
+No imports, so config.py (which must not import JAX) and the models, recipes and LoRA code all read
+them from here.
+"""
+
+# The seven linear projections of a decoder layer: what LoRA adapts and what a recipe quantizes.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+RECIPES = ("bf16", "fp8-hybrid", "nvfp4")
+RECIPE_ALIASES = {"fp8_hybrid": "fp8-hybrid"}
+FP4_BACKENDS = ("cutlass", "cudnn")
+
+# The decoder's remat policies; a `recompute:` string may name the first four (offload_residual comes
+# from its own key).
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_residual")
+RECOMPUTE_POLICIES = REMAT_POLICIES[:4]
