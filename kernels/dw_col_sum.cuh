@@ -4,9 +4,8 @@
 //
 // Why its own kernel file: the sum is latency-bound, not bandwidth-bound (a few hundred rows of
 // ~1-4% of the backward's bytes, just written, so L2 hits), and a loop that issues one dependent
-// load at a time costs ~0.3 us per row in flight: rope.cu's first version (block 32 x 16, one sum
-// per thread, 528 rows -> 33 serial loads) spent ~10 us per call this way, a third of a 34 us
-// backward (eighth/ninth session). Here a block is 32 columns x kColSumRows row slices, and each
+// load at a time costs ~0.3 us per row in flight (one sum per thread over 528 rows: ~10 us a call, a
+// third of rope's 34 us backward). Here a block is 32 columns x kColSumRows row slices, and each
 // thread keeps four independent sums so four loads are in flight at once.
 #pragma once
 

@@ -33,7 +33,7 @@
 //    the bytes). No atomics: results are deterministic.
 //  * Inputs read once use streaming loads (ld.global.cs) so they do not evict w or the workspace
 //    (forward variants 0-3, backward variant 0); forward variant 4 and backward variant 1 use
-//    plain loads instead (for SwiGLU plain loads were 4-9% faster, benchmarks/RESULTS.md).
+//    plain loads instead (for SwiGLU plain loads were 4-9% faster).
 //  * Backward rows too long for 2 vectors a thread in one block (fp32 D > 4096, bf16 D > 8192)
 //    take a "wide" register kernel holding 4 vectors a thread (8 scalars), so they still read
 //    each row once and add dres in the same pass.

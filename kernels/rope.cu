@@ -396,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, (flat_min_blocks<PER, U>()))
 // q and k of a layer in one launch (same tokens, angles and head_dim; own heads and weights):
 // blocks [0, blocks0) run tensor 0, the rest tensor 1. One launch instead of two saves the
 // second launch's ramp, which dominated the small k tensors (8 MB at Qwen3-8B: 66% of 3000 GB/s
-// forward alone, eleventh session).
+// forward alone).
 template <typename T>
 struct Pair {
   const T* in0;
@@ -560,7 +560,7 @@ constexpr int bwd_flat_min_blocks() {
 }
 
 // Norm backward variants 1-3 ("flat", bwd_algo = 1, 2, 3 -> U = 1, 2, 4 heads per unit), written
-// after the forward's variants 1-3 made the forward 1.4x faster. On the H100 (ninth session) U = 2
+// after the forward's variants 1-3 made the forward 1.4x faster. On the H100 U = 2
 // was the fastest at 7 of 8 benchmarked shapes (55-69% of 3000 GB/s vs variant 0's 43-63%), so it
 // is the op's default (ops/rope.py BWD_ALGO). Why variant 0 is slow:
 // like the forward's variant 0 it strides over whole tokens per warp (1.55-3.1 uneven rounds for the
@@ -894,7 +894,7 @@ constexpr int bwd_flat_heads(int algo) { return algo == 1 ? 1 : algo == 3 ? 4 : 
 
 // Norm backward variant `algo`: 0 per-token persistent; flat with U heads per unit and streaming
 // loads: 1, 2, 3 -> U = 1, 2, 4; 4: U = 2 with plain loads (fastest on the smallest, 8 MB, tensors;
-// 5-7% slower elsewhere: RESULTS.md, tenth session). Variants that also issued the next unit's
+// 5-7% slower elsewhere). Variants that also issued the next unit's
 // loads before this unit's math (U = 1, 2; c0c0828) were 0.79-1.0x of variant 2 at every
 // benchmarked shape, so they were removed: the backward is not waiting on its loads' latency.
 template <typename T>

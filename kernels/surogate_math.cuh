@@ -6,7 +6,7 @@ namespace surogate {
 // sigmoid(g) = 1 / (1 + 2^(-g log2 e)) on the SFU: ex2.approx and rcp.approx, each within a couple
 // of fp32 ulps, far below the 16-bit outputs' rounding and the fp32 tests' tolerance. `1.f / x`
 // would be the IEEE division, whose Newton steps and slow-path branch cost ~8 more instructions
-// an element; the SwiGLU+LoRA epilogue was issue-bound with it (RESULTS.md, fifteenth session).
+// an element; the SwiGLU+LoRA epilogue was issue-bound with it.
 // ftz: a 2^-x that flushes to zero only meets 1 + it.
 __device__ __forceinline__ float sigmoid(float g) {
   float e, r;

@@ -22,7 +22,7 @@
 //    grid or adjacent, or one row per thread. On the H100 (2026-11-23) the first design
 //    (persistent + streaming, variant 0) ran at 80-88% of copy bandwidth and 6-10% behind XLA's
 //    fusion; variant 2 (one-shot, plain loads) came to 1-5% of XLA in chained timings; under
-//    Nsight Compute (twelfth session) its forward was still 3-5% slower than XLA's loop fusion
+//    Nsight Compute its forward was still 3-5% slower than XLA's loop fusion
 //    (98 vs 94 us at [16384, 3072] bf16), which runs one 8-byte vector per thread in 128-thread
 //    blocks at full occupancy. Variant 6 (one 16-byte vector of one row per thread, 256-thread
 //    blocks, <= 32 registers: 2048 resident threads per SM) matches XLA's fusion in both passes

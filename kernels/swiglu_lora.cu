@@ -2,7 +2,7 @@
 //
 // Why: inside a LoRA train step the model's SwiGLU inputs are sums, gate = x W_g + s (x A_g) B_g.
 // XLA fuses those adds into its SwiGLU loop fusion; a plain SwiGLU kernel needs them materialized,
-// which cost 3% of the Qwen3-0.6B step (RESULTS.md, thirteenth session). Here the rank-R products
+// which cost 3% of the Qwen3-0.6B step. Here the rank-R products
 // are computed in-kernel from xa [rows, 2R] and B [2, R, F], so the [rows, F] LoRA outputs XLA's
 // Triton GEMMs would write (and its fusion read back) never exist.
 //
@@ -20,23 +20,20 @@
 //  * bf16 / f16: the products run on tensor cores (mma.sync m16n8k16, fp32 accumulate), one half
 //    (gate, then up) at a time, in 16-rank chunks staged in shared memory; they are rounded to T
 //    (the model's first rounding) into a shared 2 x 32 x 256 tile the epilogue reads. 80
-//    registers, 43 KB of shared memory: 3 blocks per SM. First version (fp32 FMAs on CUDA
-//    cores, 128 registers, 2 blocks/SM) ran the [4096, 3072] R = 16 forward in 67-70 us; one
-//    MMA pass for both halves (128 registers) in 57 us; this one in 46 us (RESULTS.md,
-//    thirteenth session; copy floor 22.5 us).
+//    registers, 43 KB of shared memory: 3 blocks per SM (fp32 FMAs on CUDA cores need 128
+//    registers, 2 blocks per SM, and ran the [4096, 3072] R = 16 forward 1.5x slower).
 //  * f32: the FMA version (register tile 4 rows x 8 columns x 2 halves, B and xa as fp32 in
 //    shared memory).
 //  * fp32 accumulation, rounding to T at the same three places as the unfused model, two values
-//    per conversion; sigmoid from ex2.approx and rcp.approx. Scalar conversions (6 an element)
-//    and the IEEE division's slow path made 48 SASS instructions an element, now 24 (fifteenth
-//    session): 46 -> 36 us forward.
-//  * Then latency-bound (ncu: no eligible warp in 50% of cycles, DRAM at 55%): the epilogue
-//    loaded one row at a time, two 16-byte loads in flight a thread. Its loads now go out in
-//    groups (four rows forward, two backward), its stores are 16 bytes, and the backward does
-//    not prefetch: forward 68% / 79%, backward 78% / 86% of the copy floor at Qwen3-0.6B's
-//    [4096, 3072] / 8B's [4096, 12288] (sixteenth session). Tried and dropped, both slower: a
-//    persistent block per column tile with B staged once (+25% DRAM reads from L2 evictions),
-//    and the whole rank of both halves staged in one round trip (54 KB of dynamic shared memory).
+//    per conversion; sigmoid from ex2.approx and rcp.approx (scalar conversions and the IEEE
+//    division's slow path double the SASS instructions an element, 48 vs 24).
+//  * The epilogue's loads go out in groups (four rows forward, two backward) and its stores are
+//    16 bytes: one row at a time left it latency-bound (no eligible warp in 50% of cycles). The
+//    backward does not prefetch (its lines were evicted before use). Forward 68% / 79%, backward
+//    78% / 86% of the copy floor at Qwen3-0.6B's [4096, 3072] / 8B's [4096, 12288]. Slower, so not
+//    used: a persistent block per column tile with B staged once (+25% DRAM reads from L2
+//    evictions), and the whole rank of both halves staged in one round trip (54 KB of dynamic
+//    shared memory).
 //  * bf16 with a power-of-two scale >= 1 folds the scale into xa (exact), dropping a multiply and
 //    a rounding an element (kFold); no measurable speed change, 13% fewer instructions.
 #include "kernels/swiglu_lora.h"
@@ -330,7 +327,7 @@ __device__ __forceinline__ void with_lora(float (&v)[kCols], const float (&acc)[
 // Asks L2 for this thread's rows of gate and up (no registers held): they arrive while the
 // products are formed, and the epilogue's loads then wait on L2 rather than DRAM. Forward only:
 // the backward (four input rows a thread, not two) ran 10% faster without it, with 17% fewer DRAM
-// reads: prefetched lines were evicted before their loads came (sixteenth session).
+// reads: prefetched lines were evicted before their loads came.
 template <typename T>
 __device__ __forceinline__ void prefetch_rows(const T* gate, const T* up, int64_t ld, int64_t rows, int64_t F,
                                               int64_t row0, int64_t col) {

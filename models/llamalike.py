@@ -39,7 +39,7 @@ Dtype = Any
 # "offload_residual": "full" with each layer's input (the residual stream) kept in pinned host memory.
 # The fused kernels the model runs by default on GPU; the other ops use XLA's own fusion of their
 # pure-JAX reference (same math). Measured on an H100 inside the jitted LoRA train step
-# (benchmarks/kernels_in_model.py, RESULTS.md "Seventh session" and "Thirteenth session"): once the
+# (benchmarks/kernels_in_model.py): once the
 # FFI handlers declare themselves CUDA-graph safe, rope (q/k-norm + RoPE) and the two norms are at
 # least as fast as XLA's fusion (0.6B: 314.8 / 317.7 ms per step vs 318.2 ms). A plain swiglu
 # kernel is 3% slower there: handed a custom call, XLA must write gate, up and their gradients'
@@ -53,7 +53,7 @@ Dtype = Any
 # as XLA's dot merger does for small dots) or as two. At Qwen3-8B (2 x 100 MB) the concatenation
 # made the step 2.4% slower than XLA's two GEMMs (1705 vs 1666 ms), so above this size the MLP
 # runs two GEMMs and hands the op both outputs (1.7B-8B: level with or up to 0.8% faster than
-# XLA's fusion; RESULTS.md "Fourteenth session").
+# XLA's fusion).
 PACK_GATE_UP_MAX_BYTES = 16 << 20
 MODEL_KERNELS = ("rope", "rms_norm", "add_rms_norm", "swiglu", "swiglu_lora")
 DEFAULT_KERNELS: tuple[str, ...] = ("rope", "rms_norm", "add_rms_norm", "swiglu_lora")
@@ -284,7 +284,8 @@ class Linear(nn.Module):
         cfg, r = self.cfg, self.cfg.recipe
         state = None
         if r.has_state:
-            state = self.variable(recipe_lib.FP8_COLLECTION, "state", fp8_formats.init_matmul_state, r.amax_history).value
+            state = self.variable(recipe_lib.FP8_COLLECTION, "state", fp8_formats.init_matmul_state,
+                                  r.amax_history).value
         key = None
         if r.name == "nvfp4":  # only the backward uses it; eval without the rng gets a fixed key
             key = self.make_rng(recipe_lib.QUANT_RNG) if self.has_rng(recipe_lib.QUANT_RNG) else jax.random.key(0)
@@ -306,7 +307,8 @@ class Linear(nn.Module):
         a_init = nn.initializers.uniform(2 * bound)  # U[0, 2b) shifted below to U[-b, b)
         a = self.variable(
             "lora", "lora_a",
-            lambda: nn.with_logical_partitioning(lambda k, s, d: a_init(k, s, d) - bound, (*self.axes[: self.in_dims], "lora_rank"))(
+            lambda: nn.with_logical_partitioning(lambda k, s, d: a_init(k, s, d) - bound,
+                                                 (*self.axes[: self.in_dims], "lora_rank"))(
                 self.make_rng("lora"), (*in_shape, spec.rank), spec.dtype),
         ).value
         b = self.variable(
@@ -396,7 +398,8 @@ class MLP(nn.Module):
         else:
             gate = gate_proj(x_BTD, layer)
             up = up_proj(x_BTD, layer)
-            h = swiglu(gate.astype(cfg.dtype), up.astype(cfg.dtype), impl=cfg.impl("swiglu"))  # silu(gate) * up, fp32 math, one rounding
+            # silu(gate) * up, fp32 math, one rounding
+            h = swiglu(gate.astype(cfg.dtype), up.astype(cfg.dtype), impl=cfg.impl("swiglu"))
         return Linear((cfg.hidden_size,), ("mlp", "embed"), cfg, name="down_proj")(h, layer)
 
 

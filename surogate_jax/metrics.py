@@ -83,7 +83,8 @@ def _backend(name: str, out_dir: Path, run: RunConfig, config_flat: dict):
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
-            raise ConfigError("report_to: tensorboard needs `pip install tensorboard` (with torch) or tensorboardX") from None
+            raise ConfigError("report_to: tensorboard needs `pip install tensorboard` (with torch) "
+                              "or tensorboardX") from None
     writer = SummaryWriter(str(out_dir / "tensorboard"))
 
     def log(r):

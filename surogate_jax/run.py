@@ -158,7 +158,8 @@ def _build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout 
         params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(cfg.run.train_seed), ids)["params"])
         if cfg.model.init_projections_to_zero:
             params = jax.tree_util.tree_map_with_path(
-                lambda p, x: jnp.zeros_like(x) if any(getattr(k, "key", None) in ("o_proj", "down_proj") for k in p) else x,
+                lambda p, x: jnp.zeros_like(x) if any(getattr(k, "key", None) in ("o_proj", "down_proj") for k in p)
+                else x,
                 params)
         if spec is not None:  # LoRA on a random base is allowed (odd, but well defined)
             params = jax.tree.map(lambda x: x.astype(model_dtype), params)
@@ -252,10 +253,12 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
         loader.restore(data_state)
         log.info("resumed from %s at step %d", ckpt.dir, start)
     n_dev = mesh.devices.size
-    log.info("model: %s, %s trainable parameters (%s); %d steps (%d per epoch), %d x %d x %d tokens per step on %d device(s)",
+    log.info("model: %s, %s trainable parameters (%s); %d steps (%d per epoch), %d x %d x %d tokens per step on "
+             "%d device(s)",
              model.config.model_type, f"{count(state.trainable):,}", "LoRA" if model.config.lora else "full",
              total, steps_per_epoch, accum, cfg.run.per_device_train_batch_size * n_dev, seq, n_dev)
-    log.info("parallel: %s; %d process(es); remat %s", layout.describe(), jax.process_count(), model.config.remat_policy)
+    log.info("parallel: %s; %d process(es); remat %s", layout.describe(), jax.process_count(),
+             model.config.remat_policy)
     if model.config.recipe is not None:
         log.info("precision: %s", model.config.recipe.describe())
 

@@ -56,7 +56,7 @@ class TrainState:
     # {} otherwise. Why: a zero-initialized accumulator made inside the step was materialized in
     # device memory by XLA for the largest leaves (H100, 8B full FT: f32 [36, ...] broadcasts in the
     # buffer assignment). This buffer took 2 GiB off that step's temporaries, not all of it: the
-    # 8B all-offload step still does not fit one H100 (benchmarks/RESULTS.md, fourth session).
+    # 8B all-offload step still does not fit one H100.
     grad_buf: Any = flax.struct.field(default_factory=dict)
     # The first step (1-based) whose loss or gradient norm was not finite, 0 while all were; set
     # inside the step so the host reads it only when it logs or saves. Not checkpointed ({} = off).
@@ -196,7 +196,8 @@ def make_eval_step(model: Decoder, layout: Layout | None = None) -> Callable:
 
     def step(state: TrainState, batch: dict):
         st = streamer(layout, state.trainable)
-        work = layout.fetch_trainable(state.trainable) if st is None else forward_weights(model, layout, state.trainable, st)
+        work = (layout.fetch_trainable(state.trainable) if st is None
+                else forward_weights(model, layout, state.trainable, st))
         state = state.replace(trainable=work)
         return batch_loss(model, state.params, state.trainable, batch, None, state.quant)
     return step

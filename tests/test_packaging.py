@@ -115,8 +115,8 @@ def _fake_df(tmp_path, free_kb: int) -> Path:
 @pytest.mark.skipif(sys.platform != "linux", reason="only checks linux build scripts")
 @pytest.mark.parametrize("extras, torch_missing, need", [("dev", False, 3), ("", False, 3), ("dev", True, 12)])
 def test_install_stops_on_a_short_disk_before_pip(tmp_path, extras, torch_missing, need):
-    """install.sh checks the free disk before any pip call and stops with the numbers (the
-    fourteenth session's CI died half-way through pip with ENOSPC instead)."""
+    """install.sh checks the free disk before any pip call and stops with the numbers (a CI run out
+    of disk otherwise dies half-way through pip with ENOSPC)."""
     work = tmp_path / "repo"
     work.mkdir()
     shutil.copy2(REPO / "install.sh", work / "install.sh")

@@ -41,7 +41,7 @@ BWD_TARGET = "surogate_add_rms_norm_bwd"
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Forward kernel variant (FFI attribute `fwd_algo`): the same variants as rms_norm's (FWD_ALGOS,
 # kernels/rms_norm_common.cuh), chosen separately: 4 (one-shot grid, plain loads), the fastest on the
-# H100 at every benchmarked shape, 1.02-1.15x variant 1 (RESULTS.md, eighth session).
+# H100 at every benchmarked shape, 1.02-1.15x variant 1.
 FWD_ALGO = 4
 # Backward kernel variant (FFI attribute `bwd_algo`, BWD_ALGOS as rms_norm's): 0 streaming loads
 # (plain loads, 1, were 9% slower at bf16 [16384, 1024] and 1-6% faster elsewhere).

@@ -38,11 +38,11 @@ WS_BLOCKS = 1024
 # math; they differ only in the order a row's squares are summed. Benchmarks and GPU tests pass
 # `algo=` to `_fwd_ffi`; the op uses FWD_ALGO.
 FWD_ALGOS = (0, 1, 2, 3, 4)
-# 1: the fastest on the H100 at the model shapes (benchmarks/RESULTS.md, sixth session)
+# 1: the fastest on the H100 at the model shapes
 FWD_ALGO = 1
 # Backward kernel variant (FFI attribute `bwd_algo`): 0 streaming loads, 1 plain loads (same math,
-# same layout); `_bwd_ffi(..., algo=)` like the forward. 0: faster at the bf16 shapes (RESULTS.md,
-# eighth session); forward variant 4 (plain loads) did not beat 1 either.
+# same layout); `_bwd_ffi(..., algo=)` like the forward. 0: faster at the bf16 shapes; forward
+# variant 4 (plain loads) did not beat 1 either.
 BWD_ALGOS = (0, 1)
 BWD_ALGO = 0
 

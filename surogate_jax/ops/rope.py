@@ -64,12 +64,11 @@ WS_BLOCKS = 1024
 # group per 1, 2, 4 heads of a token. Same math. Benchmarks and GPU tests pass `algo=` to
 # `_fwd_ffi`; the op uses FWD_ALGO.
 FWD_ALGOS = (0, 1, 2, 3)
-# 3: the fastest on the H100 for 12 of the 16 swept shapes, every q/k-norm one (RESULTS.md, sixth session)
+# 3: the fastest on the H100 for 12 of the 16 swept shapes, every q/k-norm one
 FWD_ALGO = 3
 # Norm backward variant (FFI attribute `bwd_algo`): 0 persistent grid over tokens; 1, 2, 3 "flat"
 # units of 1, 2, 4 heads on a balanced grid; 4: U = 2 with plain loads (kernels/rope.cu). Same
-# math. 2: the fastest on the H100 at 6 of the 8 benchmarked q/k shapes (4 at the two 8B k ones;
-# RESULTS.md, ninth and tenth sessions).
+# math. 2: the fastest on the H100 at 6 of the 8 benchmarked q/k shapes (4 at the two 8B k ones).
 BWD_ALGOS = (0, 1, 2, 3, 4)
 BWD_ALGO = 2
 
@@ -337,7 +336,8 @@ def _angles(name, x, positions, inv_freq, table):
         if positions is None or inv_freq is None:
             raise ValueError(f"{name}: pass positions and inv_freq, or table=(cos, sin)")
         if positions.shape != lead or not jnp.issubdtype(positions.dtype, jnp.integer):
-            raise ValueError(f"{name}: positions must be integers of shape {lead}, got {positions.dtype}{positions.shape}")
+            raise ValueError(f"{name}: positions must be integers of shape {lead}, "
+                             f"got {positions.dtype}{positions.shape}")
         if inv_freq.shape != (K // 2,):
             raise ValueError(f"{name}: inv_freq must have shape {(K // 2,)}, got {inv_freq.shape}")
         return positions.astype(jnp.int32), inv_freq.astype(jnp.float32)
@@ -346,7 +346,8 @@ def _angles(name, x, positions, inv_freq, table):
     cos, sin = table
     if cos.shape != sin.shape or cos.shape[:-1] != lead or cos.ndim != len(lead) + 1 or cos.shape[-1] < K // 2:
         raise ValueError(
-            f"{name}: table cos/sin must both have shape {lead} + (S,) with S >= {K // 2}, got {cos.shape} and {sin.shape}"
+            f"{name}: table cos/sin must both have shape {lead} + (S,) with S >= {K // 2}, "
+            f"got {cos.shape} and {sin.shape}"
         )
     return cos.astype(jnp.float32), sin.astype(jnp.float32)
 
@@ -369,7 +370,8 @@ def _impl_for(name, x, impl):
     if impl != "ref" and (x.dtype not in KERNEL_DTYPES or K > MAX_HEAD_DIM):
         if impl == "ffi":
             raise TypeError(
-                f"{name}: impl='ffi' supports float32/bfloat16/float16 and head_dim <= {MAX_HEAD_DIM}, got {x.dtype}, {K}"
+                f"{name}: impl='ffi' supports float32/bfloat16/float16 and head_dim <= {MAX_HEAD_DIM}, "
+                f"got {x.dtype}, {K}"
             )
         impl = "ref"
     return impl

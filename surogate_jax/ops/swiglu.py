@@ -39,7 +39,7 @@ PACKED_BWD_TARGET = "surogate_swiglu_packed_bwd"
 # streaming loads; 6 one-shot, one row per thread at full occupancy (XLA's loop-fusion shape).
 # Same math and results; benchmarks/bench_swiglu.py --algos sweeps them.
 ALGOS = (0, 1, 2, 3, 4, 5, 6)
-ALGO = 6  # one row per thread at full occupancy: XLA's speed kernel-only on the H100 (RESULTS.md, twelfth session)
+ALGO = 6  # one row per thread at full occupancy: XLA's speed kernel-only on the H100
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 

@@ -12,7 +12,7 @@ Shapes and dtypes:
 
 Why: that is what the models' MLP computes under LoRA (`Linear` + `swiglu`). Handed a plain SwiGLU
 kernel, XLA must write gate and up (and their gradients' sum) to memory first, which made the
-Qwen3-0.6B LoRA step 3% slower than XLA's own fusion (RESULTS.md, thirteenth session). Here the
+Qwen3-0.6B LoRA step 3% slower than XLA's own fusion. Here the
 rank-R products are formed in the kernel, so the [..., F] LoRA outputs are never materialized.
 The two-operand form exists because one GEMM output needs the two frozen kernels concatenated
 every step, which at Qwen3-8B cost more than the op saves (models/llamalike.py).
