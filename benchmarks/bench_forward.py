@@ -22,12 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from surogate_jax.metrics import linear_params
 from surogate_jax.models import Decoder, DecoderConfig
 
 SIZES = {
     # Qwen3-0.6B / Qwen3-8B config.json shapes (vocab 151936, head_dim 128, rope_theta 1e6).
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8, tie_word_embeddings=False),
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
+                 tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
+               tie_word_embeddings=False),
 }
 SHAPES = {"0.6b": (4, 2048), "8b": (2, 2048)}  # (batch, seq) for the speed run
 
@@ -37,12 +40,6 @@ def config(size: str, dtype, attention_impl: str) -> DecoderConfig:
         model_type="qwen3", vocab_size=151936, head_dim=128, qk_norm=True, rope_theta=1e6,
         rms_norm_eps=1e-6, dtype=dtype, param_dtype=dtype, attention_impl=attention_impl, **SIZES[size],
     )
-
-
-def linear_params(cfg: DecoderConfig) -> int:
-    D, H, KV, K, F, L = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.num_layers)
-    per_layer = D * H * K * 2 + D * KV * K * 2 + 3 * D * F
-    return L * per_layer + D * cfg.vocab_size  # + lm_head (tied or not, it is a GEMM)
 
 
 def init_params(cfg: DecoderConfig, seed: int):
@@ -101,7 +98,8 @@ def accuracy(size: str, res: dict) -> None:
         out[impl] = logits
         res[f"rel_l2_bf16_{impl}_vs_fp32"] = float(jnp.linalg.norm(logits - logits32) / jnp.linalg.norm(logits32))
         res[f"top1_agree_bf16_{impl}_vs_fp32"] = float(jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(logits32, -1)))
-    res["rel_l2_bf16_cudnn_vs_bf16_xla"] = float(jnp.linalg.norm(out["cudnn"] - out["xla"]) / jnp.linalg.norm(out["xla"]))
+    res["rel_l2_bf16_cudnn_vs_bf16_xla"] = float(
+        jnp.linalg.norm(out["cudnn"] - out["xla"]) / jnp.linalg.norm(out["xla"]))
     res["finite"] = bool(jnp.all(jnp.isfinite(out["cudnn"])))
 
 

@@ -34,12 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from surogate_jax.models import Decoder, DecoderConfig, LoraSpec
 
 from surogate_jax import parallel as par
 from surogate_jax import train as T
 from surogate_jax.config import ParallelConfig
 from surogate_jax.lora import init_adapters
+from surogate_jax.metrics import H100_BF16_PEAK, flops_per_token
+from surogate_jax.models import Decoder, DecoderConfig, LoraSpec
 from surogate_jax.optim import adamw_8bit, fp32_state_mask
 
 QWEN3 = {  # from the Qwen3 config.json files: hidden, intermediate, layers, heads, kv heads, tied
@@ -150,7 +151,8 @@ def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int
     del params, trainable
     step = T.jit_train_step(model, tx, lambda s: 2e-4, mesh, state, layout)
     rows = batch * len(devices)
-    batches = [T.global_batch(mesh, b, True) for b in packed_batches(np.random.default_rng(0), 3, accum, rows, seq, cfg.vocab_size)]
+    batches = [T.global_batch(mesh, b, True)
+               for b in packed_batches(np.random.default_rng(0), 3, accum, rows, seq, cfg.vocab_size)]
     init_peaks = device_peaks(devices)  # before the first step: what building the state took
     t0 = time.perf_counter()
     step = step.lower(state, batches[0]).compile()
@@ -167,7 +169,7 @@ def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int
     sec = statistics.median(times[1:])
     tokens = rows * accum * seq
     tps = tokens / sec
-    mfu = T.flops_per_token(cfg, seq, frozen_base=not full_ft) * tps / (T.H100_BF16_PEAK * len(devices))
+    mfu = flops_per_token(cfg, seq, frozen_base=not full_ft) * tps / (H100_BF16_PEAK * len(devices))
     peaks = device_peaks(devices)
     known = [p for p in peaks if p is not None]
     res = dict(size=size, device=devices[0].device_kind, jax=jax.__version__, recompute=recompute, batch=batch,
@@ -175,7 +177,8 @@ def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int
                mfu=mfu, peak_gb=max(known) if known else 0.0, compile_s=compile_s, losses=losses,
                seed_surogate_bf16=SEED_H100[size][0], seed_unsloth_bf16=SEED_H100[size][1],
                gpus=len(devices), tokens_per_s_per_gpu=tps / len(devices), peak_gb_per_gpu=peaks,
-               mode="full" if full_ft else "lora", recipe=recipe, zero_level=zero_level, offload=list(offload), optimizer=optimizer,
+               mode="full" if full_ft else "lora", recipe=recipe, zero_level=zero_level, offload=list(offload),
+               optimizer=optimizer,
                init_peak_gb_per_gpu=init_peaks, compiled_gb=mem,
                parallel=layout.describe(), remat=cfg.remat_policy, baseline_tps=baseline_tps,
                kernels=list(cfg.kernels), ops_env=os.environ.get("SUROGATE_JAX_OPS", ""),

@@ -1,4 +1,5 @@
-"""Run logging: metrics.jsonl, the progress bar, training_plot.png, TensorBoard / W&B.
+"""Run logging: metrics.jsonl, the progress bar, training_plot.png, TensorBoard / W&B; and the
+throughput accounting they report (tokens/s, model FLOPs per token, MFU, peak device memory).
 
 Every logged step appends one JSON object to <output_dir>/metrics.jsonl (step, loss, lr,
 grad_norm, tokens_per_s, mfu, ...; eval steps add eval_loss), so a resumed run continues the same
@@ -15,12 +16,16 @@ import math
 import os
 import sys
 import tempfile
+import time
 from collections import deque
 from pathlib import Path
 
+import jax
+import numpy as np
 from tqdm.auto import tqdm
 
 from .config import ConfigError, RunConfig
+from .models import DecoderConfig
 
 log = logging.getLogger("surogate_jax")
 
@@ -187,3 +192,50 @@ def plot(metrics_path: Path, out_png: Path) -> Path | None:
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
     return out_png
+
+
+# ---------------------------------------------------------------------------------------------
+# Throughput accounting (ARCHITECTURE.md "Measuring")
+
+H100_BF16_PEAK = 989e12
+
+
+def linear_params(cfg: DecoderConfig) -> int:
+    D, H, KV, K, F, L = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                         cfg.intermediate_size, cfg.num_layers)
+    return L * (2 * D * H * K + 2 * D * KV * K + 3 * D * F) + D * cfg.vocab_size
+
+
+def flops_per_token(cfg: DecoderConfig, seq_len: int, frozen_base: bool) -> float:
+    k = 4 if frozen_base else 6
+    return k * linear_params(cfg) + 6 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+
+
+def device_peak_flops() -> float | None:
+    """Dense bf16 peak of the local devices when they are H100/H200 class GPUs, else None."""
+    devs = jax.local_devices()
+    if devs and devs[0].platform == "gpu" and any(s in devs[0].device_kind for s in ("H100", "H200", "H800", "GH200")):
+        return H100_BF16_PEAK * len(jax.devices())
+    return None
+
+
+def peak_memory_bytes() -> int | None:
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+class Throughput:
+    """Median seconds per optimizer step over the recent logging intervals; the interval that
+    holds the compile (the first one seen) is never counted."""
+
+    def __init__(self):
+        self.t: float | None = None
+        self.step = 0
+        self.rates: list[float] = []
+
+    def update(self, step: int) -> float | None:
+        now = time.perf_counter()
+        if self.t is not None and step > self.step:
+            self.rates.append((now - self.t) / (step - self.step))
+        self.t, self.step = now, step
+        return float(np.median(self.rates[-20:])) if self.rates else None

@@ -32,9 +32,17 @@ from .checkpoint import Checkpointer, abstract_like, strip_scratch
 from .config import ConfigError, SFTConfig
 from .errors import ModelLoadError, SurogateError
 from .hf import abstract_params, load_pretrained, read_hf_config, resolve_model_dir, save_pretrained
-from .lora import DTYPES, count, init_adapters, lora_spec, merge, save_peft
 from .lock import OutputLock, is_marked
-from .metrics import PlateauWatch, RunLogger, check_backends
+from .lora import DTYPES, count, init_adapters, lora_spec, merge, save_peft
+from .metrics import (
+    PlateauWatch,
+    RunLogger,
+    Throughput,
+    check_backends,
+    device_peak_flops,
+    flops_per_token,
+    peak_memory_bytes,
+)
 from .metrics import truncate as truncate_metrics
 from .models import Decoder, config_from_hf, config_to_hf
 from .optim import make_optimizer
@@ -265,8 +273,8 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
     step_fn = T.jit_train_step(model, tx, schedule, mesh, state, layout)
     eval_fn = T.jit_eval_step(model, mesh, state, layout) if val_docs is not None else None
     tokens_per_step = accum * cfg.run.per_device_train_batch_size * n_dev * seq
-    flops = T.flops_per_token(model.config, seq, frozen_base=model.config.lora is not None)
-    peak = T.device_peak_flops()
+    flops = flops_per_token(model.config, seq, frozen_base=model.config.lora is not None)
+    peak = device_peak_flops()
 
     lock.commit()  # from here on the run writes its outputs
     if jax.process_index() == 0:
@@ -278,7 +286,7 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
     logger = RunLogger(log_dir, log_cfg, total_steps=total, start_step=start, config_flat=cfg.to_flat())
     plateau = PlateauWatch()
     last_eval = None
-    timer = T.Throughput()
+    timer = Throughput()
     try:
         with stop.at_step_boundary():
             for step in range(start, total):
@@ -326,7 +334,7 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
         summary.update(export(cfg, model, model_dir, state, out))
         if cfg.run.exact_match_file:
             summary["exact_match"] = exact_match_report(cfg, model, state, tokenizer)
-    peak_mem = T.peak_memory_bytes()
+    peak_mem = peak_memory_bytes()
     if peak_mem:
         summary["peak_memory_gb"] = peak_mem / 1e9
     if jax.process_index() == 0:

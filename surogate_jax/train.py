@@ -19,7 +19,6 @@ the frozen base kernels are quantized once in `init_state` (recipe.cache_frozen_
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,13 +33,12 @@ from jax.sharding import PartitionSpec as P
 from .loss import cross_entropy_sum
 from .models import Decoder, DecoderConfig
 from .offload import Streamer, num_layers
-from .optim.fused import apply_fused
+from .optim.fused import apply_fused, global_norm
 from .parallel import Layout, make_mesh  # noqa: F401  (make_mesh: re-exported)
 from .precision import fp8 as fp8_lib
 from .precision import recipe as recipe_lib
 
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "positions", "segment_ids")
-H100_BF16_PEAK = 989e12
 
 
 @flax.struct.dataclass
@@ -101,76 +99,112 @@ def batch_loss(model: Decoder, params, trainable, batch: dict, rng, quant: Any =
 def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: Callable,
                     layout: Layout | None = None) -> Callable:
     """step(state, batch with leading [grad_accum] axis) -> (state, metrics); pure, not jitted.
-    `layout` (parallel.Layout): ZeRO-2 gradient sharding and host-offload placement in the step."""
+    `layout` (parallel.Layout): ZeRO-2 gradient sharding and host-offload placement in the step.
+    Two steps share the micro-batch scan and the bookkeeping: the plain one (the whole state on the
+    device) and the layer-streamed one (offloaded state crosses to the device one layer at a time,
+    offload.py), picked when the step is traced."""
     layout = layout or Layout(None)
-
     recipe = model.config.recipe
     margin = recipe.margin if recipe is not None else 0.0
 
     def step(state: TrainState, batch: dict):
         st = streamer(layout, state.trainable)
         if st is None:
-            state = layout.fetch_state(state)  # offloaded trainable / optimizer state -> device (whole)
-            work = state.trainable
-        else:  # layer-streamed offload (offload.py): the forward's weights on the device only
-            work = forward_weights(model, layout, state.trainable, st)
-        plan = layout.plan
-        rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
-        n_accum = batch["input_ids"].shape[0]
-        grad_fn = jax.value_and_grad(lambda t, q, mb, r: batch_loss(model, state.params, t, mb, r, q),
-                                     argnums=(0, 1), has_aux=True)
-
-        def micro(carry, xs):
-            grads, obs, loss = carry
-            mb, i = xs
-            (l, _), (g, o) = grad_fn(work, state.quant, mb, jax.random.fold_in(step_rng, i))
-            if st is None:
-                grads = layout.constrain_grads(jax.tree.map(jnp.add, layout.grads_to_device(grads), g))
-                grads = layout.grads_to_host(grads)
-            else:
-                grads = st.accumulate(grads, layout.constrain_grads(g), host=plan.offload_grads,
-                                      shard=plan.shard_gradients, first=(i == 0) if use_buf else None)
-            obs = fp8_lib.combine_observations(obs, o)  # amaxes: max over micro-batches, not a sum
-            return (grads, obs, loss + l), None
-
-        use_buf = st is not None and bool(jax.tree.leaves(state.grad_buf))
-        if use_buf:  # the persistent host accumulator; the first micro-batch overwrites it
-            zeros = state.grad_buf
-        else:
-            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), state.trainable)
-            zeros = layout.grads_to_host(layout.constrain_grads(zeros))
-        no_obs = jax.tree.map(jnp.zeros_like, state.quant)
-        (grads, obs, loss_sum), _ = jax.lax.scan(micro, (zeros, no_obs, jnp.zeros((), jnp.float32)),
-                                                 (batch, jnp.arange(n_accum)))
-        quant = fp8_lib.update(state.quant, obs, margin) if state.quant else state.quant
-        n_tokens = jnp.sum(batch["loss_mask"])
-        denom = jnp.maximum(n_tokens, 1.0)
-        prep = lambda g, dtype: (g / denom).astype(dtype)
-        dtypes = jax.tree.map(lambda t: t.dtype, state.trainable)
-        if st is None:
-            grads = jax.tree.map(prep, layout.grads_to_device(grads), dtypes)
-            grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
-            # tx's fused path when it has one (adamw_8bit: the kernel writes the parameters in place,
-            # the clip folded in as a gradient scale), else tx.update + optax.apply_updates
-            trainable, opt_state = apply_fused(tx, grads, state.opt_state, state.trainable)
-        else:  # gradients, masters and optimizer state of one layer at a time on the device
-            grad_norm = jnp.sqrt(st.sum_squares(grads, prep, dtypes, host=plan.offload_grads,
-                                                shard=plan.shard_gradients))
-            trainable, opt_state = st.update(
-                lambda g, s, t: apply_fused(tx, g, s, t, norm=grad_norm), tx.init, grads, state.opt_state,
-                state.trainable, prep=prep, grads_host=plan.offload_grads, opt_host=plan.offload_optimizer,
-                params_host=plan.offload_master)
-        loss = loss_sum / denom
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "supervised_tokens": n_tokens}
-        flag = state.first_nonfinite
-        if not isinstance(flag, dict):
-            bad = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
-            flag = jnp.where((flag == 0) & bad, state.step + 1, flag)
-        new = state.replace(step=state.step + 1, trainable=trainable, opt_state=opt_state, rng=jax.random.key_data(rng),
-                            quant=quant, grad_buf=grads if use_buf else state.grad_buf, first_nonfinite=flag)
-        return new, metrics
+            return _plain_step(model, tx, schedule, layout, margin, state, batch)
+        return _streamed_step(model, tx, schedule, layout, margin, st, state, batch)
 
     return step
+
+
+def _plain_step(model, tx, schedule, layout: Layout, margin: float, state: TrainState, batch: dict):
+    state = layout.fetch_state(state)  # offloaded trainable / optimizer state -> device (whole)
+
+    def add(grads, g, i):
+        grads = layout.constrain_grads(jax.tree.map(jnp.add, layout.grads_to_device(grads), g))
+        return layout.grads_to_host(grads)
+
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), state.trainable)
+    zeros = layout.grads_to_host(layout.constrain_grads(zeros))
+    grads, obs, loss_sum, rng = _accumulate(model, state, state.trainable, batch, zeros, add)
+    n_tokens, denom = _token_count(batch)
+    grads = jax.tree.map(lambda g, t: (g / denom).astype(t.dtype), layout.grads_to_device(grads), state.trainable)
+    grad_norm = global_norm(grads)
+    # tx's fused path when it has one (adamw_8bit: the kernel writes the parameters in place, the
+    # clip folded in as a gradient scale), else tx.update + optax.apply_updates
+    trainable, opt_state = apply_fused(tx, grads, state.opt_state, state.trainable)
+    return _finish(state, schedule, margin, obs, loss_sum, n_tokens, denom, grad_norm, rng,
+                   trainable=trainable, opt_state=opt_state)
+
+
+def _streamed_step(model, tx, schedule, layout: Layout, margin: float, st: Streamer, state: TrainState,
+                   batch: dict):
+    """Gradients, masters and optimizer state of one layer at a time on the device."""
+    plan = layout.plan
+    work = forward_weights(model, layout, state.trainable, st)  # the forward's weights on the device only
+    use_buf = bool(jax.tree.leaves(state.grad_buf))
+    if use_buf:  # the persistent host accumulator; the first micro-batch overwrites it
+        zeros = state.grad_buf
+    else:
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), state.trainable)
+        zeros = layout.grads_to_host(layout.constrain_grads(zeros))
+
+    def add(grads, g, i):
+        return st.accumulate(grads, layout.constrain_grads(g), host=plan.offload_grads, shard=plan.shard_gradients,
+                             first=(i == 0) if use_buf else None)
+
+    grads, obs, loss_sum, rng = _accumulate(model, state, work, batch, zeros, add)
+    n_tokens, denom = _token_count(batch)
+    prep = lambda g, dtype: (g / denom).astype(dtype)
+    dtypes = jax.tree.map(lambda t: t.dtype, state.trainable)
+    grad_norm = jnp.sqrt(st.sum_squares(grads, prep, dtypes, host=plan.offload_grads, shard=plan.shard_gradients))
+    trainable, opt_state = st.update(
+        lambda g, s, t: apply_fused(tx, g, s, t, norm=grad_norm), tx.init, grads, state.opt_state,
+        state.trainable, prep=prep, grads_host=plan.offload_grads, opt_host=plan.offload_optimizer,
+        params_host=plan.offload_master)
+    return _finish(state, schedule, margin, obs, loss_sum, n_tokens, denom, grad_norm, rng,
+                   trainable=trainable, opt_state=opt_state, grad_buf=grads if use_buf else state.grad_buf)
+
+
+def _accumulate(model: Decoder, state: TrainState, work, batch: dict, zeros, add: Callable):
+    """The scan over micro-batches: (gradient sum, fp8 observations, loss sum, the next rng).
+    `add(grads, g, i)` folds micro-batch i's gradients into the running sum."""
+    rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
+    grad_fn = jax.value_and_grad(lambda t, q, mb, r: batch_loss(model, state.params, t, mb, r, q),
+                                 argnums=(0, 1), has_aux=True)
+
+    def micro(carry, xs):
+        grads, obs, loss = carry
+        mb, i = xs
+        (l, _), (g, o) = grad_fn(work, state.quant, mb, jax.random.fold_in(step_rng, i))
+        obs = fp8_lib.combine_observations(obs, o)  # amaxes: max over micro-batches, not a sum
+        return (add(grads, g, i), obs, loss + l), None
+
+    no_obs = jax.tree.map(jnp.zeros_like, state.quant)
+    n_accum = batch["input_ids"].shape[0]
+    (grads, obs, loss_sum), _ = jax.lax.scan(micro, (zeros, no_obs, jnp.zeros((), jnp.float32)),
+                                             (batch, jnp.arange(n_accum)))
+    return grads, obs, loss_sum, rng
+
+
+def _token_count(batch: dict):
+    """(supervised tokens of the step, the loss denominator: at least 1)."""
+    n_tokens = jnp.sum(batch["loss_mask"])
+    return n_tokens, jnp.maximum(n_tokens, 1.0)
+
+
+def _finish(state: TrainState, schedule: Callable, margin: float, obs, loss_sum, n_tokens, denom, grad_norm, rng,
+            **updates):
+    """The new state (step, rng, fp8 scales, the non-finite flag and `updates`) and the metrics."""
+    quant = fp8_lib.update(state.quant, obs, margin) if state.quant else state.quant
+    loss = loss_sum / denom
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "supervised_tokens": n_tokens}
+    flag = state.first_nonfinite
+    if not isinstance(flag, dict):
+        bad = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+        flag = jnp.where((flag == 0) & bad, state.step + 1, flag)
+    new = state.replace(step=state.step + 1, rng=jax.random.key_data(rng), quant=quant, first_nonfinite=flag,
+                        **updates)
+    return new, metrics
 
 
 def streamer(layout: Layout, trainable) -> Streamer | None:
@@ -309,48 +343,3 @@ def jit_eval_step(model, mesh: Mesh, state: TrainState, layout: Layout | None = 
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     batch_sh = {k: batch_sharding(mesh, False) for k in BATCH_KEYS}
     return jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=replicated(mesh))
-
-
-# ---------------------------------------------------------------------------------------------
-# Throughput accounting (ARCHITECTURE.md "Measuring")
-
-
-def linear_params(cfg: DecoderConfig) -> int:
-    D, H, KV, K, F, L = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                         cfg.intermediate_size, cfg.num_layers)
-    return L * (2 * D * H * K + 2 * D * KV * K + 3 * D * F) + D * cfg.vocab_size
-
-
-def flops_per_token(cfg: DecoderConfig, seq_len: int, frozen_base: bool) -> float:
-    k = 4 if frozen_base else 6
-    return k * linear_params(cfg) + 6 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
-
-
-def device_peak_flops() -> float | None:
-    """Dense bf16 peak of the local devices when they are H100/H200 class GPUs, else None."""
-    devs = jax.local_devices()
-    if devs and devs[0].platform == "gpu" and any(s in devs[0].device_kind for s in ("H100", "H200", "H800", "GH200")):
-        return H100_BF16_PEAK * len(jax.devices())
-    return None
-
-
-def peak_memory_bytes() -> int | None:
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
-
-
-class Throughput:
-    """Median seconds per optimizer step over the recent logging intervals; the interval that
-    holds the compile (the first one seen) is never counted."""
-
-    def __init__(self):
-        self.t: float | None = None
-        self.step = 0
-        self.rates: list[float] = []
-
-    def update(self, step: int) -> float | None:
-        now = time.perf_counter()
-        if self.t is not None and step > self.step:
-            self.rates.append((now - self.t) / (step - self.step))
-        self.t, self.step = now, step
-        return float(np.median(self.rates[-20:])) if self.rates else None
