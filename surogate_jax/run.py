@@ -162,15 +162,10 @@ def _build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout 
     if cfg.model.from_scratch:
         dcfg = config_from_hf(read_hf_config(model_dir), dtype=model_dtype, param_dtype=master, remat_policy=remat)
         model = Decoder(dcfg)
-        ids = jnp.zeros((1, 1), jnp.int32)
-        params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(cfg.run.train_seed), ids)["params"])
-        if cfg.model.init_projections_to_zero:
-            params = jax.tree_util.tree_map_with_path(
-                lambda p, x: jnp.zeros_like(x) if any(getattr(k, "key", None) in ("o_proj", "down_proj") for k in p)
-                else x,
-                params)
-        if spec is not None:  # LoRA on a random base is allowed (odd, but well defined)
-            params = jax.tree.map(lambda x: x.astype(model_dtype), params)
+        # LoRA on a random base is allowed (odd, but well defined): the base then takes the model dtype
+        init = random_init(model, layout, trainable=spec is None, dtype=None if spec is None else model_dtype,
+                           zero_projections=cfg.model.init_projections_to_zero)
+        params = init(jax.random.key(cfg.run.train_seed))
     elif spec is not None:
         model, params = load_pretrained(model_dir, dtype=model_dtype, remat_policy=remat,
                                         shardings=_weight_shardings(model_dir, model_dtype, layout, trainable=False))
@@ -182,6 +177,28 @@ def _build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout 
     model = Decoder(model.config.replace(lora=spec))
     trainable = init_adapters(model, jax.random.key(cfg.run.train_seed + 1), jnp.zeros((1, 1), jnp.int32))
     return model, params, trainable
+
+
+def random_init(model: Decoder, layout: par.Layout | None, *, trainable: bool, dtype=None,
+                zero_projections: bool = False):
+    """key -> random weights of `model`, jitted with the layout's shardings as its out_shardings, so
+    each device computes only its own shard (ZeRO-3 never holds the whole model on one device).
+    dtype: cast the weights (a frozen base in the model dtype); zero_projections: o_proj and
+    down_proj start at zero (`init_projections_to_zero`)."""
+    ids = jnp.zeros((1, 1), jnp.int32)
+
+    def init(key):
+        params = nn.meta.unbox(model.init(key, ids)["params"])
+        if zero_projections:
+            params = jax.tree_util.tree_map_with_path(
+                lambda p, x: jnp.zeros_like(x) if any(getattr(k, "key", None) in ("o_proj", "down_proj") for k in p)
+                else x, params)
+        return params if dtype is None else jax.tree.map(lambda x: x.astype(dtype), params)
+
+    shardings = None
+    if layout is not None and layout.mesh is not None:
+        shardings = layout.weight_shardings(jax.eval_shape(init, jax.random.key(0)), trainable=trainable)
+    return jax.jit(init, out_shardings=shardings)
 
 
 def _weight_shardings(model_dir: Path, dtype, layout: par.Layout | None, *, trainable: bool):

@@ -115,8 +115,8 @@ def _env(n: int) -> dict:
 
 
 def test_zero_levels_match_one_device_and_gather_per_layer():
-    r = subprocess.run([sys.executable, "-c", LIBRARY], check=False, cwd=HERE, env=_env(4), capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run([sys.executable, "-c", LIBRARY], check=False, cwd=HERE, env=_env(4), capture_output=True,
+                       text=True, timeout=900)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
 
 
@@ -185,3 +185,44 @@ def test_sft_zero3_matches_one_device_and_resumes_on_fewer_devices(tmp_path, cac
     assert sorted(again) == [3, 4]
     np.testing.assert_allclose([again[3], again[4]], [got[3], got[4]], rtol=1e-4)
     assert (z3 / "out/adapter/adapter_model.safetensors").is_file()
+
+
+RANDOM_INIT = r'''
+import jax, jax.numpy as jnp, numpy as np
+from surogate_jax import parallel as par
+from surogate_jax.config import ParallelConfig
+from surogate_jax.models import Decoder, DecoderConfig
+from surogate_jax.run import random_init
+
+cfg = DecoderConfig(model_type="qwen3", vocab_size=4096, hidden_size=256, intermediate_size=1024, num_layers=4,
+                    num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
+model = Decoder(cfg)
+mesh = par.make_mesh(jax.devices())
+key = jax.random.key(7)
+whole = random_init(model, None, trainable=True)(key)  # unsharded: the reference values
+total = sum(x.nbytes for x in jax.tree.leaves(whole))
+for level, spread in ((3, True), (1, False)):
+    layout = par.Layout(mesh, par.Plan.from_config(ParallelConfig(zero_level=level)))
+    init = random_init(model, layout, trainable=True)
+    mem = init.lower(key).compile().memory_analysis()
+    params = init(key)
+    per_device = max(sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards
+                         if s.device == d) for d in jax.devices())
+    if spread:  # ZeRO-3: each device computes and holds about a quarter; no temporary of the whole model
+        assert per_device < 0.3 * total, (per_device, total)
+        if mem is not None:
+            assert mem.output_size_in_bytes < 0.3 * total and mem.temp_size_in_bytes < 0.3 * total, (mem, total)
+    else:  # replicated weights: each device holds them all
+        assert per_device == total, (per_device, total)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same weights however they are placed
+print("OK")
+'''
+
+
+def test_random_init_builds_zero3_weights_in_their_shards():
+    """pretrain's from-scratch init is jitted with the ZeRO-3 shardings as out_shardings: no device
+    holds (or computes a temporary of) the whole model, and the weights equal the unsharded init."""
+    r = subprocess.run([sys.executable, "-c", RANDOM_INIT], check=False, cwd=HERE, env=_env(4), capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
