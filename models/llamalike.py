@@ -7,7 +7,7 @@ config into a `DecoderConfig` and say which features are on:
   - optional q/k/v biases (Qwen2.5) and per-head q/k RMSNorm before RoPE (Qwen3);
   - SwiGLU MLP, pre-norm residual blocks, tied or untied LM head.
 Layers are stacked with `nn.scan` (params get a leading `layers` axis) and can be rematerialized;
-every parameter carries logical axis names for sharding rules. Norms call `surogate_jax.ops.rms_norm`
+parameters are plain arrays (parallel.py shards them by shape). Norms call `surogate_jax.ops.rms_norm`
 (our CUDA kernel on GPU, its pure-JAX reference elsewhere). Attention goes through
 `jax.nn.dot_product_attention`: cuDNN flash attention on GPU for bf16/fp16, XLA otherwise.
 
@@ -196,22 +196,21 @@ class NormScale(nn.Module):
 
     @nn.compact
     def __call__(self):
-        return _param(self, "scale", nn.initializers.ones, (self.dim,), ("head_dim",), self.param_dtype)
+        return _param(self, "scale", nn.initializers.ones, (self.dim,), self.param_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
 # Layers
 
 
-def _param(mod: nn.Module, name: str, init, shape, axes, dtype):
-    return mod.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+def _param(mod: nn.Module, name: str, init, shape, dtype):
+    return mod.param(name, init, shape, dtype)
 
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last axis with a learned scale (HF `weight`)."""
 
     eps: float
-    axis_name: str
     dtype: Dtype
     param_dtype: Dtype
     impl: str | None = None  # see DecoderConfig.impl
@@ -219,7 +218,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         scale = _param(
-            self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,), self.param_dtype
+            self, "scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype
         )
         return rms_norm(x.astype(self.dtype), scale.astype(self.dtype), self.eps, impl=self.impl)
 
@@ -231,17 +230,16 @@ class AddRMSNorm(RMSNorm):
     @nn.compact
     def __call__(self, x, residual):
         scale = _param(
-            self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,), self.param_dtype
+            self, "scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype
         )
         return add_rms_norm(x.astype(self.dtype), residual.astype(self.dtype), scale.astype(self.dtype), self.eps,
                             impl=self.impl)
 
 
 class Linear(nn.Module):
-    """x[..., in] @ kernel[in, *out] (+ bias[*out]); `axes` names every kernel dim."""
+    """x[..., in] @ kernel[in, *out] (+ bias[*out])."""
 
     out_shape: tuple[int, ...]
-    axes: tuple[str, ...]
     cfg: DecoderConfig
     use_bias: bool = False
     in_dims: int = 1  # how many trailing dims of x are contracted
@@ -258,7 +256,7 @@ class Linear(nn.Module):
         cfg = self.cfg
         in_shape = x.shape[x.ndim - self.in_dims :]
         init = nn.initializers.normal(cfg.initializer_range)
-        kernel = _param(self, "kernel", init, (*in_shape, *self.out_shape), self.axes, cfg.param_dtype)
+        kernel = _param(self, "kernel", init, (*in_shape, *self.out_shape), cfg.param_dtype)
         contract = (tuple(range(x.ndim - self.in_dims, x.ndim)), tuple(range(self.in_dims)))
         if lora_parts:
             if cfg.recipe is not None or self.use_bias or cfg.lora is None or self.name not in cfg.lora.targets:
@@ -270,8 +268,7 @@ class Linear(nn.Module):
         else:
             y = jax.lax.dot_general(x.astype(cfg.dtype), kernel.astype(cfg.dtype), (contract, ((), ())))
         if self.use_bias:
-            bias_axes = self.axes[self.in_dims :]
-            bias = _param(self, "bias", nn.initializers.zeros, self.out_shape, bias_axes, cfg.param_dtype)
+            bias = _param(self, "bias", nn.initializers.zeros, self.out_shape, cfg.param_dtype)
             y = y + bias.astype(cfg.dtype)
         if cfg.lora is not None and self.name in cfg.lora.targets:
             y = y + self._lora(x if lora_x is None else lora_x, in_shape, contract)
@@ -307,16 +304,12 @@ class Linear(nn.Module):
         a_init = nn.initializers.uniform(2 * bound)  # U[0, 2b) shifted below to U[-b, b)
         a = self.variable(
             "lora", "lora_a",
-            lambda: nn.with_logical_partitioning(lambda k, s, d: a_init(k, s, d) - bound,
-                                                 (*self.axes[: self.in_dims], "lora_rank"))(
-                self.make_rng("lora"), (*in_shape, spec.rank), spec.dtype),
+            lambda: a_init(self.make_rng("lora"), (*in_shape, spec.rank), spec.dtype) - bound,
         ).value
         b = self.variable(
             "lora", "lora_b",
-            lambda: nn.with_logical_partitioning(nn.initializers.zeros, ("lora_rank", *self.axes[self.in_dims :]))(
-                self.make_rng("lora"), (spec.rank, *self.out_shape), spec.dtype),
+            lambda: nn.initializers.zeros(self.make_rng("lora"), (spec.rank, *self.out_shape), spec.dtype),
         ).value
-        a, b = nn.meta.unbox(a), nn.meta.unbox(b)
         if spec.dropout > 0 and self.has_rng("dropout"):
             x = nn.Dropout(spec.dropout, deterministic=False)(x, rng=self.make_rng("dropout"))
         xa = jax.lax.dot_general(x.astype(cfg.dtype), a.astype(cfg.dtype), (contract, ((), ())))
@@ -339,9 +332,9 @@ class Attention(nn.Module):
     def __call__(self, x_BTD, cos_BTK, sin_BTK, segment_ids_BT, layer=None):
         cfg = self.cfg
         H, KV, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q = Linear((H, K), ("embed", "q_heads", "head_dim"), cfg, cfg.qkv_bias, name="q_proj")(x_BTD, layer)
-        k = Linear((KV, K), ("embed", "kv_heads", "head_dim"), cfg, cfg.qkv_bias, name="k_proj")(x_BTD, layer)
-        v = Linear((KV, K), ("embed", "kv_heads", "head_dim"), cfg, cfg.qkv_bias, name="v_proj")(x_BTD, layer)
+        q = Linear((H, K), cfg, cfg.qkv_bias, name="q_proj")(x_BTD, layer)
+        k = Linear((KV, K), cfg, cfg.qkv_bias, name="k_proj")(x_BTD, layer)
+        v = Linear((KV, K), cfg, cfg.qkv_bias, name="v_proj")(x_BTD, layer)
         wq = wk = None
         if cfg.qk_norm:  # per-head RMSNorm, fused with RoPE
             wq = NormScale(K, cfg.param_dtype, name="q_norm")().astype(cfg.dtype)
@@ -357,7 +350,7 @@ class Attention(nn.Module):
             same_BTT = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
             mask_B1TT = (same_BTT & causal_TT)[:, None]
             o = jax.nn.dot_product_attention(q, k, v, mask=mask_B1TT, implementation=impl)
-        return Linear((cfg.hidden_size,), ("q_heads", "head_dim", "embed"), cfg, in_dims=2, name="o_proj")(o, layer)
+        return Linear((cfg.hidden_size,), cfg, in_dims=2, name="o_proj")(o, layer)
 
 
 class MLP(nn.Module):
@@ -373,8 +366,8 @@ class MLP(nn.Module):
     def __call__(self, x_BTD, layer=None):
         cfg = self.cfg
         F = cfg.intermediate_size
-        gate_proj = Linear((F,), ("embed", "mlp"), cfg, name="gate_proj")
-        up_proj = Linear((F,), ("embed", "mlp"), cfg, name="up_proj")
+        gate_proj = Linear((F,), cfg, name="gate_proj")
+        up_proj = Linear((F,), cfg, name="up_proj")
         if self._fused_lora():
             # The frozen GEMM(s) here; the LoRA products are formed in the kernel.
             wg, xa_g, bg = gate_proj(x_BTD, layer, lora_parts=True)
@@ -394,13 +387,13 @@ class MLP(nn.Module):
                             cfg.lora.scale, impl=cfg.impl("swiglu_lora"), split_output=split)
             if split:
                 h, h_lora = h
-                return Linear((cfg.hidden_size,), ("mlp", "embed"), cfg, name="down_proj")(h, layer, lora_x=h_lora)
+                return Linear((cfg.hidden_size,), cfg, name="down_proj")(h, layer, lora_x=h_lora)
         else:
             gate = gate_proj(x_BTD, layer)
             up = up_proj(x_BTD, layer)
             # silu(gate) * up, fp32 math, one rounding
             h = swiglu(gate.astype(cfg.dtype), up.astype(cfg.dtype), impl=cfg.impl("swiglu"))
-        return Linear((cfg.hidden_size,), ("mlp", "embed"), cfg, name="down_proj")(h, layer)
+        return Linear((cfg.hidden_size,), cfg, name="down_proj")(h, layer)
 
 
 class DecoderLayer(nn.Module):
@@ -409,7 +402,7 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x_BTD, cos_BTK, sin_BTK, segment_ids_BT, layer=None):
         cfg = self.cfg
-        norm = dict(eps=cfg.rms_norm_eps, axis_name="embed", dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        norm = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         x_BTD = checkpoint_name(x_BTD, "decoder_layer_input")  # what "offload_residual" sends to host
         h = RMSNorm(**norm, impl=cfg.impl("rms_norm"), name="input_layernorm")(x_BTD)
         attn_BTD = Attention(cfg, name="self_attn")(h, cos_BTK, sin_BTK, segment_ids_BT, layer)
@@ -449,7 +442,6 @@ class Decoder(nn.Module):
             "embedding",
             nn.initializers.normal(cfg.initializer_range),
             (cfg.vocab_size, cfg.hidden_size),
-            ("vocab", "embed"),
             cfg.param_dtype,
         )
         x_BTD = jnp.take(embed, input_ids, axis=0).astype(cfg.dtype)
@@ -466,11 +458,10 @@ class Decoder(nn.Module):
             split_rngs={"params": True, "lora": True, "dropout": True, recipe_lib.QUANT_RNG: True},
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast) + ((0,) if skips else ()),
             length=cfg.num_layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
         )
         layer_ids = (jnp.arange(cfg.num_layers, dtype=jnp.int32),) if skips else ()
         x_BTD, _ = stack(cfg, name="layers")(x_BTD, cos_BTK, sin_BTK, segment_ids, *layer_ids)
-        x_BTD = RMSNorm(cfg.rms_norm_eps, "embed", cfg.dtype, cfg.param_dtype, cfg.impl("rms_norm"), name="norm")(x_BTD)
+        x_BTD = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, cfg.impl("rms_norm"), name="norm")(x_BTD)
         if return_hidden:
             return x_BTD
         if cfg.tie_word_embeddings:
@@ -481,7 +472,6 @@ class Decoder(nn.Module):
                 "lm_head",
                 nn.initializers.normal(cfg.initializer_range),
                 (cfg.hidden_size, cfg.vocab_size),
-                ("embed", "vocab"),
                 cfg.param_dtype,
             )
         return jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(cfg.dtype))

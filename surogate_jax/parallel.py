@@ -18,9 +18,8 @@ ZeRO (Surogate's `zero_level`, `shard_gradients`, `shard_weights`):
      compiled HLO to check it).
 `shard_gradients` / `shard_weights` switch levels 2 / 3 on individually.
 
-Which dimension is sharded: a shape rule, not the models' logical axis names (the names are
-dropped when params are unboxed at load, and optimizer state of any optax transform has the
-param shapes but no names). Per leaf we take the largest dimension that the "data" axis size
+Which dimension is sharded: a shape rule (zero.py), not logical axis names (the optimizer state of
+any optax transform has the param shapes but no names, so one rule serves every tree). Per leaf we take the largest dimension that the "data" axis size
 divides, never the leading layer axis of leaves under a `layers` key (the scan slices that axis;
 sharding it would make every iteration fetch its layer from one device); a leaf with no such
 dimension (scalars, odd vocab sizes) stays replicated. The same rule for params, gradients and
@@ -280,7 +279,9 @@ class Layout:
         return jax.lax.with_sharding_constraint(grads, self.grad_shardings(grads))
 
     def grads_to_host(self, grads):
-        return jax.tree.map(jax.device_put, grads, self.grad_shardings(grads, host=True)) if self.plan.offload_grads else grads
+        if not self.plan.offload_grads:
+            return grads
+        return jax.tree.map(jax.device_put, grads, self.grad_shardings(grads, host=True))
 
     def grads_to_device(self, grads):
         if not self.plan.offload_grads:
@@ -366,5 +367,6 @@ def process_local_rows(per_device: int, mesh: Mesh) -> int:
 
 __all__ = [
     "DATA", "DistributedParams", "Layout", "Plan", "check_memory_kind", "distributed_params", "gather_to_host",
-    "host_view", "initialize_distributed", "make_mesh", "process_local_rows", "remat_policy", "run_devices", "zero_spec",
+    "host_view", "initialize_distributed", "make_mesh", "process_local_rows", "remat_policy", "run_devices",
+    "zero_spec",
 ]

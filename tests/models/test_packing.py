@@ -42,17 +42,12 @@ def test_without_segment_ids_documents_do_leak():
     assert float(jnp.max(jnp.abs(a[0, 5:] - b[0, 5:]))) > 1e-3
 
 
-def test_remat_and_logical_axes():
-    """Remat changes memory, not results; every parameter carries logical axis names."""
-    import flax.linen as nn
-
+def test_remat_and_plain_params():
+    """Remat changes memory, not results; parameters are plain arrays (parallel.py shards by shape,
+    so no logical axis names ride along)."""
     ids = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6))
-    boxed = Decoder(CFG).init(jax.random.key(2), ids)["params"]
-    specs = nn.get_partition_spec(boxed)
-    for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]:
-        assert spec is not None and all(a is not None for a in spec), path
-    assert specs["layers"]["self_attn"]["q_proj"]["kernel"] == jax.sharding.PartitionSpec("layers", "embed", "q_heads", "head_dim")
-    params = nn.meta.unbox(boxed)
+    params = Decoder(CFG).init(jax.random.key(2), ids)["params"]
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(params, is_leaf=lambda x: not isinstance(x, dict)))
 
     def loss(p, cfg):
         return jnp.mean(Decoder(cfg).apply({"params": p}, ids) ** 2)
