@@ -8,14 +8,15 @@ its own. Every CUDA kernel variant (kernels/adamw_8bit.h: 0 the first kernel, 1 
     python benchmarks/bench_adamw_8bit.py [--out results.jsonl] [--sets qwen3-0.6b,qwen3-1.7b]
                                           [--repeats 10] [--variants 0,1,2,3,4]
 
-Timing: one jitted step (update + parameter write, state and params donated so the update is in
-place) called `--repeats` times after warm-up, each call feeding the next; the median wall time
-per call ("ms"), and the mean over `--repeats` calls enqueued back to back with one sync at the end
-("ms pipelined": no host round trip per call). Bytes counted, per element: parameter read + write, gradient read, optimizer state read
-+ write (8-bit: 2 x 1 byte codes + absmax 8 / 256 each way; fp32 AdamW: 2 x 4 bytes), i.e. the
-floor any implementation must move ("B/param" = these bytes per parameter: 16.06 for f32 params and
-grads, 10.06 for bf16). GB/s = bytes / time (the better of the two timings); "% of 3000" of the H100's
-measured copy bandwidth. Optimizer state bytes per parameter are reported too (8-bit: 2.03; fp32: 8).
+Timing: one jitted step (update + parameter write, state and params donated so the update is in place)
+called `--repeats` times after warm-up, each call feeding the next; the median wall time per call
+("ms"), and the mean over `--repeats` calls enqueued back to back with one sync at the end ("ms
+pipelined": no host round trip per call). Bytes counted, per element: parameter read + write, gradient
+read, optimizer state read + write (8-bit: 2 x 1 byte codes + absmax 8 / 256 each way; fp32 AdamW: 2 x 4
+bytes), i.e. the floor any implementation must move ("B/param" = these bytes per parameter: 16.06 for
+f32 params and grads, 10.06 for bf16). GB/s = bytes / time (the better of the two timings); "% of 3000"
+of the H100's measured copy bandwidth. Optimizer state bytes per parameter are reported too (8-bit:
+2.03; fp32: 8).
 """
 
 from __future__ import annotations

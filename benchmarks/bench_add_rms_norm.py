@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 
+import _opbench
 import jax
 import jax.numpy as jnp
-
-import _opbench
 from bench_rms_norm import sweep_report
+
 from surogate_jax.ops import add_rms_norm_ref, ffi_available, rms_norm_ref
 from surogate_jax.ops.add_rms_norm import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi
 
@@ -41,7 +41,8 @@ def _xla_bwd(dy, ds, s, w):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", help="append one JSON line per measurement to this file")
-    ap.add_argument("--steps", type=int, default=40, help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
+    ap.add_argument("--steps", type=int, default=40,
+                    help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--algos", default="0,1,2,3", help="forward variants to time (fwd_algo)")
     ap.add_argument("--fwd-only", action="store_true", help="skip the backward (sweep only)")

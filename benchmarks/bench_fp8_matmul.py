@@ -27,9 +27,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from surogate_jax.ops import ffi_available
+from surogate_jax.ops import ffi_available, fp8_formats
 from surogate_jax.ops.fp8_matmul import _gemm_ffi, _quantize_ffi, fp8_matmul
-from surogate_jax.ops import fp8_formats
 from surogate_jax.precision import fp8
 
 BF16_PEAK = 989e12
@@ -40,7 +39,8 @@ SHAPES = [("q/o proj", 4096, 4096), ("gate|up", 4096, 12288), ("down", 12288, 40
 
 def _state(x, w, dy):
     st = fp8_formats.init_matmul_state(16)
-    d = fp8_formats.Fp8MatmulState(*(fp8_formats.Fp8TensorState(fp8_formats.amax(t), jnp.zeros(16)) for t in (x, w, dy)))
+    d = fp8_formats.Fp8MatmulState(
+        *(fp8_formats.Fp8TensorState(fp8_formats.amax(t), jnp.zeros(16)) for t in (x, w, dy)))
     return fp8.update(st, d)
 
 
@@ -129,7 +129,8 @@ def main() -> None:
         "repeats": args.repeats,
     }
     m = args.tokens
-    print(f"# FP8 GEMMs on {meta['device']}, jax {meta['jax']}, commit {meta['commit']}, {meta['date']}, M = {m} tokens")
+    print(f"# FP8 GEMMs on {meta['device']}, jax {meta['jax']}, commit {meta['commit']}, {meta['date']}, "
+          f"M = {m} tokens")
     print("| layer | M x K x N | pass | impl | ms | TFLOP/s | % of own peak | speedup vs bf16 |")
     print("|---|---|---|---|---|---|---|---|")
     records = []

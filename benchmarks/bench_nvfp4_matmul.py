@@ -22,8 +22,7 @@ import _opbench
 import jax
 import jax.numpy as jnp
 
-from surogate_jax.ops import ffi_available
-from surogate_jax.ops import nvfp4_quantize
+from surogate_jax.ops import ffi_available, nvfp4_quantize
 from surogate_jax.ops import nvfp4_matmul as g
 
 SHAPES = {"qo_proj": (4096, 4096), "gate_up": (14336, 4096), "down": (4096, 14336)}  # (N, K)
@@ -88,9 +87,12 @@ def main() -> None:
 
         ops = (a.codes, a.scales, a.global_scale, bt.codes, bt.scales, bt.global_scale, y0)
         t_bf16 = _opbench.time_chain(bf16_step, (x, wt, y0), args.steps, args.repeats)
-        rows = [("bf16", t_bf16), ("emulated", _opbench.time_chain(_gemm_step(g.nvfp4_gemm_emulated, m, n, k), ops, args.steps, args.repeats))]
+        rows = [("bf16", t_bf16),
+                ("emulated", _opbench.time_chain(_gemm_step(g.nvfp4_gemm_emulated, m, n, k), ops, args.steps,
+                                                 args.repeats))]
         if native:
-            rows.append(("native", _opbench.time_chain(_gemm_step(g.nvfp4_gemm_native, m, n, k), ops, args.steps, args.repeats)))
+            rows.append(("native", _opbench.time_chain(_gemm_step(g.nvfp4_gemm_native, m, n, k), ops, args.steps,
+                                                       args.repeats)))
         # operand preparation alone (any GPU): swizzle of a's and W^T's scales, W^T nibble transpose
         wq = nvfp4_quantize.quantize(w, tile_2d=True, impl="ffi")
         o1 = g.swizzle_scales(a.scales, m, 1, impl="ffi")
@@ -107,15 +109,17 @@ def main() -> None:
                   f"{t_bf16 / t:.2f}x |", flush=True)
         if not native:
             print(f"| {name} | {m}x{n}x{k} | native | needs SM100+ | | | |")
-        sw_bytes = m * k // 16 + (n // 16) * (k // 16) + g.swizzled_scale_bytes(m, k // 16) + g.swizzled_scale_bytes(n, k // 16)
+        sw_bytes = (m * k // 16 + (n // 16) * (k // 16) + g.swizzled_scale_bytes(m, k // 16)
+                    + g.swizzled_scale_bytes(n, k // 16))
         tr_bytes = 2 * (k * n // 2)
-        for path, t, b in (("prep: swizzle a + W^T scales", t_sw, sw_bytes), ("prep: W^T nibble transpose", t_tr, tr_bytes)):
+        for path, t, b in (("prep: swizzle a + W^T scales", t_sw, sw_bytes),
+                           ("prep: W^T nibble transpose", t_tr, tr_bytes)):
             gbs = b / t / 1e9
             rec = {**meta, "gemm": name, "m": m, "n": n, "k": k, "path": path, "us": t * 1e6, "bytes": b,
                    "gbs": gbs, "pct_copy_peak": 100 * gbs / _opbench.PEAK_GBS}
             records.append(rec)
-            print(f"| {name} | {m}x{n}x{k} | {path} | {t * 1e6:.1f} | {gbs:.0f} GB/s | {rec['pct_copy_peak']:.0f}% of 3000 GB/s | |",
-                  flush=True)
+            print(f"| {name} | {m}x{n}x{k} | {path} | {t * 1e6:.1f} | {gbs:.0f} GB/s | "
+                  f"{rec['pct_copy_peak']:.0f}% of 3000 GB/s | |", flush=True)
         del x, w, a, bt, wq
     _opbench.append_jsonl(args.out, records)
 

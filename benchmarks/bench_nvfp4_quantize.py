@@ -26,8 +26,7 @@ import _opbench
 import jax
 import jax.numpy as jnp
 
-from surogate_jax.ops import ffi_available
-from surogate_jax.ops import hadamard, nvfp4_quantize
+from surogate_jax.ops import ffi_available, hadamard, nvfp4_quantize
 
 SHAPES = [(16384, 4096), (8192, 14336)]
 CONFIGS = {

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 
+import _opbench
 import jax
 import jax.numpy as jnp
 
-import _opbench
 from surogate_jax.ops import ffi_available, rms_norm_ref
 from surogate_jax.ops.rms_norm import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi
 
@@ -39,7 +39,8 @@ def sweep_report(op: str, rows: list[dict], meta: dict, pass_: str = "fwd") -> l
     """Print the variant table of one pass ("fwd" / "bwd"); rows: {shape, dtype, xla_s, bytes,
     algos: {k: seconds}}. Returns one JSON record per (shape, dtype, algo)."""
     algos = sorted({k for r in rows for k in r["algos"]})
-    print(f"\n# {op} {'forward' if pass_ == 'fwd' else 'backward'} variants (us | GB/s | % of {_opbench.PEAK_GBS:.0f} | xla/ours); * = fastest")
+    print(f"\n# {op} {'forward' if pass_ == 'fwd' else 'backward'} variants "
+          f"(us | GB/s | % of {_opbench.PEAK_GBS:.0f} | xla/ours); * = fastest")
     print("| shape | dtype | xla us | " + " | ".join(f"algo {k}" for k in algos) + " |")
     print("|---|---|---|" + "---|" * len(algos))
     recs = []
@@ -67,7 +68,8 @@ def sweep_report(op: str, rows: list[dict], meta: dict, pass_: str = "fwd") -> l
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", help="append one JSON line per measurement to this file")
-    ap.add_argument("--steps", type=int, default=40, help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
+    ap.add_argument("--steps", type=int, default=40,
+                    help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--algos", default="0,1,2,3", help="forward variants to time (fwd_algo)")
     ap.add_argument("--fwd-only", action="store_true", help="skip the backward (sweep only)")

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 
+import _opbench
 import jax
 import jax.numpy as jnp
 
-import _opbench
 from surogate_jax.ops import ffi_available, swiglu_ref
 from surogate_jax.ops.swiglu import ALGO, _bwd_ffi, _fwd_ffi, _packed_bwd_ffi
 
@@ -49,7 +49,8 @@ def _steps(packed: bool, algo: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", help="append one JSON line per measurement to this file")
-    ap.add_argument("--steps", type=int, default=40, help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
+    ap.add_argument("--steps", type=int, default=40,
+                    help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--algos", default=str(ALGO), help="launch variants to time (kernels/swiglu.h), e.g. 0,1,2,3")
     args = ap.parse_args()

@@ -34,9 +34,7 @@ import sft_throughput as S  # noqa: E402
 
 from surogate_jax import train as T  # noqa: E402
 from surogate_jax.lora import init_adapters  # noqa: E402
-from surogate_jax.models import Decoder  # noqa: E402
-
-from surogate_jax.models import llamalike  # noqa: E402
+from surogate_jax.models import Decoder, llamalike  # noqa: E402
 
 out = os.environ.get("OUT", "/tmp")
 
@@ -58,7 +56,8 @@ args = [a for a in sys.argv[1:] if not a.startswith("--")]
 if not args:
     _usage_error("usage: kernels_in_model.py SIZE [KERNEL_SET ...] [--no-recompute] [--pack-max-bytes=N]")
 recompute = "--no-recompute" not in sys.argv  # default: the seed config's full recompute
-size = args[0]; sets = args[1:]
+size = args[0]
+sets = args[1:]
 res = []
 user_ops = os.environ.get("SUROGATE_JAX_OPS")  # kept for the sets without "@"
 for ks in sets:
@@ -73,13 +72,15 @@ for ks in sets:
     cfg = S.qwen3(size, recompute).replace(kernels=kernels)
     model = Decoder(cfg)
     mesh = T.make_mesh(jax.devices()[:1])
-    params = nn.meta.unbox(jax.jit(Decoder(cfg.replace(lora=None)).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    params = nn.meta.unbox(
+        jax.jit(Decoder(cfg.replace(lora=None)).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
     adapters = init_adapters(model, jax.random.key(1), jnp.zeros((1, 1), jnp.int32))
     tx = optax.adamw(2e-4, weight_decay=0.0)
     state = T.init_state(model, tx, params, adapters, 0, mesh)
     del params, adapters
     step = T.jit_train_step(model, tx, lambda s: 2e-4, mesh, state)
-    batches = [T.global_batch(mesh, b, True) for b in S.packed_batches(np.random.default_rng(0), 2, 4, 2, 2048, cfg.vocab_size)]
+    batches = [T.global_batch(mesh, b, True)
+               for b in S.packed_batches(np.random.default_rng(0), 2, 4, 2, 2048, cfg.vocab_size)]
     comp = step.lower(state, batches[0]).compile()
     txt = comp.as_text()
     name = ks.replace(",", "-").replace("@", "_ref_").replace(".", "")
@@ -90,11 +91,17 @@ for ks in sets:
         "custom_call": r"custom-call\(", "fusion": r"= \S+ fusion\(", "copy": r"= \S+ copy\(",
         "transpose_fusion": r"kind=kInput.*transpose|transpose\(", "gemm": r"__cublas\$gemm|cublas.*gemm"}.items()}
     for _ in range(2):
-        state, m = comp(state, batches[0]); jax.block_until_ready(m)
+        state, m = comp(state, batches[0])
+        jax.block_until_ready(m)
     times = []
     for i in range(6):
-        t0 = time.perf_counter(); state, m = comp(state, batches[i % 2]); float(m["loss"]); times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        state, m = comp(state, batches[i % 2])
+        float(m["loss"])
+        times.append(time.perf_counter() - t0)
     sec = statistics.median(times)
-    r = dict(size=size, kernels=ks, recompute=recompute, pack_max_bytes=llamalike.PACK_GATE_UP_MAX_BYTES, step_ms=sec * 1e3, tps=2 * 4 * 2048 / sec, loss=float(m["loss"]), **stats)
-    print(json.dumps(r), flush=True); res.append(r)
+    r = dict(size=size, kernels=ks, recompute=recompute, pack_max_bytes=llamalike.PACK_GATE_UP_MAX_BYTES,
+             step_ms=sec * 1e3, tps=2 * 4 * 2048 / sec, loss=float(m["loss"]), **stats)
+    print(json.dumps(r), flush=True)
+    res.append(r)
     del state, comp, step

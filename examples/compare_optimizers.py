@@ -5,10 +5,12 @@ other key, e.g. the precision recipes:
 
     .venv/bin/python examples/compare_optimizers.py                       # 1000 steps each (the quickstart)
     .venv/bin/python examples/compare_optimizers.py --steps 30 --out output/compare_smoke exact_match_samples=20
-    .venv/bin/python examples/compare_optimizers.py --key recipe --values bf16,fp8-hybrid,nvfp4   # -> output/compare_recipe
+    # -> output/compare_recipe:
+    .venv/bin/python examples/compare_optimizers.py --key recipe --values bf16,fp8-hybrid,nvfp4
 
 Each run is exactly what a user types,
-    python -m surogate_jax.sft examples/quickstart.yaml <key>=<value> max_steps=<N> output_dir=<out>/<value> [key=value ...]
+    python -m surogate_jax.sft examples/quickstart.yaml <key>=<value> max_steps=<N> output_dir=<out>/<value> \\
+        [key=value ...]
 in a subprocess (same config, seed and data order; only that key differs; for optimizers
 `learning_rate` is shared, as in Surogate, which is what NorMuon's AdamW-scale step rule is made
 for). Extra key=value arguments are passed to every run. Writes into --out (default
@@ -118,7 +120,8 @@ def table(results: list[dict], steps: int, key: str = "optimizer") -> str:
     rel = key != "optimizer" and len(results) > 1  # e.g. recipes: final loss vs the first value's
     first = results[0]["final_train_loss"] if results else None
     head = f"| {key} | final train loss (last 4 logs) | final eval loss | exact match | wall time (s) |"
-    lines = [head + (f" vs {results[0][key]} |" if rel else ""), "| --- | --- | --- | --- | --- |" + (" --- |" if rel else "")]
+    lines = [head + (f" vs {results[0][key]} |" if rel else ""),
+             "| --- | --- | --- | --- | --- |" + (" --- |" if rel else "")]
     for r in results:
         em = None if r["exact_match"] is None else 100 * r["exact_match"]
         row = (f"| {r[key]} | {fmt(r['final_train_loss'], '.4f')} | {fmt(r['final_eval_loss'], '.4f')} | "

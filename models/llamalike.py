@@ -28,9 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from surogate_jax.ops import add_rms_norm, rms_norm, rope_qk, swiglu, swiglu_lora
-from surogate_jax.ops import fp8_formats
 from surogate_jax.names import PROJECTIONS, REMAT_POLICIES
+from surogate_jax.ops import add_rms_norm, fp8_formats, rms_norm, rope_qk, swiglu, swiglu_lora
 from surogate_jax.precision import recipe as recipe_lib
 from surogate_jax.precision.recipe import QuantRecipe
 

@@ -103,7 +103,8 @@ class RunConfig:
     exact_match_samples: int = 100
 
     def __post_init__(self):
-        for k in ("save_steps", "logging_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "num_epochs"):
+        for k in ("save_steps", "logging_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
+                  "num_epochs"):
             _check(getattr(self, k) >= 1, f"{k}={getattr(self, k)}: must be >= 1")
         _check(self.max_steps == -1 or self.max_steps >= 1, f"max_steps={self.max_steps}: use -1 (epochs) or >= 1")
         _check(self.eval_steps >= 0, f"eval_steps={self.eval_steps}: must be >= 0 (0 disables eval)")
@@ -148,7 +149,8 @@ class DataConfig:
                f"validation_split_ratio={self.validation_split_ratio}: must be in [0, 1)")
         _check(self.loss_scale in ("default", "last_round", "all"),
                f"loss_scale={self.loss_scale!r}: use default, last_round or all"
-               + (" (thinking_only / final_only are not supported yet)" if self.loss_scale in ("thinking_only", "final_only") else ""))
+               + (" (thinking_only / final_only are not supported yet)"
+                  if self.loss_scale in ("thinking_only", "final_only") else ""))
 
 
 @dataclass(frozen=True)
@@ -255,7 +257,8 @@ class PrecisionConfig:
             _check(self.matmul_dtype in (None, fwd if fwd in MATMUL_DTYPES else None)
                    and self.gradient_dtype in (None, bwd if bwd in GRADIENT_DTYPES else None),
                    f"recipe {recipe} forces its GEMM formats ({fwd} forward, {bwd} backward): "
-                   f"matmul_dtype={self.matmul_dtype!r} / gradient_dtype={self.gradient_dtype!r} are not allowed with it; "
+                   f"matmul_dtype={self.matmul_dtype!r} / gradient_dtype={self.gradient_dtype!r} "
+                   "are not allowed with it; "
                    f"leave them unset{f' (or {fwd} / {bwd})' if recipe == 'fp8-hybrid' else ''}, or use recipe: bf16 "
                    "with matmul_dtype / gradient_dtype in fp32 or bf16")
         else:

@@ -96,7 +96,8 @@ def _load_leaf(reader: CheckpointReader, path, sds, sharding) -> jax.Array:
         w = reader.get(name)
         want = names.hf_shape(path, shape)
         if w.shape != want:
-            raise ModelLoadError(f"{reader.dir}: tensor {name!r} has shape {list(w.shape)}, config implies {list(want)}")
+            raise ModelLoadError(f"{reader.dir}: tensor {name!r} has shape {list(w.shape)}, "
+                                 f"config implies {list(want)}")
         if i is None:
             host[...] = names.from_hf(path, w, shape)
         else:

@@ -22,10 +22,10 @@ import numpy as np
 
 from .atomic import atomic_directory
 from .config import LoraConfig
-from .names import PROJECTIONS
 from .errors import ModelLoadError
 from .models import Decoder, LoraSpec
 from .models import hf_names as names
+from .names import PROJECTIONS
 from .safetensors_io import CheckpointReader, write_file
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}

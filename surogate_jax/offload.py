@@ -174,7 +174,8 @@ class Streamer:
         streamed = self._streamable(init_fn, p_flat, p_def, o_flat, o_def, o_owner)
         o_stream = [o is not None and o in streamed for o in o_owner]
 
-        p_dev, p_hst = jax.tree.leaves(self._dev(params, plan.shard_weights)), jax.tree.leaves(self._host(params, plan.shard_weights))
+        p_dev = jax.tree.leaves(self._dev(params, plan.shard_weights))
+        p_hst = jax.tree.leaves(self._host(params, plan.shard_weights))
         g_dev = jax.tree.leaves(self._dev(params, plan.shard_gradients))
         o_hst = jax.tree.leaves(self._host(opt_state, plan.shard_optimizer))
         o_dev = jax.tree.leaves(self._dev(opt_state, plan.shard_optimizer))
@@ -190,7 +191,8 @@ class Streamer:
         new_p, new_o = call([row0(g, grads_host, sh, k in streamed) for k, (g, sh) in enumerate(zip(g_leaves, g_dev))],
                             [row0(o, opt_host, sh, s) for o, sh, s in zip(o_leaves, o_dev, o_stream)],
                             [row0(p, params_host, sh, k in streamed) for k, (p, sh) in enumerate(zip(p_leaves, p_dev))])
-        out_p = [p_leaves[k] if k in streamed else self._put(new_p[k], p_hst[k], params_host) for k in range(len(p_leaves))]
+        out_p = [p_leaves[k] if k in streamed else self._put(new_p[k], p_hst[k], params_host)
+                 for k in range(len(p_leaves))]
         out_o = [o_leaves[j] if o_stream[j] else self._put(new_o[j], o_hst[j], opt_host) for j in range(len(o_leaves))]
         if not streamed:
             return jax.tree_util.tree_unflatten(p_def, out_p), jax.tree_util.tree_unflatten(o_def, out_o)

@@ -19,12 +19,12 @@ ZeRO (Surogate's `zero_level`, `shard_gradients`, `shard_weights`):
 `shard_gradients` / `shard_weights` switch levels 2 / 3 on individually.
 
 Which dimension is sharded: a shape rule (zero.py), not logical axis names (the optimizer state of
-any optax transform has the param shapes but no names, so one rule serves every tree). Per leaf we take the largest dimension that the "data" axis size
-divides, never the leading layer axis of leaves under a `layers` key (the scan slices that axis;
-sharding it would make every iteration fetch its layer from one device); a leaf with no such
-dimension (scalars, odd vocab sizes) stays replicated. The same rule for params, gradients and
-optimizer state keeps the element-wise update local to each shard (MaxText's FSDP rules pick
-the embed dimension in the same spirit).
+any optax transform has the param shapes but no names, so one rule serves every tree). Per leaf we
+take the largest dimension that the "data" axis size divides, never the leading layer axis of leaves
+under a `layers` key (the scan slices that axis; sharding it would make every iteration fetch its
+layer from one device); a leaf with no such dimension (scalars, odd vocab sizes) stays replicated.
+The same rule for params, gradients and optimizer state keeps the element-wise update local to each
+shard (MaxText's FSDP rules pick the embed dimension in the same spirit).
 
 Host offload (memory kinds): `offload_optimizer` keeps the optimizer state and `offload_master`
 the trainable/master weights in `pinned_host` memory between steps; the step copies them to the

@@ -26,10 +26,12 @@ def test_defaults_and_keys():
     p = cfg(recipe="fp8_hybrid", fp8_amax_history=16, skip_quant_first_layers=1, skip_quant_last_layers=2).precision
     assert p.recipe == "fp8-hybrid"  # the alias is normalized
     r = QuantRecipe.from_config(p)
-    assert (r.name, r.amax_history, r.skip_first, r.skip_last, r.has_state, r.skips) == ("fp8-hybrid", 16, 1, 2, True, True)
+    assert (r.name, r.amax_history, r.skip_first, r.skip_last, r.has_state, r.skips) == (
+        "fp8-hybrid", 16, 1, 2, True, True)
     r = QuantRecipe.from_config(cfg(recipe="nvfp4", no_fp4_stochastic_rounding=True, fp4_four_over_six=False,
                                     fp4_backend="cudnn").precision)
-    assert (r.name, r.fp4_stochastic, r.fp4_four_over_six, r.fp4_backend, r.has_state) == ("nvfp4", False, False, "cudnn", False)
+    assert (r.name, r.fp4_stochastic, r.fp4_four_over_six, r.fp4_backend, r.has_state) == (
+        "nvfp4", False, False, "cudnn", False)
     assert cfg(recipe="fp8-hybrid", matmul_dtype="e4m3", gradient_dtype="e5m2").precision.recipe == "fp8-hybrid"
     # bf16 recipe: matmul/gradient dtypes equal to the model dtype are no-ops; others give a mixed GEMM
     assert QuantRecipe.from_config(cfg(matmul_dtype="bf16", gradient_dtype="bf16").precision) is None
@@ -41,10 +43,12 @@ def test_defaults_and_keys():
 
 @pytest.mark.parametrize("raw,message", [
     ({"recipe": "fp8"}, "recipe='fp8': use bf16, fp8-hybrid (alias fp8_hybrid) or nvfp4"),
-    ({"recipe": "fp8-hybrid", "matmul_dtype": "bf16"}, "recipe fp8-hybrid forces its GEMM formats (e4m3 forward, e5m2 backward)"),
+    ({"recipe": "fp8-hybrid", "matmul_dtype": "bf16"},
+     "recipe fp8-hybrid forces its GEMM formats (e4m3 forward, e5m2 backward)"),
     ({"recipe": "fp8-hybrid", "gradient_dtype": "fp32"}, "leave them unset (or e4m3 / e5m2)"),
     ({"recipe": "nvfp4", "matmul_dtype": "e4m3"}, "recipe nvfp4 forces its GEMM formats (e2m1 forward, e2m1 backward)"),
-    ({"matmul_dtype": "e4m3"}, "the only FP8 dispatches (e4m3 x e4m3 forward, e4m3 x e5m2 backward) are the fp8-hybrid recipe"),
+    ({"matmul_dtype": "e4m3"},
+     "the only FP8 dispatches (e4m3 x e4m3 forward, e4m3 x e5m2 backward) are the fp8-hybrid recipe"),
     ({"gradient_dtype": "e5m2"}, "set recipe: fp8-hybrid"),
     ({"matmul_dtype": "e5m2"}, "matmul_dtype='e5m2': use one of ('fp32', 'bf16', 'e4m3')"),
     ({"gradient_dtype": "e4m3"}, "gradient_dtype='e4m3': use one of ('fp32', 'bf16', 'e5m2')"),

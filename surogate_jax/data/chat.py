@@ -21,9 +21,9 @@ Templates that rewrite earlier turns: Qwen3's drops the <think> block of assista
 last user message, so an earlier reply renders differently in the full conversation than when it
 was the newest turn. When the reply is not found verbatim at its place in the full render, the
 longest tail of it that is found there (for Qwen3: the visible answer + end-of-turn marker) is
-supervised; if there is none, the row is skipped. `enable_thinking` (only for templates that mention it) is set per turn from whether the
-reply has a <think> block or reasoning_content, so an empty Qwen3 "<think>\\n\\n</think>" block
-of a non-thinking reply is part of the prompt, not trained.
+supervised; if there is none, the row is skipped. `enable_thinking` (only for templates that mention
+it) is set per turn from whether the reply has a <think> block or reasoning_content, so an empty
+Qwen3 "<think>\\n\\n</think>" block of a non-thinking reply is part of the prompt, not trained.
 
 Raw text (`type: text`, both sft and pretrain mode) is tokenized as is, with the tokenizer's own
 special tokens (e.g. Llama's BOS) and EOS appended; every token is supervised (a plain

@@ -68,8 +68,9 @@ V = 151936, bf16: ~0.45-0.5 GiB (either pass; estimated from the buffer sizes ab
 ~7 GiB for the unfused loss.
 
 Sharding: both passes run per data shard (ops/_sharding.on_shards): tokens (and their lse) split
-along the leading axis, W replicated, the loss sum and dW (each shard's over its own tokens) psum-ed (on an Explicit mesh on_shards
-also brings replicated targets/mask or a sharded head to those layouts itself).
+along the leading axis, W replicated, the loss sum and dW (each shard's over its own tokens) psum-ed
+(on an Explicit mesh on_shards also brings replicated targets/mask or a sharded head to those layouts
+itself).
 
 Implementations (`impl`, see ops/_loader.py): the CUDA row kernel (kernels/lm_head_ce.cu through
 ffi/lm_head_ce.cc) or its pure-jnp twin `_rows_ref` inside the same chunked custom_vjp;

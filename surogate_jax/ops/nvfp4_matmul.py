@@ -186,7 +186,8 @@ def transpose(q: NVFP4Tensor, impl: str | None = None) -> NVFP4Tensor:
         raise ValueError("nvfp4 transpose: a tensor with an RHT along its last axis has no exact transpose")
     m, n = q.shape
     if m % BLOCK:
-        raise ValueError(f"nvfp4 transpose: the row count {m} must be a multiple of {BLOCK} (it becomes the block axis)")
+        raise ValueError(f"nvfp4 transpose: the row count {m} must be a multiple of {BLOCK} "
+                         "(it becomes the block axis)")
     return NVFP4Tensor(transpose_codes(q.codes, impl), q.scales.T, q.global_scale, (n, m), True, None)
 
 

@@ -36,7 +36,9 @@ def apply_fused(tx: optax.GradientTransformation, grads, opt_state, params, norm
     instead of the norm of `grads`: the layer-streamed update passes one layer's gradients)."""
     fused = getattr(tx, "fused_update", None)
     if fused is not None:
-        return fused(grads, opt_state, params, norm=norm) if isinstance(tx, ClipChain) else fused(grads, opt_state, params)
+        if isinstance(tx, ClipChain):
+            return fused(grads, opt_state, params, norm=norm)
+        return fused(grads, opt_state, params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from surogate_jax.errors import SurogateError
-from surogate_jax.ops.fp8_formats import Fp8MatmulState, Fp8TensorState, MATMUL_FORMATS, fp8_max
+from surogate_jax.ops.fp8_formats import MATMUL_FORMATS, Fp8MatmulState, Fp8TensorState, fp8_max
 
 MIN_COMPUTE_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x)
 

@@ -52,9 +52,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from surogate_jax.ops import nvfp4_matmul, nvfp4_quantize
-from surogate_jax.ops import fp8_formats
 from surogate_jax.names import FP4_BACKENDS, PROJECTIONS, RECIPE_ALIASES, RECIPES
+from surogate_jax.ops import fp8_formats, nvfp4_matmul, nvfp4_quantize
 from surogate_jax.precision import fp8
 
 _log = logging.getLogger("surogate_jax")
@@ -107,7 +106,8 @@ class QuantRecipe:
         if self.amax_history < 1:
             raise ValueError(f"fp8_amax_history={self.amax_history}: must be >= 1")
         if self.skip_first < 0 or self.skip_last < 0:
-            raise ValueError(f"skip_quant_first_layers={self.skip_first}, skip_quant_last_layers={self.skip_last}: must be >= 0")
+            raise ValueError(f"skip_quant_first_layers={self.skip_first}, "
+                             f"skip_quant_last_layers={self.skip_last}: must be >= 0")
         if self.fp4_backend not in FP4_BACKENDS:
             raise ValueError(f"fp4_backend={self.fp4_backend!r}: use one of {FP4_BACKENDS}")
         for k in ("matmul_dtype", "gradient_dtype"):
@@ -175,7 +175,8 @@ class QuantRecipe:
         if self.skips:
             parts.append(f"first {self.skip_first} / last {self.skip_last} layers plain")
         if self.matmul_dtype or self.gradient_dtype:
-            parts.append(f"matmul {self.matmul_dtype or 'model dtype'}, gradients {self.gradient_dtype or 'matmul dtype'}")
+            parts.append(f"matmul {self.matmul_dtype or 'model dtype'}, "
+                         f"gradients {self.gradient_dtype or 'matmul dtype'}")
         return "; ".join(parts)
 
 
@@ -233,7 +234,8 @@ def _quantized_2d(recipe: QuantRecipe, x2, w2, state, kernel_scale, key, dtype):
             return fp8_matmul_frozen(x2, wq, kernel_scale, state, impl=recipe.fp8_impl, out_dtype=dtype)
         return fp8_matmul(x2, w2, state, impl=recipe.fp8_impl, out_dtype=dtype)
     if recipe.name == "nvfp4":
-        kw = {"four_over_six": recipe.fp4_four_over_six, "stochastic_grad": recipe.fp4_stochastic, "impl": recipe.fp4_impl}
+        kw = {"four_over_six": recipe.fp4_four_over_six, "stochastic_grad": recipe.fp4_stochastic,
+              "impl": recipe.fp4_impl}
         if kernel_scale is not None:
             return nvfp4_matmul.nvfp4_linear_frozen(x2, w2, key, **kw).astype(dtype)
         return nvfp4_matmul.nvfp4_linear_emulated(x2, w2, key, **kw).astype(dtype)

@@ -115,8 +115,8 @@ def test_kernel_matches_reference_bit_for_bit(shape, dtypes):
             got = jax.device_get(_ffi(*args, variant=variant))
             for name, a, b, c in zip(("p", "qm", "qv", "am", "av"), got, want, xla_gpu, strict=True):
                 assert a.shape == b.shape and a.dtype == b.dtype, name
-                np.testing.assert_array_equal(_bits(a), _bits(b),
-                                              err_msg=f"variant {variant}: {name} at step {step + 1} (vs CPU reference)")
+                np.testing.assert_array_equal(
+                    _bits(a), _bits(b), err_msg=f"variant {variant}: {name} at step {step + 1} (vs CPU reference)")
                 if a.dtype == np.uint8:  # XLA's GPU build of the reference: within one code, rarely off
                     d = np.abs(a.astype(int) - c.astype(int))
                     assert d.max() <= 1 and d.mean() < 1e-3, (name, step, d.max(), d.mean())
@@ -158,7 +158,8 @@ def test_fast_path_edges_bit_for_bit(variant):
         got = jax.device_get(_ffi(*args, variant=variant))
         ref0 = jax.device_get(_ffi(*args, variant=0))
         for name, a, b, c in zip(("p", "qm", "qv", "am", "av"), got, want, ref0, strict=True):
-            np.testing.assert_array_equal(_bits(a), _bits(c), err_msg=f"variant {variant} vs 0: {name} at step {step + 1}")
+            np.testing.assert_array_equal(_bits(a), _bits(c),
+                                          err_msg=f"variant {variant} vs 0: {name} at step {step + 1}")
             sel = keep if a.shape == (n,) else keep_blocks
             np.testing.assert_array_equal(_bits(a)[sel], _bits(b)[sel],
                                           err_msg=f"variant {variant} vs CPU reference: {name} at step {step + 1}")

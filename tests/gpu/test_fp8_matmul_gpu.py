@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surogate_jax.ops import ffi_available
+from surogate_jax.ops import ffi_available, fp8_formats
 from surogate_jax.ops.fp8_matmul import (
     TRANSPOSE_TARGET,
     WORKSPACE_BYTES,
@@ -26,7 +26,6 @@ from surogate_jax.ops.fp8_matmul import (
     fp8_matmul_frozen,
     resolve_fp8_impl,
 )
-from surogate_jax.ops import fp8_formats
 from surogate_jax.precision import fp8
 
 pytestmark = pytest.mark.gpu

@@ -88,7 +88,8 @@ def test_one_update_gpu_matches_cpu():
 
 def test_jitted_donated_steps_on_gpu():
     rng = np.random.default_rng(1)
-    params = {"layers": {"mlp": {"up_proj": {"kernel": jnp.asarray(rng.normal(size=(4, 512, 1536)) * 0.02, jnp.float32)}}},
+    params = {"layers": {"mlp": {"up_proj": {
+                  "kernel": jnp.asarray(rng.normal(size=(4, 512, 1536)) * 0.02, jnp.float32)}}},
               "embedding": jnp.asarray(rng.normal(size=(4096, 512)) * 0.02, jnp.float32)}
     tx = normuon(1e-2, weight_decay=0.1)
 

@@ -18,9 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surogate_jax.ops import ffi_available
+from surogate_jax.ops import ffi_available, nvfp4_quantize
 from surogate_jax.ops import nvfp4_matmul as g
-from surogate_jax.ops import nvfp4_quantize
 
 pytestmark = pytest.mark.gpu
 _seed = itertools.count(7000)
@@ -169,7 +168,8 @@ def test_gemm_handler_names_a_pre_sm100_gpu():
 def _bound(a, b, k, out_dtype):
     """fp32 accumulation in any order: |err| <= ~K eps32 sum|a||b| (16x margin); plus one
     rounding of the output."""
-    mag = np.abs(np.asarray(nvfp4_quantize.dequantize(a), np.float64)) @ np.abs(np.asarray(nvfp4_quantize.dequantize(b), np.float64)).T
+    mag = (np.abs(np.asarray(nvfp4_quantize.dequantize(a), np.float64))
+           @ np.abs(np.asarray(nvfp4_quantize.dequantize(b), np.float64)).T)
     tol = 16 * k * 2.0 ** -24 * mag
     ref = np.asarray(g.nvfp4_gemm_ref(a, b), np.float64)
     if jnp.dtype(out_dtype) != jnp.dtype(jnp.float32):
@@ -190,7 +190,8 @@ def test_native_gemm_matches_reference(m, n, k, out_dtype):
     assert np.isfinite(d).all()
     ref, tol = _bound(a, b, k, out_dtype)
     bad = np.abs(d - ref) > tol
-    assert not bad.any(), f"{bad.sum()} of {bad.size} outside the fp32-accumulation bound; worst {np.abs(d - ref).max()}"
+    assert not bad.any(), (f"{bad.sum()} of {bad.size} outside the fp32-accumulation bound; "
+                           f"worst {np.abs(d - ref).max()}")
 
 
 @pytest.mark.parametrize("k,n", [(64, 48), (4096, 1024)])

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surogate_jax.ops import ffi_available
-from surogate_jax.ops import hadamard, nvfp4_matmul, nvfp4_quantize
+from surogate_jax.ops import ffi_available, hadamard, nvfp4_matmul, nvfp4_quantize
 
 pytestmark = pytest.mark.gpu
 

@@ -18,13 +18,13 @@ import optax
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
-from surogate_jax.models import Decoder
 from tiny import CFG, SPEC, base_params, random_batch
 
 from surogate_jax import lora as L
 from surogate_jax import parallel as par
 from surogate_jax import train as T
 from surogate_jax.config import ParallelConfig
+from surogate_jax.models import Decoder
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +42,8 @@ def _batches(n=3, rows=8, T_=64, accum=2):
 def _run(devices, remat="none", lora=False, tx=None, **keys):
     model = Decoder(BIG.replace(remat_policy=remat, lora=SPEC if lora else None))
     if lora:
-        params, trainable = base_params(cfg=BIG), L.init_adapters(model, jax.random.key(1), jnp.zeros((1, 1), jnp.int32))
+        params = base_params(cfg=BIG)
+        trainable = L.init_adapters(model, jax.random.key(1), jnp.zeros((1, 1), jnp.int32))
     else:
         params, trainable = {}, base_params(cfg=BIG)
     mesh = T.make_mesh(devices)

@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from surogate_jax.models import Decoder, DecoderConfig, LoraSpec
 
 from surogate_jax import lora as lora_lib
 from surogate_jax import train as T
+from surogate_jax.models import Decoder, DecoderConfig, LoraSpec
+from surogate_jax.ops import fp8_formats
 from surogate_jax.ops._loader import ffi_available
 from surogate_jax.ops.fp8_matmul import resolve_fp8_impl
-from surogate_jax.ops import fp8_formats
 from surogate_jax.precision import fp8
 from surogate_jax.precision.recipe import (
     QuantRecipe,
@@ -39,7 +39,8 @@ CFG = DecoderConfig(
     num_heads=8, num_kv_heads=2, head_dim=64, qk_norm=True, initializer_range=0.05,
     dtype=jnp.bfloat16, param_dtype=jnp.float32,
 )
-SPEC = LoraSpec(rank=8, alpha=16.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+SPEC = LoraSpec(rank=8, alpha=16.0,
+                targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 B, S = 2, 256
 
 
@@ -133,7 +134,8 @@ def test_fp8_model_matches_reference_loss_and_grads(impl):
     def f(m, p, q):
         return _loss(m, {"params": p, "fp8": q}, ids)
 
-    (l_ref, (g_ref, o_ref)) = jax.jit(jax.value_and_grad(lambda p, q: f(ref_model, p, q), argnums=(0, 1)))(params, quant)
+    (l_ref, (g_ref, o_ref)) = jax.jit(
+        jax.value_and_grad(lambda p, q: f(ref_model, p, q), argnums=(0, 1)))(params, quant)
     (l, (g, o)) = jax.jit(jax.value_and_grad(lambda p, q: f(model, p, q), argnums=(0, 1)))(params, quant)
     l_bf16, g_bf16 = jax.jit(jax.value_and_grad(lambda p: _loss(Decoder(CFG), {"params": p}, ids)))(params)
     print(f"{impl}: loss {float(l):.6f} ref {float(l_ref):.6f} bf16 {float(l_bf16):.6f}")
@@ -169,7 +171,8 @@ def test_fp8_model_matches_reference_loss_and_grads(impl):
             devs.append((float(rel[1:].max() if same_input and rel.size > 1 else rel.max()), x_rtol, name))
         else:
             devs.append((float(rel.max()), 0.25, name))
-    print(impl, "largest scale deviations (dev, rtol, leaf):", sorted(devs, reverse=True)[:8], "layer-0 q/k/v x:", [d for d in devs if "layer 0" in d[2]])
+    print(impl, "largest scale deviations (dev, rtol, leaf):", sorted(devs, reverse=True)[:8],
+          "layer-0 q/k/v x:", [d for d in devs if "layer 0" in d[2]])
     for dev, rtol, name in devs:
         assert dev <= rtol, (name, dev, rtol)
 
@@ -180,7 +183,8 @@ def test_fp8_lora_cache_through_ffi_matches_reference():
     ref_r, r = QuantRecipe("fp8-hybrid", fp8_impl="ref"), QuantRecipe("fp8-hybrid", fp8_impl="ffi")
     ref_model = Decoder(CFG.replace(recipe=ref_r, lora=SPEC))
     model = Decoder(CFG.replace(recipe=r, lora=SPEC))
-    adapters = jax.tree.map(lambda a: a + 0.01, lora_lib.init_adapters(model, jax.random.key(1), jnp.zeros((1, 1), jnp.int32)))
+    adapters = jax.tree.map(lambda a: a + 0.01,
+                            lora_lib.init_adapters(model, jax.random.key(1), jnp.zeros((1, 1), jnp.int32)))
     cached = cache_frozen_weights(base, r, CFG.num_layers)
     assert cached["layers"]["mlp"]["up_proj"]["kernel"].dtype == jnp.float8_e4m3fn
     quant = init_quant_state(model)

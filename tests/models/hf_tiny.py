@@ -20,7 +20,8 @@ LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq
 CASES = {
     "llama3_untied_scaled_rope": ("LlamaConfig", dict(BASE, tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)),
     "llama3_tied": ("LlamaConfig", dict(BASE, tie_word_embeddings=True, head_dim=16)),
-    "qwen2_bias_tied": ("Qwen2Config", dict(BASE, tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    "qwen2_bias_tied": ("Qwen2Config", dict(BASE, tie_word_embeddings=True,
+                                            rope_parameters=dict(rope_type="default", rope_theta=1e6))),
     "qwen3_qknorm_head_dim": ("Qwen3Config", dict(BASE, head_dim=24, tie_word_embeddings=False)),
     "qwen3_tied": ("Qwen3Config", dict(BASE, head_dim=16, tie_word_embeddings=True, num_key_value_heads=4)),
 }

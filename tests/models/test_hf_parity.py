@@ -5,12 +5,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import transformers
+from hf_tiny import build_hf, hf_logits, rel_err
 
 import surogate_jax
 from surogate_jax.models import Decoder
 from surogate_jax.models.llamalike import rope_inv_freq
-
-from hf_tiny import build_hf, hf_logits, rel_err
 
 TOL = 1e-4  # the bar: max |ours - HF| / max |HF| in fp32
 

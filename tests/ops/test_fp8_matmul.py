@@ -16,14 +16,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from surogate_jax.ops import ffi_available
+from surogate_jax.ops import ffi_available, fp8_formats
 from surogate_jax.ops.fp8_matmul import (
     fp8_matmul,
     fp8_matmul_grads_ref,
     fp8_matmul_ref,
     resolve_fp8_impl,
 )
-from surogate_jax.ops import fp8_formats
 from surogate_jax.precision import fp8
 
 
@@ -233,7 +232,8 @@ x = x.at[6, 2, 3].set(9.5)  # the amax lives on the last shard
 w = jnp.asarray(0.05 * rng.normal(size=(32, 16)), jnp.float32)
 dy = jnp.asarray(1e-3 * rng.normal(size=(8, 5, 16)), jnp.float32)
 dy = dy.at[1, 0, 0].set(0.25)  # the dy amax on the first
-st = fp8_formats.Fp8MatmulState(*(fp8_formats.Fp8TensorState(jnp.float32(s), jnp.zeros(4)) for s in (40.0, 5000.0, 1e5)))
+st = fp8_formats.Fp8MatmulState(
+    *(fp8_formats.Fp8TensorState(jnp.float32(s), jnp.zeros(4)) for s in (40.0, 5000.0, 1e5)))
 
 def loss(x, w, st):
     return jnp.sum(fp8_matmul(x, w, st, impl="ref") * dy)
@@ -256,7 +256,8 @@ print("ok")
 
 def test_per_shard_matches_unsharded():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], check=False, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], check=False, env=env, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
 
 

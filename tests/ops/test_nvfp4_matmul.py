@@ -127,7 +127,8 @@ def test_reference_and_emulated_gemms():
     assert ref.shape == (24, 48) and ref.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(ref), da @ db.T, rtol=1e-5, atol=1e-6 * np.abs(da @ db.T).max())
     emu = g.nvfp4_gemm(a, b, jnp.bfloat16, backend="emulated")
-    want = jnp.matmul(nvfp4_quantize.dequantize(a).astype(jnp.bfloat16), nvfp4_quantize.dequantize(b).astype(jnp.bfloat16).T,
+    want = jnp.matmul(nvfp4_quantize.dequantize(a).astype(jnp.bfloat16),
+                      nvfp4_quantize.dequantize(b).astype(jnp.bfloat16).T,
                       preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(emu.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
     # auto on CPU = emulated

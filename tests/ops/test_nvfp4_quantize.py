@@ -274,7 +274,8 @@ def test_four_over_six_never_worse_than_the_six_candidate():
             e_fos = np_blocks(((fos - x) ** 2), tile_2d).reshape(-1, 256 if tile_2d else 16).sum(-1)
             e_6 = np_blocks(((only6 - x) ** 2), tile_2d).reshape(-1, 256 if tile_2d else 16).sum(-1)
             assert np.all(e_fos <= e_6 * (1 + 1e-6) + 1e-30), dist
-            plain = np.asarray(nvfp4_quantize.fake_quantize(jnp.asarray(x), tile_2d=tile_2d, four_over_six=False), np.float64)
+            plain = np.asarray(nvfp4_quantize.fake_quantize(jnp.asarray(x), tile_2d=tile_2d, four_over_six=False),
+                               np.float64)
             assert np.sum((fos - x) ** 2) < np.sum((plain - x) ** 2), (dist, tile_2d)
 
 
@@ -469,7 +470,8 @@ def test_quantize_with_fused_rht_equals_rht_then_quantize():
         assert q.rht_sign_mask == mask
         np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(q2.codes))
         assert_bitwise(nvfp4_quantize.dequantize(q), nvfp4_quantize.dequantize(q2))
-    assert float(nvfp4_quantize.global_amax(x, rht_sign_mask=mask)) == float(jnp.max(jnp.abs(hadamard.rht(x, sign_mask=mask))))
+    assert float(nvfp4_quantize.global_amax(x, rht_sign_mask=mask)) == float(
+        jnp.max(jnp.abs(hadamard.rht(x, sign_mask=mask))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,7 +515,8 @@ for arr, tile_2d, mesh in ((x, False, auto), (x, True, auto), (w, True, auto), (
     if arr.shape[0] % (16 * 4) == 0 or arr.ndim > 2:
         assert "shard_map" in hlo or "manual_computation" in hlo, hlo[:2000]
     np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(want.codes))
-    np.testing.assert_array_equal(np.asarray(got.scales.astype(jnp.float32)), np.asarray(want.scales.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(got.scales.astype(jnp.float32)),
+                                  np.asarray(want.scales.astype(jnp.float32)))
     assert float(got.global_scale) == float(want.global_scale)
 print("ok")
 '''

@@ -293,7 +293,8 @@ print("ok")
 def run_on_4_cpu_devices(script: str) -> None:
     """Runs `script` in a fresh process with 4 host CPU devices; it must print "ok"."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
 
 

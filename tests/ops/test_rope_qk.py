@@ -97,7 +97,8 @@ def test_model_attention_params_and_output_unchanged():
         model = Decoder(cfg)
         ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 9)), jnp.int32)
         params = model.init(jax.random.key(0), ids)
-        names = {"/".join(str(getattr(p, "key", p)) for p in path) for path, _ in jax.tree_util.tree_leaves_with_path(params)}
+        names = {"/".join(str(getattr(p, "key", p)) for p in path)
+                 for path, _ in jax.tree_util.tree_leaves_with_path(params)}
         has = any("q_norm/scale" in n for n in names) and any("k_norm/scale" in n for n in names)
         assert has == qk_norm, sorted(names)
         assert np.all(np.isfinite(np.asarray(model.apply(params, ids))))

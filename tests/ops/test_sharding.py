@@ -42,7 +42,8 @@ print("ok")
 
 def test_rms_norm_per_shard_matches_unsharded():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", SCRIPT], check=False, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", SCRIPT], check=False, env=env, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
 
 

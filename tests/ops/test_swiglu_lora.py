@@ -5,6 +5,7 @@ LoRA + swiglu), argument errors, the model's MLP on either path, and the lowered
 from __future__ import annotations
 
 import importlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

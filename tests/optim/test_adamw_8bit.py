@@ -246,7 +246,8 @@ def test_one_step_against_float64():
 
 
 def _tree(rng, dtype=jnp.float32):
-    return {"w": jnp.asarray(rng.standard_normal((40, 130)), dtype), "emb": jnp.asarray(rng.standard_normal((4097,)), dtype),
+    return {"w": jnp.asarray(rng.standard_normal((40, 130)), dtype),
+            "emb": jnp.asarray(rng.standard_normal((4097,)), dtype),
             "norm": {"scale": jnp.asarray(1 + 0.1 * rng.standard_normal((64,)), dtype)}}
 
 
@@ -412,9 +413,8 @@ def test_make_optimizer_adamw_8bit_keeps_norms_fp32():
 def _trainer(tx_ref, tx, batches, steps):
     """One jitted program (the model compiled once): params [3, ...] -> losses [3, steps]; rows 0
     and 1 train with tx_ref (two init seeds), row 2 with tx, all in one lax.scan."""
-    from surogate_jax.models import Decoder
-
     from surogate_jax import train as T
+    from surogate_jax.models import Decoder
 
     model = Decoder(CFG)
     nb = batches["input_ids"].shape[0]

@@ -1,9 +1,10 @@
 """adamw_8bit under ZeRO on 4 CPU devices: each 8-bit leaf is updated per shard (jax.shard_map on
 parallel.zero_spec's dim), the result equals 1 device bit for bit, and the compiled step moves no
 8-bit codes: with absmax shardings paired to their codes (`shard_specs`, as parallel.Layout places the
-optimizer state) there is no collective at all; with parallel.zero_spec applied to every leaf as it stands, only the absmax of leaves sharded
-along their block dim is resharded (an f32 all-to-all, 1/64 of the codes' bytes). Leaves whose
-blocks would straddle shards are updated unsharded with a logged line, still equal."""
+optimizer state) there is no collective at all; with parallel.zero_spec applied to every leaf as it
+stands, only the absmax of leaves sharded along their block dim is resharded (an f32 all-to-all, 1/64
+of the codes' bytes). Leaves whose blocks would straddle shards are updated unsharded with a logged
+line, still equal."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ if straddle:  # 2 blocks per row over 4 shards; a size that is no multiple of 25
     SHAPES["odd"] = (4100,)
 rng = np.random.default_rng(0)
 is_shape = lambda x: isinstance(x, tuple)
-mk = lambda scale: jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32), SHAPES, is_leaf=is_shape)
+mk = lambda scale: jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32), SHAPES,
+                                is_leaf=is_shape)
 params, grads = mk(0.1), [mk(1e-2) for _ in range(3)]
 tx = adamw_8bit(1e-2, weight_decay=0.1, impl="ref")
 is_q = lambda x: isinstance(x, QuantizedMoment)

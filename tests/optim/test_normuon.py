@@ -39,7 +39,8 @@ _base_params = functools.cache(base_params)  # one init per test session (its XL
 def _abstract_params(cfg=CFG):
     """The tiny model's parameter tree as ShapeDtypeStructs (no compile, no compute)."""
     from surogate_jax.models import Decoder
-    return jax.eval_shape(lambda: nn.meta.unbox(Decoder(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]))
+    return jax.eval_shape(
+        lambda: nn.meta.unbox(Decoder(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]))
 TABLES = {"muon": (MUON_COEFFS, 1.0, 1e-7), "polar_express": (POLAR_EXPRESS_COEFFS, 1.02, 1e-6)}
 
 
@@ -274,13 +275,13 @@ def test_partition_on_the_tiny_model():
     assert default_matrix_dims(path("layers", "self_attn", "q_proj", "kernel"), q) == MatrixDims(1, 1)
     assert default_matrix_dims(path("layers", "self_attn", "o_proj", "kernel"), o) == MatrixDims(1, 2)
     # Qwen2.5-style biases go to the undecayed AdamW group.
-    assert normuon_labels({"q_proj": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones((4,))}})["q_proj"]["bias"] == "adamw_nodecay"
+    bias_labels = normuon_labels({"q_proj": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones((4,))}})
+    assert bias_labels["q_proj"]["bias"] == "adamw_nodecay"
 
 
 def test_partition_of_lora_adapters():
-    from surogate_jax.models import Decoder
-
     from surogate_jax.lora import init_adapters
+    from surogate_jax.models import Decoder
 
     model = Decoder(CFG.replace(lora=SPEC))
     adapters = jax.eval_shape(lambda: init_adapters(model, jax.random.key(1), jnp.zeros((1, 1), jnp.int32)))
@@ -406,7 +407,8 @@ mesh = Mesh(np.array(jax.devices()), ("data",))
 S = lambda *spec: NamedSharding(mesh, P(*spec))
 params = {"layers": {"mlp": {"up_proj": {"kernel": jnp.ones((2, 8, 12)) * jnp.arange(12)},
                              "down_proj": {"kernel": jnp.ones((2, 12, 8)) * jnp.arange(8)}}}}
-p_sh = {"layers": {"mlp": {"up_proj": {"kernel": S(None, None, "data")}, "down_proj": {"kernel": S(None, "data", None)}}}}
+p_sh = {"layers": {"mlp": {"up_proj": {"kernel": S(None, None, "data")},
+                           "down_proj": {"kernel": S(None, "data", None)}}}}
 params = jax.device_put(params, p_sh)
 tx = normuon(1e-2)
 # The state's shape rule: mu has the parameter's shape (same sharding); nu drops the input axes,
@@ -445,9 +447,8 @@ def test_sharded_state_keeps_its_shardings():
 
 
 def test_tiny_model_loss_decreases():
-    from surogate_jax.models import Decoder
-
     from surogate_jax import train as T
+    from surogate_jax.models import Decoder
 
     mesh = T.make_mesh(jax.devices()[:1])
     model = Decoder(CFG)

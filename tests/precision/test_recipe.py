@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from surogate_jax.ops import fp8_formats, nvfp4_matmul
 from surogate_jax.ops.fp8_matmul import fp8_matmul, fp8_matmul_frozen
-from surogate_jax.ops import nvfp4_matmul
-from surogate_jax.ops import fp8_formats
 from surogate_jax.precision.recipe import QuantRecipe, linear, mixed_linear
 
 

@@ -34,7 +34,8 @@ def test_recompute_maps_to_remat_policies():
     assert par.remat_policy(True, True) == "offload_residual"
     with pytest.raises(ConfigError, match="offload_residual: true needs recompute: true"):
         par.remat_policy(False, True)
-    assert config_from_dict({"model": "m", "datasets": ["d"], "recompute": "dots_no_batch"}).run.recompute == "dots_no_batch"
+    cfg = config_from_dict({"model": "m", "datasets": ["d"], "recompute": "dots_no_batch"})
+    assert cfg.run.recompute == "dots_no_batch"
     with pytest.raises(ConfigError, match="recompute='some'"):
         config_from_dict({"model": "m", "datasets": ["d"], "recompute": "some"})
     with pytest.raises(ConfigError, match="offload_grads: true needs sharded gradients"):
@@ -97,7 +98,8 @@ for lora in (True, False):
     ref, kinds, temp_none = run(lora=lora, zero_level=2)
     assert kinds == {"trainable": {"device"}, "opt_state": {"device"}}, kinds
     # (one at a time they place as test_offload_shardings_carry_memory_kinds checks; all together here)
-    for keys, host in [(dict(offload_optimizer=True, offload_master=True, offload_grads=True), {"opt_state", "trainable"})]:
+    for keys, host in [(dict(offload_optimizer=True, offload_master=True, offload_grads=True),
+                        {"opt_state", "trainable"})]:
         got, kinds, _ = run(lora=lora, zero_level=2, **keys)
         print(lora, keys, ref, got)
         np.testing.assert_allclose(got, ref, rtol=1e-6)
@@ -115,5 +117,6 @@ print("OK")
 @needs_pinned
 def test_offload_and_recompute_keep_the_losses():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", SCRIPT], check=False, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-c", SCRIPT], check=False, cwd=HERE, env=env, capture_output=True, text=True,
+                       timeout=900)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]

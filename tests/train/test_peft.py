@@ -32,12 +32,14 @@ def test_peft_adapter_reproduces_our_logits(case, tmp_path):
     hf = build_hf(case)
     hf.save_pretrained(tmp_path / "base")
     base, params = surogate_jax.load_pretrained(tmp_path / "base")
-    spec = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    spec = LoraSpec(rank=4, alpha=8.0,
+                    targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
     model = Decoder(base.config.replace(lora=spec))
     adapters = L.init_adapters(model, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
     # Make B non-zero so the adapters change the output.
     adapters = jax.tree_util.tree_map_with_path(
-        lambda p, x: 0.3 * jax.random.normal(jax.random.key(len(str(p))), x.shape) if p[-1].key == "lora_b" else x, adapters)
+        lambda p, x: 0.3 * jax.random.normal(jax.random.key(len(str(p))), x.shape) if p[-1].key == "lora_b" else x,
+        adapters)
     ids = np.random.default_rng(0).integers(0, 101, (2, 9)).astype(np.int32)
     ours = model.apply({"params": params, "lora": adapters}, jnp.asarray(ids))
     assert rel_err(ours, base.apply({"params": params}, jnp.asarray(ids))) > 1e-2  # adapters matter

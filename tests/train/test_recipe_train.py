@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from surogate_jax.models import Decoder
 from tiny import CFG, SPEC, base_params, random_batch
 
 from surogate_jax import lora as lora_lib
 from surogate_jax import train as T
 from surogate_jax.checkpoint import Checkpointer, abstract_like, strip_scratch
+from surogate_jax.models import Decoder
 from surogate_jax.ops import fp8_formats
 from surogate_jax.precision import recipe as R
 from surogate_jax.precision.recipe import (
@@ -206,7 +206,8 @@ def test_skipped_layer_is_plain_and_gets_no_observations():
 def test_lora_base_cache_equals_quantizing_every_step(recipe):
     params = base_params()
     model = Decoder(CFG.replace(recipe=recipe, lora=SPEC))
-    adapters = jax.tree.map(lambda x: x + 0.05, lora_lib.init_adapters(model, jax.random.key(1), jnp.zeros((1, 1), jnp.int32)))
+    adapters = jax.tree.map(lambda x: x + 0.05,
+                            lora_lib.init_adapters(model, jax.random.key(1), jnp.zeros((1, 1), jnp.int32)))
     cached = cache_frozen_weights(params, recipe, CFG.num_layers)
     q = cached["layers"]["self_attn"]["q_proj"]
     assert q[KERNEL_SCALE].shape == (CFG.num_layers,)
@@ -226,7 +227,8 @@ def test_lora_base_cache_equals_quantizing_every_step(recipe):
                 group = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
                 s = cached["layers"][group][proj][KERNEL_SCALE]
                 st = node["state"]
-                return {"state": fp8_formats.Fp8MatmulState(st.x, fp8_formats.Fp8TensorState(s, st.w.amax_history), st.g)}
+                return {"state": fp8_formats.Fp8MatmulState(st.x, fp8_formats.Fp8TensorState(s, st.w.amax_history),
+                                                            st.g)}
             return {k: with_w_scale(c, (*path, k)) for k, c in node.items()} if isinstance(node, dict) else node
 
         v["fp8"] = with_w_scale(quant)

@@ -32,7 +32,8 @@ def test_lora_run_outputs_and_exact_resume(tmp_path, env):
     assert any(r.get("eval_loss") is not None for r in rows)
     first = losses(out)
     assert sorted(first) == list(range(1, 7))
-    assert json.loads((out / "adapter/adapter_config.json").read_text())["base_model_name_or_path"] == "builtin:tiny-qwen3"
+    adapter_config = json.loads((out / "adapter/adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == "builtin:tiny-qwen3"
 
     # Resume from step 3: drop the later checkpoint and the exports, run again to step 6.
     shutil.rmtree(out / "checkpoints" / "6")
@@ -75,7 +76,8 @@ def test_full_finetune_writes_a_model(tmp_path, env):
     ({"sequence_len": 1}, "sequence_len=1"),
     ({"output_dir": "/proc/forbidden/out"}, "cannot be written"),
     pytest.param({"report_to": ["wandb"]}, "report_to: wandb needs", marks=pytest.mark.skipif(
-        importlib.util.find_spec("wandb") is not None, reason="wandb is installed, so its missing-backend error cannot occur")),
+        importlib.util.find_spec("wandb") is not None,
+        reason="wandb is installed, so its missing-backend error cannot occur")),
 ])
 def test_user_mistakes_are_one_error_line(tmp_path, env, over, message):
     r = sft(write_config(tmp_path, **over), env, check=False)

@@ -31,7 +31,8 @@ def test_gpus_zero3_offload_full_ft_and_lora_on_4_cpu_devices(tmp_path):
     cases = [c + ["--out", str(out)] for c in CASES]
     code = f"CASES = {cases!r}\nPATH = {str(ROOT / 'benchmarks/sft_throughput.py')!r}\n" + SCRIPT
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=600,
+                       cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     full, lora = [json.loads(x) for x in out.read_text().splitlines()]
     assert full["gpus"] == 4 and full["mode"] == "full" and full["zero_level"] == 3

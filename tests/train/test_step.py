@@ -56,7 +56,8 @@ def test_lora_keeps_base_bit_identical_and_learns():
     for a, c in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(c))
     assert losses[-1] < 0.7 * losses[0], losses
-    moved = [float(jnp.max(jnp.abs(a - c))) for a, c in zip(jax.tree.leaves(state.trainable), jax.tree.leaves(adapters))]
+    moved = [float(jnp.max(jnp.abs(a - c)))
+             for a, c in zip(jax.tree.leaves(state.trainable), jax.tree.leaves(adapters))]
     assert min(moved) > 0  # every adapter (A and B) was trained
 
 

@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from surogate_jax.models import Decoder
 from tiny import CFG, SPEC, base_params, random_batch
 
 from surogate_jax import lora as L
 from surogate_jax import parallel as par
 from surogate_jax import train as T
 from surogate_jax.config import OptimConfig, ParallelConfig
+from surogate_jax.models import Decoder
 from surogate_jax.offload import Streamer, num_layers
 from surogate_jax.optim import adamw_8bit, apply_fused, make_optimizer
 
@@ -70,7 +70,8 @@ def _assert_same_state(a, b, atol=1e-7):
 WEIGHT_ATOL = 1e-5
 
 
-@pytest.mark.parametrize("opt,lora", [("adamw", False), ("adamw_8bit", False), ("normuon", False), ("adamw_8bit", True)])
+@pytest.mark.parametrize("opt,lora",
+                         [("adamw", False), ("adamw_8bit", False), ("normuon", False), ("adamw_8bit", True)])
 def test_streamed_step_equals_whole_step(opt, lora):
     # three steps: the state owned by no parameter (Adam's count) matters from the second update on
     m_whole, s_whole = _run(opt, lora, stream=False, steps=3)
