@@ -91,7 +91,7 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
-def _forced_ref(op: str | None, phase: str | None = None) -> bool:
+def forced_ref(op: str | None, phase: str | None = None) -> bool:
     """Whether SUROGATE_JAX_OPS forces the reference for `op` ("ref" = all, "ref:a,b" = those;
     with `phase` ("fwd" / "bwd") also "ref:a.fwd" / "ref:a.bwd", that pass of `a` only)."""
     forced = os.environ.get(ENV_VAR, "").strip().lower()
@@ -114,7 +114,7 @@ def resolve_impl(impl: str | None, op: str | None = None) -> str:
         impl = "auto"
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
-    if _forced_ref(op) or impl == "ref":
+    if forced_ref(op) or impl == "ref":
         return "ref"
     if ffi_available():
         return impl
@@ -127,7 +127,7 @@ def pick(impl: str, ffi, ref, op: str | None = None, phase: str | None = None):
     """The function to trace for one pass ("fwd"/"bwd") of `op`, given resolve_impl's answer:
     `ref`, `ffi`, or both behind `jax.lax.platform_dependent` (kernel on CUDA, reference elsewhere).
     SUROGATE_JAX_OPS=ref:<op>.<phase> swaps in the reference for that pass alone."""
-    if impl == "ref" or _forced_ref(op, phase):
+    if impl == "ref" or forced_ref(op, phase):
         return ref
     if impl == "ffi":
         return ffi

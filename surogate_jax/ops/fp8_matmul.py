@@ -30,7 +30,7 @@ Implementations (`impl`):
   None / "auto": on a GPU backend `DEFAULT_GPU_IMPL` ("ffi"; "xla" when the extension is not
          built or K or N is not a multiple of 16), the reference elsewhere (decided at trace time
          from jax.default_backend()).
-`SUROGATE_JAX_OPS=ref` forces the reference.
+`SUROGATE_JAX_OPS=ref` (or `ref:fp8_matmul`) forces the reference.
 
 Frozen weights (`fp8_matmul_frozen`, used for the LoRA base by precision/recipe.py): w arrives
 already in E4M3 with its own fixed scale (quantized once, current scaling), so the forward skips
@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import jax
@@ -71,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from surogate_jax.ops._loader import ENV_VAR, ffi_available, resolve_impl
+from surogate_jax.ops._loader import ffi_available, forced_ref, resolve_impl
 from surogate_jax.ops._sharding import data_axes, on_shards
 from surogate_jax.ops.fp8_formats import (
     E4M3,
@@ -326,8 +325,8 @@ _fp8_mm.defvjp(_fp8_mm_fwd, _fp8_mm_bwd)
 
 
 def _forced_ref() -> bool:
-    resolve_impl(None)  # validates the environment variable (raises on an unknown value)
-    return os.environ.get(ENV_VAR, "").strip().lower() == "ref"
+    """SUROGATE_JAX_OPS=ref or ref:fp8_matmul (the same switch as every other op's)."""
+    return forced_ref("fp8_matmul")
 
 
 def resolve_fp8_impl(impl: str | None, k: int | None = None, n: int | None = None) -> str:

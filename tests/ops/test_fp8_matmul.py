@@ -217,6 +217,13 @@ def test_errors_and_impl_resolution(monkeypatch):
     assert resolve_fp8_impl("xla", 32, 16) == "ref" and resolve_fp8_impl("ffi", 32, 16) == "ref"
     jaxpr = str(jax.make_jaxpr(lambda x: fp8_matmul(x, jnp.ones((32, 16)), st, impl="xla"))(x))
     assert "surogate_fp8" not in jaxpr and "HIGHEST" in jaxpr  # the reference's fp32 dot
+    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref:rope,fp8_matmul")  # the per-op form every op honours
+    assert resolve_fp8_impl("xla", 32, 16) == "ref"
+    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref:rope")  # another op's reference: fp8_matmul unchanged
+    assert resolve_fp8_impl("xla", 32, 16) == "xla"
+    monkeypatch.setenv("SUROGATE_JAX_OPS", "reff")
+    with pytest.raises(ValueError, match="not understood"):
+        resolve_fp8_impl("xla", 32, 16)
 
 
 SHARD_SCRIPT = r'''
