@@ -1,7 +1,7 @@
-"""Writing an output directory atomically: assemble it in a temporary sibling, rename into place.
+"""Writing outputs atomically: assemble a directory or file in a temporary sibling, rename into place.
 
-A crash or an exception part-way leaves the previous directory (or nothing) at `out`, never a
-half-written model or adapter that a later run or a serving stack would pick up.
+A crash or an exception part-way leaves the previous directory or file (or nothing) at the path,
+never a half-written model, adapter, config or metrics file that a later run would pick up.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 
 @contextlib.contextmanager
@@ -30,6 +31,21 @@ def atomic_directory(out: Path, *, overwrite: bool) -> Iterator[Path]:
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "w") -> Iterator[IO]:
+    """Yields a temporary file open in `mode` beside `path` (its parent must exist); on success it
+    replaces `path`, on an exception it is removed."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 

@@ -76,6 +76,31 @@ class DatasetConfig:
         _check(self.samples is None or self.samples > 0, f"datasets[].samples={self.samples}: must be > 0")
         _check(self.system_prompt_type in (None, "field", "fixed"),
                f"datasets[].system_prompt_type={self.system_prompt_type!r}: use field or fixed")
+        # The formatter's settings (data/formats.py builds from them): checked here, once, at load.
+        if self.type in ("conversation", "auto"):
+            mapping = self.message_property_mappings or {}
+            unknown = sorted(set(mapping) - {"role", "content"})
+            _check(not unknown,
+                   f"datasets[].message_property_mappings: unknown keys {unknown}; use role and content")
+            bad = [k for k, v in mapping.items() if not isinstance(v, str)]
+            _check(not bad,
+                   f"datasets[].message_property_mappings: the values of {bad} must be field names (strings)")
+        if self.type in ("instruction", "auto"):
+            kind = self.system_prompt_type or (
+                "field" if self.system_prompt_field else "fixed" if self.system_prompt else None)
+            _check(kind != "field" or bool(self.system_prompt_field),
+                   "datasets[].system_prompt_type=field needs system_prompt_field (the column holding the system "
+                   "prompt)")
+            _check(kind != "fixed" or bool(self.system_prompt),
+                   "datasets[].system_prompt_type=fixed needs system_prompt (the text of the system prompt)")
+            for k in ("prompt_format", "prompt_format_no_input"):
+                fmt = getattr(self, k)
+                try:
+                    if fmt is not None:
+                        fmt.format(instruction="i", input="x")
+                except (KeyError, IndexError, ValueError) as e:
+                    raise ConfigError(f"datasets[].{k}={fmt!r} is not a valid format string (use the placeholders "
+                                      f"{{instruction}} and {{input}}): {e!r}") from None
 
 
 @dataclass(frozen=True)
@@ -469,33 +494,11 @@ def _datasets(value: Any, key: str) -> tuple[DatasetConfig, ...]:
         if "path" not in entry:
             raise ConfigError(f"{key}[{i}]: 'path' is required")
         kwargs = {k: _coerce(DatasetConfig, k, v, where) for k, v in entry.items()}
-        out.append(_check_format_keys(DatasetConfig(**kwargs), f"{key}[{i}]"))
+        try:
+            out.append(DatasetConfig(**kwargs))
+        except ConfigError as e:  # name the entry: datasets[] -> datasets[i]
+            raise ConfigError(str(e).replace("datasets[].", where, 1)) from None
     return tuple(out)
-
-
-def _check_format_keys(d: DatasetConfig, where: str) -> DatasetConfig:
-    """The formatter's settings checks (data/formats.py), at load rather than after the model is fetched."""
-    if d.type in ("conversation", "auto"):
-        mapping = d.message_property_mappings or {}
-        unknown = sorted(set(mapping) - {"role", "content"})
-        _check(not unknown, f"{where}.message_property_mappings: unknown keys {unknown}; use role and content")
-        bad = [k for k, v in mapping.items() if not isinstance(v, str)]
-        _check(not bad, f"{where}.message_property_mappings: the values of {bad} must be field names (strings)")
-    if d.type in ("instruction", "auto"):
-        kind = d.system_prompt_type or ("field" if d.system_prompt_field else "fixed" if d.system_prompt else None)
-        _check(kind != "field" or bool(d.system_prompt_field),
-               f"{where}.system_prompt_type=field needs system_prompt_field (the column holding the system prompt)")
-        _check(kind != "fixed" or bool(d.system_prompt),
-               f"{where}.system_prompt_type=fixed needs system_prompt (the text of the system prompt)")
-        for k in ("prompt_format", "prompt_format_no_input"):
-            fmt = getattr(d, k)
-            try:
-                if fmt is not None:
-                    fmt.format(instruction="i", input="x")
-            except (KeyError, IndexError, ValueError) as e:
-                raise ConfigError(f"{where}.{k}={fmt!r} is not a valid format string (use the placeholders "
-                                  f"{{instruction}} and {{input}}): {e!r}") from None
-    return d
 
 
 def _distributed(value: Any) -> DistributedConfig | None:

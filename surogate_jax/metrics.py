@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -24,6 +22,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from .atomic import atomic_file
 from .config import ConfigError, RunConfig
 from .models import DecoderConfig
 
@@ -100,39 +99,36 @@ def _backend(name: str, out_dir: Path, run: RunConfig, config_flat: dict):
     return log
 
 
+def _lines(path: Path) -> list[str]:
+    return [x for x in path.read_text(encoding="utf-8", errors="replace").splitlines() if x.strip()]
+
+
+def _record(line: str) -> dict | None:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl; lines that are not whole JSON objects are skipped."""
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+    return [r for r in map(_record, _lines(path)) if r is not None]
 
 
 def truncate(path: Path, step: int) -> int:
     """Keeps the records of steps <= `step` (the step a run starts from), rewriting the file
-    atomically; returns how many records were dropped."""
+    atomically; returns how many lines were dropped (partial ones included)."""
     if not path.is_file():
         return 0
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    keep = [r for r in read_metrics(path) if isinstance(r.get("step"), int) and r["step"] <= step]
-    dropped = len([x for x in lines if x.strip()]) - len(keep)
-    if dropped:
-        fd, tmp = tempfile.mkstemp(prefix=".metrics.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in keep)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    return dropped
+    lines = _lines(path)
+    keep = [r for r in map(_record, lines) if r is not None and isinstance(r.get("step"), int) and r["step"] <= step]
+    if len(keep) < len(lines):
+        with atomic_file(path) as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+    return len(lines) - len(keep)
 
 
 class PlateauWatch:

@@ -16,8 +16,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
-import tempfile
 from pathlib import Path
 
 import flax.linen as nn
@@ -27,8 +25,8 @@ import numpy as np
 
 from . import parallel as par
 from . import train as T
-from .atomic import probe_creatable
-from .checkpoint import Checkpointer, abstract_like, strip_scratch
+from .atomic import atomic_file, probe_creatable
+from .checkpoint import Checkpointer, abstract_like
 from .config import ConfigError, SFTConfig
 from .errors import ModelLoadError, SurogateError
 from .hf import abstract_params, load_pretrained, read_hf_config, resolve_model_dir, save_pretrained
@@ -123,14 +121,8 @@ def check_host_memory(cfg: SFTConfig, n_local_devices: int) -> None:
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as f:
+        json.dump(obj, f, indent=1, default=str)
 
 
 def quant_recipe(cfg: SFTConfig) -> recipe_lib.QuantRecipe | None:
@@ -273,8 +265,8 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
     del params, trainable
     start = 0
     if ckpt.latest_step() is not None:
-        restored, data_state, start = ckpt.restore(abstract_like(strip_scratch(state)))
-        state = restored.replace(grad_buf=state.grad_buf, first_nonfinite=T.fresh_flag(mesh))
+        restored, data_state, start = ckpt.restore(abstract_like(state))  # without the scratch fields
+        state = restored.replace(grad_buf=state.grad_buf, first_nonfinite=state.first_nonfinite)
         loader.restore(data_state)
         log.info("resumed from %s at step %d", ckpt.dir, start)
     n_dev = mesh.devices.size
@@ -315,12 +307,13 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
                 logged = done % cfg.run.logging_steps == 0 or done == total or done == start + 1
                 if logged:
                     m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    bad = int(m.pop("first_nonfinite"))
                     sec = timer.update(done)  # None until a step after the compiled first one
                     m.update(step=done, epoch=loader.epoch,
                              tokens_per_s=tokens_per_step / sec if sec else None,
                              mfu=flops * tokens_per_step / sec / peak if (peak and sec) else None)
                     logger.log(m)
-                    check_finite(state, ckpt, cfg)
+                    check_finite(bad, ckpt, cfg)
                     logger.progress(done, m)
                     warning = plateau.update(done, m["loss"], m["lr"])
                     if warning:
@@ -332,13 +325,13 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
                     logger.log({"step": done, "eval_loss": last_eval})
                     logger.write(f"step {done}: eval loss {last_eval:.4f}")
                 if stopping or done % cfg.run.save_steps == 0 or done == total:
-                    check_finite(state, ckpt, cfg)  # never save a non-finite state
+                    if not logged:  # never save a non-finite state (a logged step was checked above)
+                        check_finite(int(jax.device_get(state.first_nonfinite)), ckpt, cfg)
                     ckpt.save(done, state, loader.state(), meta)
                 if stopping:
                     ckpt.wait()
-                    raise Interrupted(stop.signum or signal.SIGTERM,
-                                      f"stopped by {stop.name or 'a signal'} after step {done}: checkpoint saved in "
-                                      f"{ckpt.dir}; run the same command to resume")
+                    raise Interrupted(stop.signum, f"stopped by {stop.name} after step {done}: checkpoint saved in "
+                                                   f"{ckpt.dir}; run the same command to resume")
             ckpt.wait()
     finally:
         logger.close()
@@ -370,10 +363,9 @@ class NonFiniteError(SurogateError):
     """The loss or gradient norm of a step was NaN or infinite; nothing after the last good checkpoint is saved."""
 
 
-def check_finite(state, ckpt: Checkpointer, cfg: SFTConfig) -> None:
-    """Raises NonFiniteError when a step so far had a non-finite loss or gradient norm (one read of a
-    flag the jitted step carries: a host sync only where the loop logs or saves)."""
-    bad = int(jax.device_get(state.first_nonfinite))
+def check_finite(bad: int, ckpt: Checkpointer, cfg: SFTConfig) -> None:
+    """Raises NonFiniteError when `bad` (TrainState.first_nonfinite as read on the host: the first step
+    with a non-finite loss or gradient norm, 0 for none) names a step."""
     if not bad:
         return
     ckpt.wait()

@@ -57,7 +57,8 @@ class TrainState:
     # 8B all-offload step still does not fit one H100.
     grad_buf: Any = flax.struct.field(default_factory=dict)
     # The first step (1-based) whose loss or gradient norm was not finite, 0 while all were; set
-    # inside the step so the host reads it only when it logs or saves. Not checkpointed ({} = off).
+    # inside the step (and returned in its metrics) so the host reads it only when it logs or saves.
+    # Not checkpointed ({} = off).
     first_nonfinite: Any = flax.struct.field(default_factory=dict)
 
 
@@ -202,6 +203,7 @@ def _finish(state: TrainState, schedule: Callable, margin: float, obs, loss_sum,
     if not isinstance(flag, dict):
         bad = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
         flag = jnp.where((flag == 0) & bad, state.step + 1, flag)
+        metrics["first_nonfinite"] = flag  # read with the other metrics: no second transfer where the loop logs
     new = state.replace(step=state.step + 1, rng=jax.random.key_data(rng), quant=quant, first_nonfinite=flag,
                         **updates)
     return new, metrics

@@ -15,13 +15,12 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_file
 from .docs import TokenizedDocs
 
 CODE_VERSION = 1
@@ -56,16 +55,10 @@ def cache_key(datasets: list, fingerprints: list[dict], tokenizer_fp: str, *, se
 
 def save(path: Path, docs: TokenizedDocs) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, tokens=docs.tokens, loss_mask=docs.loss_mask, offsets=docs.offsets,
-                     truncated=docs.truncated, pad_id=np.int64(docs.pad_id),
-                     stats=np.frombuffer(json.dumps(docs.stats).encode(), np.uint8))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, "wb") as f:
+        np.savez(f, tokens=docs.tokens, loss_mask=docs.loss_mask, offsets=docs.offsets,
+                 truncated=docs.truncated, pad_id=np.int64(docs.pad_id),
+                 stats=np.frombuffer(json.dumps(docs.stats).encode(), np.uint8))
 
 
 def load(path: Path) -> TokenizedDocs | None:

@@ -237,11 +237,7 @@ def make_formatter(ds: DatasetConfig, columns: list[str]) -> Formatter:
         if kind == "conversation":
             ds = dataclasses.replace(ds, messages_field=found)
     if kind == "conversation":
-        mapping = ds.message_property_mappings or {}
-        unknown = set(mapping) - {"role", "content"}
-        if unknown:
-            raise DataError(f"{ds.path}: message_property_mappings has unknown keys {sorted(unknown)}; "
-                            "use role and content")
+        mapping = ds.message_property_mappings or {}  # keys checked by DatasetConfig
         return ConversationFormat(ds.messages_field, mapping.get("role"), mapping.get("content"),
                                   ds.system_field, ds.completion_field, ds.tools_field)
     if kind == "instruction":
@@ -270,22 +266,12 @@ def _detect(ds: DatasetConfig, columns: list[str]) -> tuple[str, Any]:
 
 
 def _instruction(ds: DatasetConfig) -> InstructionFormat:
+    # DatasetConfig checked these settings (system prompt source, format strings) when it was built
     kind = ds.system_prompt_type or ("field" if ds.system_prompt_field else "fixed" if ds.system_prompt else None)
-    if kind == "field" and not ds.system_prompt_field:
-        raise DataError(f"{ds.path}: system_prompt_type=field needs system_prompt_field")
-    if kind == "fixed" and not ds.system_prompt:
-        raise DataError(f"{ds.path}: system_prompt_type=fixed needs system_prompt")
-    fmt = InstructionFormat(
+    return InstructionFormat(
         ds.instruction_field, ds.input_field, ds.output_field,
         ds.prompt_format or InstructionFormat.prompt_format,
         ds.prompt_format_no_input or InstructionFormat.prompt_format_no_input,
         ds.system_prompt_field if kind == "field" else None,
         ds.system_prompt if kind == "fixed" else None,
     )
-    for key in ("prompt_format", "prompt_format_no_input"):
-        try:
-            getattr(fmt, key).format(instruction="i", input="x")
-        except (KeyError, IndexError, ValueError) as e:
-            raise DataError(f"{ds.path}: {key}={getattr(fmt, key)!r} is not a valid format string "
-                            f"(use the placeholders {{instruction}} and {{input}}): {e!r}") from None
-    return fmt

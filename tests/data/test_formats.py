@@ -7,7 +7,7 @@ import json
 import pytest
 from tiny_tokenizers import build, docs_text, supervised_text, write_jsonl
 
-from surogate_jax.config import DatasetConfig
+from surogate_jax.config import ConfigError, DatasetConfig
 from surogate_jax.data import DataError
 from surogate_jax.data.formats import Chat, RowError, Text, make_formatter
 
@@ -120,9 +120,9 @@ def test_instruction_custom_fields_formats_and_system_prompts(tmp_path, tok):
     ({"type": "instruction", "system_prompt_type": "fixed"}, "needs system_prompt"),
     ({"type": "conversation", "message_property_mappings": {"speaker": "from"}}, "unknown keys"),
 ])
-def test_bad_format_settings_are_data_errors(entry, error):
-    with pytest.raises(DataError, match=error):
-        make_formatter(DatasetConfig(path="x", **entry), ["instruction", "output", "messages"])
+def test_bad_format_settings_are_refused_when_the_entry_is_built(entry, error):
+    with pytest.raises(ConfigError, match=error):
+        DatasetConfig(path="x", **entry)
 
 
 def test_text_type_in_sft_is_fully_supervised_with_eos(tmp_path, tok):
