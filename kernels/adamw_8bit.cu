@@ -38,6 +38,7 @@
 //    every byte is touched once.
 //  * Deterministic: no atomics; max is order independent.
 #include "kernels/adamw_8bit.h"
+#include "kernels/device_common.cuh"
 
 #include <algorithm>
 #include <cstring>
@@ -61,31 +62,11 @@ __device__ __forceinline__ Scalars load_scalars(const float* __restrict__ s) {
   return Scalars{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]};
 }
 
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);  // round to nearest even, as XLA's convert
-}
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
-
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = kWarp / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-
-#define SUROGATE_TRY(expr)                \
-  do {                                    \
-    const cudaError_t err_ = (expr);      \
-    if (err_ != cudaSuccess) return err_; \
-  } while (0)
 
 // =============================================================================================
 // Variant 0: the first kernel, unchanged apart from reading its tables from `aux`.

@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "kernels/surogate_vec.cuh"
+#include "kernels/device_common.cuh"
 
 namespace surogate {
 namespace {  // internal linkage: each including .cu gets its own copy

@@ -23,6 +23,7 @@
 //  * amax: per-thread max of the |x| bit patterns (monotone for non-negative floats, and NaN's bits
 //    are above +inf's, so NaN wins), a block reduction, one atomicMax per block.
 #include "kernels/fp8_quantize.h"
+#include "kernels/device_common.cuh"
 
 #include <algorithm>
 #include <cstring>
@@ -36,13 +37,6 @@ constexpr int kTile = 64;
 constexpr int kTileThreads = 256;
 constexpr int kSmemStride = kTile + 2;
 constexpr int kFlatThreads = 256;
-
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
 
 template <Fp8Format F>
 __device__ __forceinline__ uint8_t to_fp8(float v) {
@@ -210,12 +204,6 @@ __global__ void __launch_bounds__(kTileThreads)
   }
   if constexpr (!kCopy) block_amax(bits, amax);
 }
-
-#define SUROGATE_TRY(expr)                \
-  do {                                    \
-    const cudaError_t err_ = (expr);      \
-    if (err_ != cudaSuccess) return err_; \
-  } while (0)
 
 bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 

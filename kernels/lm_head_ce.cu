@@ -34,6 +34,7 @@
 //    2 in the two-pass kernel) by the thread that later overwrites it, after the row's reduction
 //    barrier, and the target logit is read before that barrier.
 #include "kernels/lm_head_ce.h"
+#include "kernels/device_common.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -51,20 +52,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
 constexpr int kMaxCluster = 8;                  // portable cluster size limit
 constexpr size_t kClusterSmemTarget = 100 << 10;  // bytes of row slice per CTA: 2 CTAs per SM
-
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);
-}
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
 
 __device__ __forceinline__ float ex2(float x) {
   float y;
@@ -407,12 +394,6 @@ __global__ void __launch_bounds__(kThreads)
   cluster.sync();  // no CTA leaves while another may still read its slots
 #endif
 }
-
-#define SUROGATE_TRY(expr)                \
-  do {                                    \
-    const cudaError_t err_ = (expr);      \
-    if (err_ != cudaSuccess) return err_; \
-  } while (0)
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 

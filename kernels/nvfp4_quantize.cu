@@ -23,6 +23,7 @@
 //  * amax: an integer atomicMax over float bits (|x| bits order like the floats, NaN above inf),
 //    so the result does not depend on the order: deterministic.
 #include "kernels/nvfp4_quantize.h"
+#include "kernels/device_common.cuh"
 
 #include <cuda_fp8.h>
 
@@ -35,19 +36,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr float kFltMax = 3.402823466e+38f;
-
-#define SUROGATE_TRY(expr)                \
-  do {                                    \
-    const cudaError_t err_ = (expr);      \
-    if (err_ != cudaSuccess) return err_; \
-  } while (0)
-
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
 
 // 16 consecutive elements as float32.
 template <typename T, bool kVec>

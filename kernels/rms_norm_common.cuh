@@ -51,7 +51,7 @@
 #include <initializer_list>
 
 #include "kernels/dw_col_sum.cuh"
-#include "kernels/surogate_vec.cuh"
+#include "kernels/device_common.cuh"
 
 namespace surogate {
 namespace {  // internal linkage: each including .cu gets its own copy
@@ -84,12 +84,6 @@ constexpr int bwd_reg_cap() {
   if (N == 8) return kRes ? 128 : 112;
   return kRes ? 96 : 88;
 }
-
-#define SUROGATE_NORM_TRY(expr)             \
-  do {                                      \
-    const cudaError_t err_ = (expr);        \
-    if (err_ != cudaSuccess) return err_;   \
-  } while (0)
 
 // How a thread walks the rows. `first` and `stride` are uniform over a warp (sub-warp mode) or a
 // block (block mode), so every thread reaches the same shuffles and barriers; a group whose row
@@ -568,7 +562,7 @@ cudaError_t occupancy(Kernel kernel, int threads, size_t smem, int* per_sm, int*
   thread_local Entry cache[kEntries] = {};
   thread_local int next = 0;
   int dev = 0;
-  SUROGATE_NORM_TRY(cudaGetDevice(&dev));
+  SUROGATE_TRY(cudaGetDevice(&dev));
   const void* key = reinterpret_cast<const void*>(kernel);
   for (const Entry& e : cache) {
     if (e.kernel == key && e.threads == threads && e.smem == smem && e.dev == dev) {
@@ -577,12 +571,12 @@ cudaError_t occupancy(Kernel kernel, int threads, size_t smem, int* per_sm, int*
       return cudaSuccess;
     }
   }
-  SUROGATE_NORM_TRY(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev));
+  SUROGATE_TRY(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev));
   if (smem > 48 * 1024) {
-    SUROGATE_NORM_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    SUROGATE_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
   }
-  SUROGATE_NORM_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, smem));
+  SUROGATE_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, smem));
   cache[next] = {key, threads, dev, *per_sm, *sms, smem};
   next = (next + 1) % kEntries;
   return cudaSuccess;
@@ -592,7 +586,7 @@ cudaError_t occupancy(Kernel kernel, int threads, size_t smem, int* per_sm, int*
 template <typename Kernel>
 cudaError_t size_grid(Kernel kernel, int64_t rows, Plan& p) {
   int sms = 0, per_sm = 0;
-  SUROGATE_NORM_TRY(occupancy(kernel, p.threads, p.smem, &per_sm, &sms));
+  SUROGATE_TRY(occupancy(kernel, p.threads, p.smem, &per_sm, &sms));
   const int64_t need = (rows + p.rows_per_block - 1) / p.rows_per_block;
   const int64_t fit = static_cast<int64_t>(std::max(sms, 1)) * std::max(per_sm, 1);
   p.blocks = static_cast<int>(std::max<int64_t>(1, std::min(need, fit)));
@@ -697,7 +691,7 @@ cudaError_t norm_fwd(const T* x, const T* res, const T* w, T* y, T* res_out, flo
   if (p.reg) {
     const auto k = fwd_reg<T, kRes>(p, algo);
     if (fwd_persistent(algo)) {
-      SUROGATE_NORM_TRY(size_grid(k, rows, p));
+      SUROGATE_TRY(size_grid(k, rows, p));
     } else {  // one row per group; the kernel still strides if rows exceed the grid limit
       const int64_t need = (rows + p.rows_per_block - 1) / p.rows_per_block;
       p.blocks = static_cast<int>(std::min<int64_t>(need, INT_MAX));
@@ -707,11 +701,11 @@ cudaError_t norm_fwd(const T* x, const T* res, const T* w, T* y, T* res_out, flo
   }
   const T* src = x;
   if constexpr (kRes) {
-    SUROGATE_NORM_TRY(launch_add<T>(x, res, res_out, rows * dim, stream));
+    SUROGATE_TRY(launch_add<T>(x, res, res_out, rows * dim, stream));
     src = res_out;
   }
   const auto k = fwd_loop<T>(p);
-  SUROGATE_NORM_TRY(size_grid(k, rows, p));
+  SUROGATE_TRY(size_grid(k, rows, p));
   k<<<p.blocks, p.threads, 0, stream>>>(src, w, y, rstd, rows, d, p.width, eps);
   return cudaGetLastError();
 }
@@ -752,15 +746,15 @@ cudaError_t norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, con
     const int groups = p.threads / p.width;
     p.smem = groups > 1 ? static_cast<size_t>(groups) * row_bytes : 0;  // <= 16 KiB
     const auto k = bwd_reg<T, kRes>(p, wide, algo);
-    SUROGATE_NORM_TRY(size_grid(k, rows, p));
+    SUROGATE_TRY(size_grid(k, rows, p));
     p.blocks = static_cast<int>(std::min<int64_t>(p.blocks, ws_rows));
     k<<<p.blocks, p.threads, p.smem, stream>>>(dy, x, w, rstd, dres, dx, ws, rows, d, p.width);
-    SUROGATE_NORM_TRY(cudaGetLastError());
+    SUROGATE_TRY(cudaGetLastError());
   } else {
     if (p.block_row) {
       int dev = 0, optin = 0;
-      SUROGATE_NORM_TRY(cudaGetDevice(&dev));
-      SUROGATE_NORM_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+      SUROGATE_TRY(cudaGetDevice(&dev));
+      SUROGATE_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
       // Leave room for the static `red` array; beyond that keep partials in global memory.
       p.smem_partials = row_bytes + 1024 <= static_cast<size_t>(optin);
       p.smem = p.smem_partials ? row_bytes : 0;
@@ -769,17 +763,17 @@ cudaError_t norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, con
       p.smem = static_cast<size_t>(p.threads / p.width) * row_bytes;
     }
     const auto k = bwd_loop<T>(p);
-    SUROGATE_NORM_TRY(size_grid(k, rows, p));
+    SUROGATE_TRY(size_grid(k, rows, p));
     p.blocks = static_cast<int>(std::min<int64_t>(p.blocks, ws_rows));
     k<<<p.blocks, p.threads, p.smem, stream>>>(dy, x, w, rstd, dx, ws, rows, d, p.width,
                                                p.smem_partials);
-    SUROGATE_NORM_TRY(cudaGetLastError());
-    if constexpr (kRes) SUROGATE_NORM_TRY(launch_add<T>(dx, dres, dx, rows * dim, stream));
+    SUROGATE_TRY(cudaGetLastError());
+    if constexpr (kRes) SUROGATE_TRY(launch_add<T>(dx, dres, dx, rows * dim, stream));
   }
   return colsum::dw_col_sum<T>(ws, dw, p.blocks, d, stream);
 }
 
-#undef SUROGATE_NORM_TRY
+#undef SUROGATE_TRY
 
 }  // namespace normk
 }  // namespace

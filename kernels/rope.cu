@@ -48,7 +48,7 @@
 #include <initializer_list>
 
 #include "kernels/dw_col_sum.cuh"
-#include "kernels/surogate_vec.cuh"
+#include "kernels/device_common.cuh"
 
 namespace surogate {
 namespace {
@@ -56,22 +56,6 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kThreads = 128;  // small blocks: finer occupancy steps at ~100 registers
 constexpr int kWarpsPerBlock = kThreads / kWarp;
-
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);  // round to nearest even
-}
-template <> __device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half(v);  // round to nearest even
-}
 
 // N consecutive elements as floats: one 16-byte load when N > 1.
 template <typename T, int N>
@@ -711,12 +695,6 @@ __global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
 
 // ---------------------------------------------------------------------------------------------
 // Host side: launch plans.
-
-#define SUROGATE_TRY(expr)                   \
-  do {                                       \
-    const cudaError_t err_ = (expr);         \
-    if (err_ != cudaSuccess) return err_;    \
-  } while (0)
 
 template <typename T>
 constexpr int kVec = 16 / static_cast<int>(sizeof(T));

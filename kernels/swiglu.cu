@@ -29,7 +29,7 @@
 //    and is the default (ops/swiglu.py ALGO): many small blocks balance the end of the grid
 //    better than fewer blocks with four rows each. The others stay selectable for sweeps.
 //  * fp32 math, one rounding of each output; sigmoid from ex2.approx and rcp.approx
-//    (surogate_math.cuh).
+//    (device_common.cuh).
 //  * Scalar path when F or the row stride is not a multiple of the vector or a pointer is not
 //    16-byte aligned (F = 1001, ...).
 #include "kernels/swiglu.h"
@@ -38,8 +38,7 @@
 #include <initializer_list>
 #include <type_traits>
 
-#include "kernels/surogate_math.cuh"
-#include "kernels/surogate_vec.cuh"
+#include "kernels/device_common.cuh"
 
 namespace surogate {
 namespace {
@@ -185,12 +184,6 @@ __global__ void __launch_bounds__(kThreads, kBwdMinBlocks<kWalk>)
     }
   }
 }
-
-#define SUROGATE_TRY(expr)                \
-  do {                                    \
-    const cudaError_t err_ = (expr);      \
-    if (err_ != cudaSuccess) return err_; \
-  } while (0)
 
 template <typename T>
 bool vectorizable(int64_t F, int64_t ld, std::initializer_list<const void*> ptrs) {

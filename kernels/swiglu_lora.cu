@@ -41,8 +41,7 @@
 #include <cmath>
 #include <type_traits>
 
-#include "kernels/surogate_math.cuh"
-#include "kernels/surogate_vec.cuh"
+#include "kernels/device_common.cuh"
 
 namespace surogate {
 namespace {

@@ -1,6 +1,6 @@
-// Device helpers shared by the element-wise and row-wise kernels (swiglu, rms_norm, add_rms_norm):
-// fp32 <-> storage-type conversion and 16-byte vector loads/stores of N consecutive elements.
-// Header-only; everything lives in surogate::vec and is inlined.
+// The one device-helper header of the kernels: fp32 <-> storage-type conversion, the SFU
+// sigmoid, the cudaError_t early-return macro, and 16-byte vector loads/stores (surogate::vec).
+// Header-only; everything is inlined.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +10,14 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
-namespace surogate::vec {
+// Host launchers return the first CUDA error instead of launching the next kernel.
+#define SUROGATE_TRY(expr)                \
+  do {                                    \
+    const cudaError_t err_ = (expr);      \
+    if (err_ != cudaSuccess) return err_; \
+  } while (0)
+
+namespace surogate {
 
 template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
@@ -22,11 +29,28 @@ template <> __device__ __forceinline__ float to_float<__half>(__half v) { return
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);  // round to nearest even
+  return __float2bfloat16(v);  // round to nearest even, as XLA's convert
 }
 template <> __device__ __forceinline__ __half from_float<__half>(float v) {
   return __float2half(v);  // round to nearest even
 }
+
+// sigmoid(g) = 1 / (1 + 2^(-g log2 e)) on the SFU: ex2.approx and rcp.approx, each within a couple
+// of fp32 ulps, far below the 16-bit outputs' rounding and the fp32 tests' tolerance. `1.f / x`
+// would be the IEEE division, whose Newton steps and slow-path branch cost ~8 more instructions
+// an element; the SwiGLU+LoRA epilogue was issue-bound with it.
+// ftz: a 2^-x that flushes to zero only meets 1 + it.
+__device__ __forceinline__ float sigmoid(float g) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
+  return r;
+}
+
+namespace vec {
+
+using surogate::from_float;
+using surogate::to_float;
 
 // Elements of T per 16-byte vector.
 template <typename T>
@@ -170,4 +194,5 @@ __device__ __forceinline__ void store(T* p, const float (&in)[N]) {
   store_raw<T, N>(p, pack<T, N>(in));
 }
 
-}  // namespace surogate::vec
+}  // namespace vec
+}  // namespace surogate
