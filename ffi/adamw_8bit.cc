@@ -19,7 +19,8 @@ namespace {
 
 constexpr std::string_view kOp = "surogate_adamw_8bit_update";
 
-ffi::Error ExpectCount(const char* name, const ffi::AnyBuffer& b, int64_t want, const std::string& what) {
+ffi::Error ExpectCount(const char* name, const ffi::AnyBuffer& b, int64_t want,
+                       const std::string& what) {
   if (static_cast<int64_t>(b.element_count()) == want) return ffi::Error::Success();
   return InvalidArg(kOp, std::string(name) + " has shape " + ShapeStr(b) + ", expected " +
                              std::to_string(want) + " elements (" + what + ")");
@@ -27,35 +28,40 @@ ffi::Error ExpectCount(const char* name, const ffi::AnyBuffer& b, int64_t want, 
 
 ffi::Error ExpectU8(const char* name, const ffi::AnyBuffer& b) {
   if (b.element_type() == ffi::DataType::U8) return ffi::Error::Success();
-  return InvalidArg(kOp, std::string(name) + " has dtype " + DtypeName(b.element_type()) + ", expected uint8");
+  return InvalidArg(
+      kOp, std::string(name) + " has dtype " + DtypeName(b.element_type()) + ", expected uint8");
 }
 
 ffi::Error ExpectU32(const char* name, const ffi::AnyBuffer& b) {
   if (b.element_type() == ffi::DataType::U32) return ffi::Error::Success();
-  return InvalidArg(kOp, std::string(name) + " has dtype " + DtypeName(b.element_type()) + ", expected uint32");
+  return InvalidArg(
+      kOp, std::string(name) + " has dtype " + DtypeName(b.element_type()) + ", expected uint32");
 }
 
-ffi::Error SameShape(const char* name, const ffi::AnyBuffer& b, const ffi::AnyBuffer& like, const char* like_name) {
+ffi::Error SameShape(const char* name, const ffi::AnyBuffer& b, const ffi::AnyBuffer& like,
+                     const char* like_name) {
   if (b.dimensions() == like.dimensions()) return ffi::Error::Success();
-  return InvalidArg(kOp, std::string(name) + " has shape " + ShapeStr(b) + " but " + like_name + " has shape " +
-                             ShapeStr(like));
+  return InvalidArg(kOp, std::string(name) + " has shape " + ShapeStr(b) + " but " + like_name +
+                             " has shape " + ShapeStr(like));
 }
 
 // Output `out` must look like input `in`; when XLA did not alias them, copy in -> out.
-ffi::Error Prepare(const char* name, const ffi::AnyBuffer& in, ffi::AnyBuffer& out, cudaStream_t stream) {
+ffi::Error Prepare(const char* name, const ffi::AnyBuffer& in, ffi::AnyBuffer& out,
+                   cudaStream_t stream) {
   if (out.element_type() != in.element_type() || !(out.dimensions() == in.dimensions())) {
-    return InvalidArg(kOp, std::string("output ") + name + " (" + DtypeName(out.element_type()) + " " +
-                               ShapeStr(out) + ") does not match the input (" + DtypeName(in.element_type()) +
-                               " " + ShapeStr(in) + ")");
+    return InvalidArg(kOp, std::string("output ") + name + " (" + DtypeName(out.element_type()) +
+                               " " + ShapeStr(out) + ") does not match the input (" +
+                               DtypeName(in.element_type()) + " " + ShapeStr(in) + ")");
   }
   if (out.untyped_data() == in.untyped_data() || in.size_bytes() == 0) return ffi::Error::Success();
   return CudaError(kOp, cudaMemcpyAsync(out.untyped_data(), in.untyped_data(), in.size_bytes(),
                                         cudaMemcpyDeviceToDevice, stream));
 }
 
-ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer p, ffi::AnyBuffer qm,
-                           ffi::AnyBuffer qv, ffi::AnyBuffer am, ffi::AnyBuffer av, ffi::AnyBuffer scalars,
-                           ffi::AnyBuffer aux, int32_t variant, ffi::Result<ffi::AnyBuffer> p_out,
+ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer p,
+                           ffi::AnyBuffer qm, ffi::AnyBuffer qv, ffi::AnyBuffer am,
+                           ffi::AnyBuffer av, ffi::AnyBuffer scalars, ffi::AnyBuffer aux,
+                           int32_t variant, ffi::Result<ffi::AnyBuffer> p_out,
                            ffi::Result<ffi::AnyBuffer> qm_out, ffi::Result<ffi::AnyBuffer> qv_out,
                            ffi::Result<ffi::AnyBuffer> am_out, ffi::Result<ffi::AnyBuffer> av_out) {
   const int64_t n = static_cast<int64_t>(p.element_count());
@@ -67,21 +73,24 @@ ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer
   if (auto e = ExpectU8("qv", qv); e.failure()) return e;
   if (auto e = ExpectU32("aux", aux); e.failure()) return e;
   if (variant < 0 || variant >= kAdamw8bitVariants) {
-    return InvalidArg(kOp, "variant must be in [0, " + std::to_string(kAdamw8bitVariants) + "), got " +
-                               std::to_string(variant));
+    return InvalidArg(kOp, "variant must be in [0, " + std::to_string(kAdamw8bitVariants) +
+                               "), got " + std::to_string(variant));
   }
-  for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"am", &am}, {"av", &av},
+  for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"am", &am},
+                           {"av", &av},
                            {"scalars", &scalars}}) {
     if (auto e = ExpectDtype(kOp, name, *buf, ffi::DataType::F32); e.failure()) return e;
   }
   const std::string blocks = "one per 256-element block of p " + ShapeStr(p);
   if (auto e = ExpectCount("am", am, nblocks, blocks); e.failure()) return e;
   if (auto e = ExpectCount("av", av, nblocks, blocks); e.failure()) return e;
-  if (auto e = ExpectCount("scalars", scalars, kAdamw8bitScalars, "b1, 1-b1, b2, 1-b2, step, eps_hat, decay, gscale, t");
+  if (auto e = ExpectCount("scalars", scalars, kAdamw8bitScalars,
+                           "b1, 1-b1, b2, 1-b2, step, eps_hat, decay, gscale, t");
       e.failure()) {
     return e;
   }
-  if (auto e = ExpectCount("aux", aux, kAdamw8bitAuxWords, "the code tables of adamw_8bit.py KERNEL_AUX");
+  if (auto e = ExpectCount("aux", aux, kAdamw8bitAuxWords,
+                           "the code tables of adamw_8bit.py KERNEL_AUX");
       e.failure()) {
     return e;
   }
@@ -98,10 +107,11 @@ ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer
       using TG = decltype(gtag);
       const cudaError_t err = adamw_8bit_update<TP, TG>(
           static_cast<TP*>(p_out->untyped_data()), static_cast<const TG*>(g.untyped_data()),
-          static_cast<uint8_t*>(qm_out->untyped_data()), static_cast<uint8_t*>(qv_out->untyped_data()),
+          static_cast<uint8_t*>(qm_out->untyped_data()),
+          static_cast<uint8_t*>(qv_out->untyped_data()),
           static_cast<float*>(am_out->untyped_data()), static_cast<float*>(av_out->untyped_data()),
-          static_cast<const float*>(scalars.untyped_data()), static_cast<const uint32_t*>(aux.untyped_data()), n,
-          variant, stream);
+          static_cast<const float*>(scalars.untyped_data()),
+          static_cast<const uint32_t*>(aux.untyped_data()), n, variant, stream);
       return CudaError(kOp, err);
     });
   });
@@ -110,22 +120,22 @@ ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer
 }  // namespace
 
 SUROGATE_DEFINE_HANDLER(kAdamw8bitUpdateHandler, Adamw8bitUpdate,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Arg<ffi::AnyBuffer>()   // g
-                           .Arg<ffi::AnyBuffer>()   // p
-                           .Arg<ffi::AnyBuffer>()   // qm
-                           .Arg<ffi::AnyBuffer>()   // qv
-                           .Arg<ffi::AnyBuffer>()   // am
-                           .Arg<ffi::AnyBuffer>()   // av
-                           .Arg<ffi::AnyBuffer>()   // scalars
-                           .Arg<ffi::AnyBuffer>()   // aux
-                           .Attr<int32_t>("variant")
-                           .Ret<ffi::AnyBuffer>()   // p'
-                           .Ret<ffi::AnyBuffer>()   // qm'
-                           .Ret<ffi::AnyBuffer>()   // qv'
-                           .Ret<ffi::AnyBuffer>()   // am'
-                           .Ret<ffi::AnyBuffer>());  // av'
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Arg<ffi::AnyBuffer>()  // g
+                            .Arg<ffi::AnyBuffer>()  // p
+                            .Arg<ffi::AnyBuffer>()  // qm
+                            .Arg<ffi::AnyBuffer>()  // qv
+                            .Arg<ffi::AnyBuffer>()  // am
+                            .Arg<ffi::AnyBuffer>()  // av
+                            .Arg<ffi::AnyBuffer>()  // scalars
+                            .Arg<ffi::AnyBuffer>()  // aux
+                            .Attr<int32_t>("variant")
+                            .Ret<ffi::AnyBuffer>()    // p'
+                            .Ret<ffi::AnyBuffer>()    // qm'
+                            .Ret<ffi::AnyBuffer>()    // qv'
+                            .Ret<ffi::AnyBuffer>()    // am'
+                            .Ret<ffi::AnyBuffer>());  // av'
 
 Targets Adamw8bitTargets() { return {SUROGATE_TARGET(kOp.data(), kAdamw8bitUpdateHandler)}; }
 

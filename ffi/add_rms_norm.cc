@@ -4,7 +4,8 @@
 //
 //   surogate_add_rms_norm_fwd(x [..., D], res [..., D], w [G.., D]; eps: f32, fwd_algo: i32)
 //       -> y [..., D], res_out [..., D], rstd [...] (f32)
-//   surogate_add_rms_norm_bwd(dy [..., D], dres_out [..., D], res_out [..., D], w [G.., D], rstd [...];
+//   surogate_add_rms_norm_bwd(dy [..., D], dres_out [..., D], res_out [..., D], w [G.., D], rstd
+//   [...];
 //                             bwd_algo: i32)
 //       -> dx [..., D], dw [G.., D], ws [.., P, D] (f32, dw partial sums, discarded)
 // fwd_algo / bwd_algo pick a forward / backward kernel variant (kernels/add_rms_norm.h). dx is the
@@ -12,9 +13,10 @@
 // reason as in ffi/rms_norm.cc; its P rows cap the backward's persistent grid. A leading batch
 // shape G on w (vmap with broadcast_all) splits the rows into G equal consecutive groups, each
 // with its own w row and dw row. All tensors but rstd and ws share one dtype (f32, bf16, f16).
-// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
-// device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
-// measured inside jitted train steps (benchmarks/kernels_in_model.py, tests/gpu/test_models_gpu.py).
+// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only
+// read device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and
+// async memsets; measured inside jitted train steps (benchmarks/kernels_in_model.py,
+// tests/gpu/test_models_gpu.py).
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -47,8 +49,8 @@ ffi::Error SameShapes(std::string_view op, const ffi::AnyBuffer& like, const cha
                       std::initializer_list<Named> bufs) {
   for (auto [name, b] : bufs) {
     if (!(b->dimensions() == like.dimensions())) {
-      return InvalidArg(op, std::string(name) + " has shape " + ShapeStr(*b) + " but " +
-                                like_name + " has shape " + ShapeStr(like));
+      return InvalidArg(op, std::string(name) + " has shape " + ShapeStr(*b) + " but " + like_name +
+                                " has shape " + ShapeStr(like));
     }
   }
   return ffi::Error::Success();
@@ -72,8 +74,7 @@ ffi::Error CheckRstd(std::string_view op, const ffi::AnyBuffer& rstd, const ffi:
 }
 
 ffi::Error AddRmsNormFwd(cudaStream_t stream, float eps, int32_t fwd_algo, ffi::AnyBuffer x,
-                         ffi::AnyBuffer res,
-                         ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::AnyBuffer res, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::AnyBuffer> res_out, ffi::Result<ffi::AnyBuffer> rstd) {
   int64_t rows = 0, dim = 0, groups = 1;
   if (fwd_algo < 0 || fwd_algo >= kAddRmsNormFwdAlgos) {
@@ -112,10 +113,10 @@ ffi::Error AddRmsNormFwd(cudaStream_t stream, float eps, int32_t fwd_algo, ffi::
   });
 }
 
-ffi::Error AddRmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer dy, ffi::AnyBuffer dres_out,
-                         ffi::AnyBuffer res_out, ffi::AnyBuffer w, ffi::AnyBuffer rstd,
-                         ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw,
-                         ffi::Result<ffi::AnyBuffer> ws) {
+ffi::Error AddRmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer dy,
+                         ffi::AnyBuffer dres_out, ffi::AnyBuffer res_out, ffi::AnyBuffer w,
+                         ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
+                         ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> ws) {
   if (bwd_algo < 0 || bwd_algo >= kAddRmsNormBwdAlgos) {
     return InvalidArg(kBwd, "bwd_algo " + std::to_string(bwd_algo) + " is not in [0, " +
                                 std::to_string(kAddRmsNormBwdAlgos) + ")");
@@ -125,13 +126,14 @@ ffi::Error AddRmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer d
   if (dim == 0) return InvalidArg(kBwd, "the normalized (last) dimension of res_out is empty");
   if (auto e = WeightGroups(kBwd, res_out, w, rows, dim, &groups); e.failure()) return e;
   const ffi::DataType t = res_out.element_type();
-  if (auto e = SameDtypes(kBwd, t, {{"dy", &dy}, {"dres_out", &dres_out}, {"w", &w}, {"dx", &*dx},
-                                    {"dw", &*dw}});
+  if (auto e = SameDtypes(
+          kBwd, t, {{"dy", &dy}, {"dres_out", &dres_out}, {"w", &w}, {"dx", &*dx}, {"dw", &*dw}});
       e.failure()) {
     return e;
   }
   if (auto e = ExpectDtype(kBwd, "ws", *ws, ffi::DataType::F32); e.failure()) return e;
-  if (auto e = SameShapes(kBwd, res_out, "res_out", {{"dy", &dy}, {"dres_out", &dres_out}, {"dx", &*dx}});
+  if (auto e = SameShapes(kBwd, res_out, "res_out",
+                          {{"dy", &dy}, {"dres_out", &dres_out}, {"dx", &*dx}});
       e.failure()) {
     return e;
   }
@@ -167,32 +169,33 @@ ffi::Error AddRmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer d
 }  // namespace
 
 SUROGATE_DEFINE_HANDLER(kAddRmsNormFwdHandler, AddRmsNormFwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<float>("eps")
-                           .Attr<int32_t>("fwd_algo")
-                           .Arg<ffi::AnyBuffer>()   // x
-                           .Arg<ffi::AnyBuffer>()   // res
-                           .Arg<ffi::AnyBuffer>()   // w
-                           .Ret<ffi::AnyBuffer>()   // y
-                           .Ret<ffi::AnyBuffer>()   // res_out
-                           .Ret<ffi::AnyBuffer>());  // rstd
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<float>("eps")
+                            .Attr<int32_t>("fwd_algo")
+                            .Arg<ffi::AnyBuffer>()    // x
+                            .Arg<ffi::AnyBuffer>()    // res
+                            .Arg<ffi::AnyBuffer>()    // w
+                            .Ret<ffi::AnyBuffer>()    // y
+                            .Ret<ffi::AnyBuffer>()    // res_out
+                            .Ret<ffi::AnyBuffer>());  // rstd
 
 SUROGATE_DEFINE_HANDLER(kAddRmsNormBwdHandler, AddRmsNormBwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<int32_t>("bwd_algo")
-                           .Arg<ffi::AnyBuffer>()   // dy
-                           .Arg<ffi::AnyBuffer>()   // dres_out
-                           .Arg<ffi::AnyBuffer>()   // res_out
-                           .Arg<ffi::AnyBuffer>()   // w
-                           .Arg<ffi::AnyBuffer>()   // rstd
-                           .Ret<ffi::AnyBuffer>()   // dx (= dres)
-                           .Ret<ffi::AnyBuffer>()   // dw
-                           .Ret<ffi::AnyBuffer>());  // ws (dw partial sums, discarded)
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<int32_t>("bwd_algo")
+                            .Arg<ffi::AnyBuffer>()    // dy
+                            .Arg<ffi::AnyBuffer>()    // dres_out
+                            .Arg<ffi::AnyBuffer>()    // res_out
+                            .Arg<ffi::AnyBuffer>()    // w
+                            .Arg<ffi::AnyBuffer>()    // rstd
+                            .Ret<ffi::AnyBuffer>()    // dx (= dres)
+                            .Ret<ffi::AnyBuffer>()    // dw
+                            .Ret<ffi::AnyBuffer>());  // ws (dw partial sums, discarded)
 
 Targets AddRmsNormTargets() {
-  return {SUROGATE_TARGET(kFwd.data(), kAddRmsNormFwdHandler), SUROGATE_TARGET(kBwd.data(), kAddRmsNormBwdHandler)};
+  return {SUROGATE_TARGET(kFwd.data(), kAddRmsNormFwdHandler),
+          SUROGATE_TARGET(kBwd.data(), kAddRmsNormBwdHandler)};
 }
 
 }  // namespace surogate::ffi_bind

@@ -67,7 +67,8 @@ inline Api Load() {
   std::string tried;
   void* lib = nullptr;
   const char* env = std::getenv("SUROGATE_JAX_CUBLASLT");
-  for (const char* name : {env, "libcublasLt.so." SUROGATE_LT_STR(CUBLAS_VER_MAJOR), "libcublasLt.so"}) {
+  for (const char* name :
+       {env, "libcublasLt.so." SUROGATE_LT_STR(CUBLAS_VER_MAJOR), "libcublasLt.so"}) {
     if (name == nullptr || *name == '\0') continue;
     lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
     if (lib != nullptr) break;
@@ -75,7 +76,8 @@ inline Api Load() {
     tried += std::string(tried.empty() ? "" : "; ") + (why ? why : name);
   }
   if (lib == nullptr) {
-    api.error = "cannot load cuBLASLt (" + tried + "); set SUROGATE_JAX_CUBLASLT to the path of "
+    api.error = "cannot load cuBLASLt (" + tried +
+                "); set SUROGATE_JAX_CUBLASLT to the path of "
                 "libcublasLt.so." SUROGATE_LT_STR(CUBLAS_VER_MAJOR);
     return api;
   }

@@ -28,7 +28,7 @@ namespace ffi = xla::ffi;
 // `fn##NoGraph` without. Which set is registered is chosen at import (SUROGATE_JAX_FFI_GRAPHS=0
 // picks the second, see surogate_jax/ops/_loader.py): an A/B switch for measurements and a way
 // out should a CUDA / XLA version mis-record one of our calls into a graph.
-#define SUROGATE_DEFINE_HANDLER(fn, impl, binding)                                  \
+#define SUROGATE_DEFINE_HANDLER(fn, impl, binding)                                     \
   XLA_FFI_DEFINE_HANDLER_EXPLICIT_WITH_TRAITS(fn, impl, binding, SUROGATE_GRAPH_SAFE); \
   XLA_FFI_DEFINE_HANDLER_EXPLICIT(fn##NoGraph, impl, binding)
 
@@ -38,21 +38,30 @@ struct Target {
   XLA_FFI_Handler* graph_safe;
   XLA_FFI_Handler* no_graph;
 };
-#define SUROGATE_TARGET(name, fn) ::surogate::ffi_bind::Target{name, fn, fn##NoGraph}
+#define SUROGATE_TARGET(name, fn) \
+  ::surogate::ffi_bind::Target { name, fn, fn##NoGraph }
 
 // The targets an ffi/<op>.cc exports; module.cc registers them all.
 using Targets = std::vector<Target>;
 
 inline std::string DtypeName(ffi::DataType t) {
   switch (t) {
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::BF16: return "bfloat16";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::F64: return "float64";
-    case ffi::DataType::S32: return "int32";
-    case ffi::DataType::S64: return "int64";
-    case ffi::DataType::PRED: return "bool";
-    default: return "dtype#" + std::to_string(static_cast<int>(t));
+    case ffi::DataType::F32:
+      return "float32";
+    case ffi::DataType::BF16:
+      return "bfloat16";
+    case ffi::DataType::F16:
+      return "float16";
+    case ffi::DataType::F64:
+      return "float64";
+    case ffi::DataType::S32:
+      return "int32";
+    case ffi::DataType::S64:
+      return "int64";
+    case ffi::DataType::PRED:
+      return "bool";
+    default:
+      return "dtype#" + std::to_string(static_cast<int>(t));
   }
 }
 
@@ -80,12 +89,15 @@ T* Out(ffi::Result<ffi::AnyBuffer>& b) {
 template <typename F>
 ffi::Error DispatchFloat(std::string_view op, ffi::DataType t, F&& f) {
   switch (t) {
-    case ffi::DataType::F32: return f(float{});
-    case ffi::DataType::BF16: return f(__nv_bfloat16{});
-    case ffi::DataType::F16: return f(__half{});
+    case ffi::DataType::F32:
+      return f(float{});
+    case ffi::DataType::BF16:
+      return f(__nv_bfloat16{});
+    case ffi::DataType::F16:
+      return f(__half{});
     default:
-      return InvalidArg(op, "unsupported dtype " + DtypeName(t) +
-                                "; expected float32, bfloat16 or float16");
+      return InvalidArg(
+          op, "unsupported dtype " + DtypeName(t) + "; expected float32, bfloat16 or float16");
   }
 }
 

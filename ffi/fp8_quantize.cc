@@ -24,8 +24,12 @@ constexpr std::string_view kTranspose = "surogate_fp8_transpose";
 ffi::Error Fp8FormatOf(std::string_view op, const char* name, const ffi::AnyBuffer& b,
                        Fp8Format* fmt) {
   switch (b.element_type()) {
-    case ffi::DataType::F8E4M3FN: *fmt = Fp8Format::kE4M3; return ffi::Error::Success();
-    case ffi::DataType::F8E5M2: *fmt = Fp8Format::kE5M2; return ffi::Error::Success();
+    case ffi::DataType::F8E4M3FN:
+      *fmt = Fp8Format::kE4M3;
+      return ffi::Error::Success();
+    case ffi::DataType::F8E5M2:
+      *fmt = Fp8Format::kE5M2;
+      return ffi::Error::Success();
     default:
       return InvalidArg(op, std::string(name) + " has dtype " + DtypeName(b.element_type()) +
                                 ", expected float8_e4m3fn or float8_e5m2");
@@ -35,7 +39,8 @@ ffi::Error Fp8FormatOf(std::string_view op, const char* name, const ffi::AnyBuff
 ffi::Error CheckScalarF32(std::string_view op, const char* name, const ffi::AnyBuffer& b) {
   if (auto e = ExpectDtype(op, name, b, ffi::DataType::F32); e.failure()) return e;
   if (b.element_count() != 1) {
-    return InvalidArg(op, std::string(name) + " has shape " + ShapeStr(b) + ", expected one element");
+    return InvalidArg(op,
+                      std::string(name) + " has shape " + ShapeStr(b) + ", expected one element");
   }
   return ffi::Error::Success();
 }
@@ -111,27 +116,27 @@ ffi::Error TransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi:
 }  // namespace
 
 SUROGATE_DEFINE_HANDLER(kFp8QuantizeHandler, QuantizeImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Arg<ffi::AnyBuffer>()   // x
-                           .Arg<ffi::AnyBuffer>()   // scale
-                           .Ret<ffi::AnyBuffer>()   // q
-                           .Ret<ffi::AnyBuffer>());  // amax
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Arg<ffi::AnyBuffer>()    // x
+                            .Arg<ffi::AnyBuffer>()    // scale
+                            .Ret<ffi::AnyBuffer>()    // q
+                            .Ret<ffi::AnyBuffer>());  // amax
 
 SUROGATE_DEFINE_HANDLER(kFp8QuantizeTHandler, QuantizeTImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Arg<ffi::AnyBuffer>()   // x
-                           .Arg<ffi::AnyBuffer>()   // scale
-                           .Ret<ffi::AnyBuffer>()   // q
-                           .Ret<ffi::AnyBuffer>()   // qt
-                           .Ret<ffi::AnyBuffer>());  // amax
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Arg<ffi::AnyBuffer>()    // x
+                            .Arg<ffi::AnyBuffer>()    // scale
+                            .Ret<ffi::AnyBuffer>()    // q
+                            .Ret<ffi::AnyBuffer>()    // qt
+                            .Ret<ffi::AnyBuffer>());  // amax
 
 SUROGATE_DEFINE_HANDLER(kFp8TransposeHandler, TransposeImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Arg<ffi::AnyBuffer>()   // x
-                           .Ret<ffi::AnyBuffer>());  // qt
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Arg<ffi::AnyBuffer>()    // x
+                            .Ret<ffi::AnyBuffer>());  // qt
 
 Targets Fp8QuantizeTargets() {
   return {SUROGATE_TARGET(kQuant.data(), kFp8QuantizeHandler),

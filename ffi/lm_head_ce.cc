@@ -9,9 +9,10 @@
 // with fp32 dlogits, or fp32 logits with any dlogits). dlogits may be the same buffer as logits
 // (input_output_aliases) when the dtypes match. Leading dims are flattened into rows, so a
 // vmapped call (vmap_method="broadcast_all") is just more rows.
-// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
-// device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
-// measured inside jitted train steps (benchmarks/kernels_in_model.py, tests/gpu/test_models_gpu.py).
+// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only
+// read device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and
+// async memsets; measured inside jitted train steps (benchmarks/kernels_in_model.py,
+// tests/gpu/test_models_gpu.py).
 #include <type_traits>
 
 #include "ffi/ffi_common.h"
@@ -41,11 +42,15 @@ ffi::Error CheckCommon(std::string_view op, const ffi::AnyBuffer& logits,
                        int64_t* vocab) {
   if (auto e = RowsAndDim(op, "logits", logits, rows, vocab); e.failure()) return e;
   if (*vocab <= 0 || *vocab > INT32_MAX) {
-    return InvalidArg(op, "logits " + ShapeStr(logits) + ": the vocab (last) dimension must be in [1, 2^31)");
+    return InvalidArg(
+        op, "logits " + ShapeStr(logits) + ": the vocab (last) dimension must be in [1, 2^31)");
   }
-  if (auto e = CheckRows(op, "targets", targets, ffi::DataType::S32, *rows, logits); e.failure()) return e;
-  if (auto e = CheckRows(op, "weights", weights, ffi::DataType::F32, *rows, logits); e.failure()) return e;
-  if (auto e = CheckRows(op, "loss", loss, ffi::DataType::F32, *rows, logits); e.failure()) return e;
+  if (auto e = CheckRows(op, "targets", targets, ffi::DataType::S32, *rows, logits); e.failure())
+    return e;
+  if (auto e = CheckRows(op, "weights", weights, ffi::DataType::F32, *rows, logits); e.failure())
+    return e;
+  if (auto e = CheckRows(op, "loss", loss, ffi::DataType::F32, *rows, logits); e.failure())
+    return e;
   if (auto e = CheckRows(op, "lse", lse, ffi::DataType::F32, *rows, logits); e.failure()) return e;
   return ffi::Error::Success();
 }
@@ -54,7 +59,8 @@ ffi::Error LmHeadCeLoss(cudaStream_t stream, float z_loss, ffi::AnyBuffer logits
                         ffi::AnyBuffer targets, ffi::AnyBuffer weights,
                         ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse) {
   int64_t rows = 0, vocab = 0;
-  if (auto e = CheckCommon(kLoss, logits, targets, weights, *loss, *lse, &rows, &vocab); e.failure()) {
+  if (auto e = CheckCommon(kLoss, logits, targets, weights, *loss, *lse, &rows, &vocab);
+      e.failure()) {
     return e;
   }
   return DispatchFloat(kLoss, logits.element_type(), [&](auto tag) -> ffi::Error {
@@ -73,7 +79,8 @@ ffi::Error LmHeadCeGrad(cudaStream_t stream, float z_loss, int32_t algo, ffi::An
                         ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
                         ffi::Result<ffi::AnyBuffer> dlogits) {
   int64_t rows = 0, vocab = 0;
-  if (auto e = CheckCommon(kGrad, logits, targets, weights, *loss, *lse, &rows, &vocab); e.failure()) {
+  if (auto e = CheckCommon(kGrad, logits, targets, weights, *loss, *lse, &rows, &vocab);
+      e.failure()) {
     return e;
   }
   if (!(dlogits->dimensions() == logits.dimensions())) {
@@ -113,29 +120,30 @@ ffi::Error LmHeadCeGrad(cudaStream_t stream, float z_loss, int32_t algo, ffi::An
 }  // namespace
 
 SUROGATE_DEFINE_HANDLER(kLmHeadCeLossHandler, LmHeadCeLoss,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<float>("z_loss")
-                           .Arg<ffi::AnyBuffer>()   // logits
-                           .Arg<ffi::AnyBuffer>()   // targets
-                           .Arg<ffi::AnyBuffer>()   // weights
-                           .Ret<ffi::AnyBuffer>()   // loss
-                           .Ret<ffi::AnyBuffer>());  // lse
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<float>("z_loss")
+                            .Arg<ffi::AnyBuffer>()    // logits
+                            .Arg<ffi::AnyBuffer>()    // targets
+                            .Arg<ffi::AnyBuffer>()    // weights
+                            .Ret<ffi::AnyBuffer>()    // loss
+                            .Ret<ffi::AnyBuffer>());  // lse
 
 SUROGATE_DEFINE_HANDLER(kLmHeadCeGradHandler, LmHeadCeGrad,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<float>("z_loss")
-                           .Attr<int32_t>("algo")
-                           .Arg<ffi::AnyBuffer>()   // logits
-                           .Arg<ffi::AnyBuffer>()   // targets
-                           .Arg<ffi::AnyBuffer>()   // weights
-                           .Ret<ffi::AnyBuffer>()   // loss
-                           .Ret<ffi::AnyBuffer>()   // lse
-                           .Ret<ffi::AnyBuffer>());  // dlogits
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<float>("z_loss")
+                            .Attr<int32_t>("algo")
+                            .Arg<ffi::AnyBuffer>()    // logits
+                            .Arg<ffi::AnyBuffer>()    // targets
+                            .Arg<ffi::AnyBuffer>()    // weights
+                            .Ret<ffi::AnyBuffer>()    // loss
+                            .Ret<ffi::AnyBuffer>()    // lse
+                            .Ret<ffi::AnyBuffer>());  // dlogits
 
 Targets LmHeadCeTargets() {
-  return {SUROGATE_TARGET(kLoss.data(), kLmHeadCeLossHandler), SUROGATE_TARGET(kGrad.data(), kLmHeadCeGradHandler)};
+  return {SUROGATE_TARGET(kLoss.data(), kLmHeadCeLossHandler),
+          SUROGATE_TARGET(kGrad.data(), kLmHeadCeGradHandler)};
 }
 
 }  // namespace surogate::ffi_bind

@@ -25,17 +25,13 @@ Targets Adamw8bitTargets();
 namespace {
 
 using surogate::ffi_bind::Targets;
-constexpr Targets (*kOps[])() = {&surogate::ffi_bind::RmsNormTargets,
-                                 &surogate::ffi_bind::SwigluTargets,
-                                 &surogate::ffi_bind::SwigluLoraTargets,
-                                 &surogate::ffi_bind::AddRmsNormTargets,
-                                 &surogate::ffi_bind::LmHeadCeTargets,
-                                 &surogate::ffi_bind::RopeTargets,
-                                 &surogate::ffi_bind::Fp8QuantizeTargets,
-                                 &surogate::ffi_bind::Fp8GemmTargets,
-                                 &surogate::ffi_bind::Nvfp4QuantizeTargets,
-                                 &surogate::ffi_bind::Nvfp4MatmulTargets,
-                                 &surogate::ffi_bind::Adamw8bitTargets};
+constexpr Targets (*kOps[])() = {
+    &surogate::ffi_bind::RmsNormTargets,       &surogate::ffi_bind::SwigluTargets,
+    &surogate::ffi_bind::SwigluLoraTargets,    &surogate::ffi_bind::AddRmsNormTargets,
+    &surogate::ffi_bind::LmHeadCeTargets,      &surogate::ffi_bind::RopeTargets,
+    &surogate::ffi_bind::Fp8QuantizeTargets,   &surogate::ffi_bind::Fp8GemmTargets,
+    &surogate::ffi_bind::Nvfp4QuantizeTargets, &surogate::ffi_bind::Nvfp4MatmulTargets,
+    &surogate::ffi_bind::Adamw8bitTargets};
 
 }  // namespace
 
@@ -47,7 +43,8 @@ NB_MODULE(_ffi, m) {
         nb::dict out;
         for (auto targets : kOps) {
           for (const auto& t : targets()) {
-            out[t.name] = nb::capsule(reinterpret_cast<void*>(graph_safe ? t.graph_safe : t.no_graph));
+            out[t.name] =
+                nb::capsule(reinterpret_cast<void*>(graph_safe ? t.graph_safe : t.no_graph));
           }
         }
         return out;

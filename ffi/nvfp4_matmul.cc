@@ -10,24 +10,25 @@
 //   d[m, n] = a_gs * b_gs * sum_k e2m1(a[m, k]) * S_a[m, k/16] * e2m1(b[n, k]) * S_b[n, k/16]
 //   (fp32 accumulation in the tensor cores; the order of the partial sums is cuBLASLt's).
 //
-// cuBLASLt's block-scaled FP4 (cuBLAS >= 12.8; https://docs.nvidia.com/cuda/cublas/#cublasltmatmul):
-// A/B type CUDA_R_4F_E2M1, CUBLAS_COMPUTE_32F, scale type CUDA_R_32F, A/B_SCALE_MODE =
+// cuBLASLt's block-scaled FP4 (cuBLAS >= 12.8;
+// https://docs.nvidia.com/cuda/cublas/#cublasltmatmul): A/B type CUDA_R_4F_E2M1,
+// CUBLAS_COMPUTE_32F, scale type CUDA_R_32F, A/B_SCALE_MODE =
 // CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3 with A/B_SCALE_POINTER the swizzled E4M3 block scales,
 // only the "TN" layout (both operands K-major). The per-tensor FP32 decode scales have no slot in
-// that mode, so they go through alpha: alpha = a_gs * b_gs is computed on the device by a one-thread
-// kernel into the first 8 bytes of `ws` (with beta = 0 next to it), and the descriptor uses
-// CUBLASLT_POINTER_MODE_DEVICE, which Transformer Engine uses for its NVFP4 GEMMs
+// that mode, so they go through alpha: alpha = a_gs * b_gs is computed on the device by a
+// one-thread kernel into the first 8 bytes of `ws` (with beta = 0 next to it), and the descriptor
+// uses CUBLASLT_POINTER_MODE_DEVICE, which Transformer Engine uses for its NVFP4 GEMMs
 // (NVIDIA/TransformerEngine transformer_engine/common/gemm/cublaslt_gemm.cu): the scales never
-// leave the GPU and the call stays capturable. The rest of ws (from the first 256-byte boundary after
-// alpha/beta) is cuBLASLt's workspace.
+// leave the GPU and the call stays capturable. The rest of ws (from the first 256-byte boundary
+// after alpha/beta) is cuBLASLt's workspace.
 //
 // Mapping to column-major cuBLASLt (as ffi/fp8_matmul.cc): D_cm [N, M] = op(A) B with A := b viewed
 // col-major [K, N] (transa = T), B := a viewed col-major [K, M] (transb = N), lda = ldb = K (in
-// elements), ldd = N. So cuBLASLt's A scales are our b_scales (N rows) and its B scales our a_scales.
-// Requirements checked here: K % 32 == 0 (rows of K/2 bytes stay 16-byte aligned), N % 16 == 0,
-// a, b, d, scale buffers 16-byte aligned; M is free. At run time a device below compute capability
-// 10.0 or a cuBLASLt older than 12.8 gets an error naming the GPU / the version.
-// Not marked command-buffer compatible (the handlers query the device, as rms_norm.cc).
+// elements), ldd = N. So cuBLASLt's A scales are our b_scales (N rows) and its B scales our
+// a_scales. Requirements checked here: K % 32 == 0 (rows of K/2 bytes stay 16-byte aligned), N % 16
+// == 0, a, b, d, scale buffers 16-byte aligned; M is free. At run time a device below compute
+// capability 10.0 or a cuBLASLt older than 12.8 gets an error naming the GPU / the version. Not
+// marked command-buffer compatible (the handlers query the device, as rms_norm.cc).
 #include <map>
 #include <memory>
 #include <mutex>
@@ -50,7 +51,8 @@ namespace {
 constexpr std::string_view kSwizzle = "surogate_nvfp4_swizzle_scales";
 constexpr std::string_view kTranspose = "surogate_nvfp4_transpose_codes";
 constexpr std::string_view kGemm = "surogate_nvfp4_matmul";
-constexpr size_t kWsHead = 256;  // room for alpha, beta (device) and the 256-byte alignment of the workspace
+constexpr size_t kWsHead =
+    256;  // room for alpha, beta (device) and the 256-byte alignment of the workspace
 
 bool IsScaleType(ffi::DataType t) { return t == ffi::DataType::U8 || t == ffi::DataType::F8E4M3FN; }
 
@@ -61,13 +63,15 @@ std::string ScaleDtypeName(ffi::DataType t) {
 }
 
 // ExpectDtype with readable names for uint8 / float8 (ffi_common's DtypeName lacks them).
-ffi::Error Expect(std::string_view op, const char* name, const ffi::AnyBuffer& b, ffi::DataType want) {
+ffi::Error Expect(std::string_view op, const char* name, const ffi::AnyBuffer& b,
+                  ffi::DataType want) {
   if (b.element_type() == want) return ffi::Error::Success();
   return InvalidArg(op, std::string(name) + " has dtype " + ScaleDtypeName(b.element_type()) +
                             ", expected " + ScaleDtypeName(want));
 }
 
-ffi::Error Check2d(std::string_view op, const char* name, const ffi::AnyBuffer& b, int64_t* r, int64_t* c) {
+ffi::Error Check2d(std::string_view op, const char* name, const ffi::AnyBuffer& b, int64_t* r,
+                   int64_t* c) {
   const auto dims = b.dimensions();
   if (dims.size() != 2) {
     return InvalidArg(op, std::string(name) + " must be 2-D, got shape " + ShapeStr(b));
@@ -98,9 +102,9 @@ ffi::Error SwizzleScales(cudaStream_t stream, int64_t rows, int32_t row_div, ffi
                                     std::to_string(row_div));
   }
   if (rows < 0 || (rows + row_div - 1) / row_div > s_rows) {
-    return InvalidArg(kSwizzle, "rows = " + std::to_string(rows) + " with row_div " +
-                                    std::to_string(row_div) + " needs more scale rows than scales " +
-                                    ShapeStr(scales) + " has");
+    return InvalidArg(
+        kSwizzle, "rows = " + std::to_string(rows) + " with row_div " + std::to_string(row_div) +
+                      " needs more scale rows than scales " + ShapeStr(scales) + " has");
   }
   const int64_t want = nvfp4_swizzled_scale_bytes(rows, cols);
   if (static_cast<int64_t>(out->element_count()) != want) {
@@ -108,29 +112,32 @@ ffi::Error SwizzleScales(cudaStream_t stream, int64_t rows, int32_t row_div, ffi
                                     std::to_string(want) + " bytes for " + std::to_string(rows) +
                                     " rows x " + std::to_string(cols) + " scale columns");
   }
-  return CudaError(kSwizzle, nvfp4_swizzle_scales(static_cast<const uint8_t*>(scales.untyped_data()),
-                                                  s_rows, cols, rows, row_div,
-                                                  static_cast<uint8_t*>(out->untyped_data()), stream));
+  return CudaError(
+      kSwizzle,
+      nvfp4_swizzle_scales(static_cast<const uint8_t*>(scales.untyped_data()), s_rows, cols, rows,
+                           row_div, static_cast<uint8_t*>(out->untyped_data()), stream));
 }
 
-ffi::Error TransposeCodes(cudaStream_t stream, ffi::AnyBuffer codes, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error TransposeCodes(cudaStream_t stream, ffi::AnyBuffer codes,
+                          ffi::Result<ffi::AnyBuffer> out) {
   int64_t rows = 0, half_cols = 0;
   if (auto e = Check2d(kTranspose, "codes", codes, &rows, &half_cols); e.failure()) return e;
   if (auto e = Expect(kTranspose, "codes", codes, ffi::DataType::U8); e.failure()) return e;
   if (auto e = Expect(kTranspose, "out", *out, ffi::DataType::U8); e.failure()) return e;
   const int64_t cols = 2 * half_cols;
   if (rows % 2 != 0) {
-    return InvalidArg(kTranspose, "codes has " + std::to_string(rows) +
-                                      " rows; the transpose packs two rows per byte, so it must be even");
+    return InvalidArg(kTranspose,
+                      "codes has " + std::to_string(rows) +
+                          " rows; the transpose packs two rows per byte, so it must be even");
   }
   const auto od = out->dimensions();
   if (od.size() != 2 || od[0] != cols || od[1] != rows / 2) {
     return InvalidArg(kTranspose, "out has shape " + ShapeStr(*out) + ", expected [" +
                                       std::to_string(cols) + ", " + std::to_string(rows / 2) + "]");
   }
-  return CudaError(kTranspose, nvfp4_transpose_codes(static_cast<const uint8_t*>(codes.untyped_data()),
-                                                     rows, cols, static_cast<uint8_t*>(out->untyped_data()),
-                                                     stream));
+  return CudaError(kTranspose,
+                   nvfp4_transpose_codes(static_cast<const uint8_t*>(codes.untyped_data()), rows,
+                                         cols, static_cast<uint8_t*>(out->untyped_data()), stream));
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -142,16 +149,17 @@ std::string Dims(int64_t m, int64_t n, int64_t k) {
 
 std::string DeviceName(int device) {
   cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return "device " + std::to_string(device);
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess)
+    return "device " + std::to_string(device);
   return std::string(prop.name) + " (device " + std::to_string(device) + ", compute capability " +
          std::to_string(prop.major) + "." + std::to_string(prop.minor) + ")";
 }
 
 #if SUROGATE_HAVE_FP4_GEMM
 
-#define SUROGATE_FP4_TRY(what, expr)                                     \
-  do {                                                                   \
-    const cublasStatus_t st_ = (expr);                                   \
+#define SUROGATE_FP4_TRY(what, expr)                                      \
+  do {                                                                    \
+    const cublasStatus_t st_ = (expr);                                    \
     if (st_ != CUBLAS_STATUS_SUCCESS) return lt::Error(kGemm, what, st_); \
   } while (0)
 
@@ -167,9 +175,12 @@ using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, s
 
 cudaDataType_t OutType(ffi::DataType t) {
   switch (t) {
-    case ffi::DataType::BF16: return CUDA_R_16BF;
-    case ffi::DataType::F16: return CUDA_R_16F;
-    default: return CUDA_R_32F;
+    case ffi::DataType::BF16:
+      return CUDA_R_16BF;
+    case ffi::DataType::F16:
+      return CUDA_R_16F;
+    default:
+      return CUDA_R_32F;
   }
 }
 
@@ -177,15 +188,24 @@ ffi::Error MakePlan(cublasLtHandle_t handle, const PlanKey& key, Plan* p) {
   const auto [device, m, n, k, td, al_a, al_b, al_d, ws_bytes] = key;
   (void)device;
   const auto& lt = lt::Get();
-  SUROGATE_FP4_TRY("cublasLtMatmulDescCreate", lt.DescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  SUROGATE_FP4_TRY("cublasLtMatmulDescCreate",
+                   lt.DescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
-  SUROGATE_FP4_TRY("set TRANSA", lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
-  SUROGATE_FP4_TRY("set TRANSB", lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
+  SUROGATE_FP4_TRY("set TRANSA",
+                   lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
+  SUROGATE_FP4_TRY("set TRANSB",
+                   lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
   const cublasLtPointerMode_t pm = CUBLASLT_POINTER_MODE_DEVICE;
-  SUROGATE_FP4_TRY("set POINTER_MODE", lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pm, sizeof(pm)));
+  SUROGATE_FP4_TRY(
+      "set POINTER_MODE",
+      lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pm, sizeof(pm)));
   const cublasLtMatmulMatrixScale_t vec16 = CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3;
-  SUROGATE_FP4_TRY("set A_SCALE_MODE", lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vec16, sizeof(vec16)));
-  SUROGATE_FP4_TRY("set B_SCALE_MODE", lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec16, sizeof(vec16)));
+  SUROGATE_FP4_TRY(
+      "set A_SCALE_MODE",
+      lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vec16, sizeof(vec16)));
+  SUROGATE_FP4_TRY(
+      "set B_SCALE_MODE",
+      lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec16, sizeof(vec16)));
   // cuBLASLt A = our b ([N, K] row-major = col-major K x N), B = our a (col-major K x M); the
   // leading dimensions count FP4 elements.
   SUROGATE_FP4_TRY("layout A", lt.LayoutCreate(&p->a, CUDA_R_4F_E2M1, k, n, k));
@@ -199,19 +219,31 @@ ffi::Error MakePlan(cublasLtHandle_t handle, const PlanKey& key, Plan* p) {
   const uint64_t ws = ws_bytes;
   const uint32_t align_a = static_cast<uint32_t>(al_b), align_b = static_cast<uint32_t>(al_a),
                  align_d = static_cast<uint32_t>(al_d);
-  SUROGATE_FP4_TRY("set workspace", lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  SUROGATE_FP4_TRY("set align A", lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
-  SUROGATE_FP4_TRY("set align B", lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
-  SUROGATE_FP4_TRY("set align C", lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)));
-  SUROGATE_FP4_TRY("set align D", lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)));
+  SUROGATE_FP4_TRY(
+      "set workspace",
+      lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  SUROGATE_FP4_TRY("set align A",
+                   lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
+                                       sizeof(align_a)));
+  SUROGATE_FP4_TRY("set align B",
+                   lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
+                                       sizeof(align_b)));
+  SUROGATE_FP4_TRY("set align C",
+                   lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
+                                       sizeof(align_d)));
+  SUROGATE_FP4_TRY("set align D",
+                   lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
+                                       sizeof(align_d)));
 
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  SUROGATE_FP4_TRY("cublasLtMatmulAlgoGetHeuristic",
-                   lt.AlgoGetHeuristic(handle, p->desc, p->a, p->b, p->d, p->d, pref, 1, &result, &found));
+  SUROGATE_FP4_TRY(
+      "cublasLtMatmulAlgoGetHeuristic",
+      lt.AlgoGetHeuristic(handle, p->desc, p->a, p->b, p->d, p->d, pref, 1, &result, &found));
   if (found == 0) {
-    return ffi::Error::Internal(std::string(kGemm) + ": cuBLASLt has no block-scaled FP4 algorithm for " +
-                                Dims(m, n, k) + " (workspace " + std::to_string(ws_bytes) + " bytes)");
+    return ffi::Error::Internal(
+        std::string(kGemm) + ": cuBLASLt has no block-scaled FP4 algorithm for " + Dims(m, n, k) +
+        " (workspace " + std::to_string(ws_bytes) + " bytes)");
   }
   p->algo = result.algo;
   return ffi::Error::Success();
@@ -233,9 +265,10 @@ ffi::Error GetPlan(cublasLtHandle_t handle, const PlanKey& key, Plan** out) {
 
 #endif  // SUROGATE_HAVE_FP4_GEMM
 
-ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scales, ffi::AnyBuffer b,
-                     ffi::AnyBuffer b_scales, ffi::AnyBuffer a_gs, ffi::AnyBuffer b_gs,
-                     ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> ws) {
+ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scales,
+                     ffi::AnyBuffer b, ffi::AnyBuffer b_scales, ffi::AnyBuffer a_gs,
+                     ffi::AnyBuffer b_gs, ffi::Result<ffi::AnyBuffer> d,
+                     ffi::Result<ffi::AnyBuffer> ws) {
   int64_t m = 0, ka = 0, n = 0, kb = 0;
   if (auto e = Check2d(kGemm, "a", a, &m, &ka); e.failure()) return e;
   if (auto e = Check2d(kGemm, "b", b, &n, &kb); e.failure()) return e;
@@ -247,14 +280,17 @@ ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_sca
   }
   const int64_t k = 2 * ka;
   if (k % 32 != 0 || n % 16 != 0) {
-    return InvalidArg(kGemm, "the FP4 GEMM needs K % 32 == 0 and N % 16 == 0; got " + Dims(m, n, k) +
+    return InvalidArg(kGemm, "the FP4 GEMM needs K % 32 == 0 and N % 16 == 0; got " +
+                                 Dims(m, n, k) +
                                  " (pad K with zeros, or use the emulated backend)");
   }
-  for (auto [name, buf, rows] : {std::tuple<const char*, const ffi::AnyBuffer*, int64_t>{"a_scales", &a_scales, m},
-                                 {"b_scales", &b_scales, n}}) {
+  for (auto [name, buf, rows] :
+       {std::tuple<const char*, const ffi::AnyBuffer*, int64_t>{"a_scales", &a_scales, m},
+        {"b_scales", &b_scales, n}}) {
     if (!IsScaleType(buf->element_type())) {
-      return InvalidArg(kGemm, std::string(name) + " has dtype " + ScaleDtypeName(buf->element_type()) +
-                                   ", expected uint8 or float8_e4m3fn (swizzled E4M3 block scales)");
+      return InvalidArg(kGemm,
+                        std::string(name) + " has dtype " + ScaleDtypeName(buf->element_type()) +
+                            ", expected uint8 or float8_e4m3fn (swizzled E4M3 block scales)");
     }
     const int64_t want = nvfp4_swizzled_scale_bytes(rows, k / 16);
     if (static_cast<int64_t>(buf->element_count()) != want) {
@@ -264,29 +300,34 @@ ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_sca
                                    " blocks, padded to 128 x 4)");
     }
   }
-  for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"a_gs", &a_gs}, {"b_gs", &b_gs}}) {
+  for (auto [name, buf] :
+       {std::pair<const char*, const ffi::AnyBuffer*>{"a_gs", &a_gs}, {"b_gs", &b_gs}}) {
     if (auto e = Expect(kGemm, name, *buf, ffi::DataType::F32); e.failure()) return e;
     if (buf->element_count() != 1) {
-      return InvalidArg(kGemm, std::string(name) + " has shape " + ShapeStr(*buf) + ", expected one element");
+      return InvalidArg(
+          kGemm, std::string(name) + " has shape " + ShapeStr(*buf) + ", expected one element");
     }
   }
   const ffi::DataType td = d->element_type();
   if (td != ffi::DataType::BF16 && td != ffi::DataType::F32 && td != ffi::DataType::F16) {
-    return InvalidArg(kGemm, "d has dtype " + DtypeName(td) + ", expected bfloat16, float32 or float16");
+    return InvalidArg(kGemm,
+                      "d has dtype " + DtypeName(td) + ", expected bfloat16, float32 or float16");
   }
   const auto dd = d->dimensions();
   if (dd.size() != 2 || dd[0] != m || dd[1] != n) {
-    return InvalidArg(kGemm, "d has shape " + ShapeStr(*d) + ", expected [" + std::to_string(m) + ", " +
-                                 std::to_string(n) + "]");
+    return InvalidArg(kGemm, "d has shape " + ShapeStr(*d) + ", expected [" + std::to_string(m) +
+                                 ", " + std::to_string(n) + "]");
   }
   if (auto e = Expect(kGemm, "ws", *ws, ffi::DataType::U8); e.failure()) return e;
   if (ws->size_bytes() < kWsHead) {
-    return InvalidArg(kGemm, "ws has " + std::to_string(ws->size_bytes()) + " bytes, need at least " +
-                                 std::to_string(kWsHead));
+    return InvalidArg(kGemm, "ws has " + std::to_string(ws->size_bytes()) +
+                                 " bytes, need at least " + std::to_string(kWsHead));
   }
   for (auto [name, p] : {std::pair<const char*, const void*>{"a", a.untyped_data()},
-                         {"b", b.untyped_data()}, {"a_scales", a_scales.untyped_data()},
-                         {"b_scales", b_scales.untyped_data()}, {"d", d->untyped_data()},
+                         {"b", b.untyped_data()},
+                         {"a_scales", a_scales.untyped_data()},
+                         {"b_scales", b_scales.untyped_data()},
+                         {"d", d->untyped_data()},
                          {"ws", ws->untyped_data()}}) {
     if (auto e = Aligned16(kGemm, name, p); e.failure()) return e;
   }
@@ -298,9 +339,10 @@ ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_sca
     return CudaError(kGemm, err);
   }
   if (major < 10) {
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      std::string(kGemm) + ": block-scaled FP4 GEMMs need an SM100+ GPU (Blackwell); " +
-                          DeviceName(device) + " has none. Use the emulated NVFP4 backend on this GPU");
+    return ffi::Error(
+        ffi::ErrorCode::kUnimplemented,
+        std::string(kGemm) + ": block-scaled FP4 GEMMs need an SM100+ GPU (Blackwell); " +
+            DeviceName(device) + " has none. Use the emulated NVFP4 backend on this GPU");
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
 #if SUROGATE_HAVE_FP4_GEMM
@@ -308,12 +350,14 @@ ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_sca
   if (!lt.error.empty()) return ffi::Error::Internal(std::string(kGemm) + ": " + lt.error);
   if (lt.GetVersion() < 120800) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      std::string(kGemm) + ": the loaded cuBLASLt (version " + std::to_string(lt.GetVersion()) +
+                      std::string(kGemm) + ": the loaded cuBLASLt (version " +
+                          std::to_string(lt.GetVersion()) +
                           ") has no block-scaled FP4 GEMM; it needs 12.8 or newer");
   }
   auto* head = static_cast<float*>(ws->untyped_data());  // [alpha, beta]
-  if (auto e = CudaError(kGemm, nvfp4_gemm_alpha(static_cast<const float*>(a_gs.untyped_data()),
-                                                 static_cast<const float*>(b_gs.untyped_data()), head, stream));
+  if (auto e = CudaError(
+          kGemm, nvfp4_gemm_alpha(static_cast<const float*>(a_gs.untyped_data()),
+                                  static_cast<const float*>(b_gs.untyped_data()), head, stream));
       e.failure()) {
     return e;
   }
@@ -324,59 +368,72 @@ ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_sca
   const uintptr_t start = (base + 2 * sizeof(float) + 255) & ~static_cast<uintptr_t>(255);
   void* work = reinterpret_cast<void*>(start);
   const size_t ws_bytes = ws->size_bytes() - static_cast<size_t>(start - base);
-  const PlanKey key{device, m, n, k, static_cast<int>(OutType(td)), lt::Alignment(a.untyped_data()),
-                    lt::Alignment(b.untyped_data()), lt::Alignment(d->untyped_data()), ws_bytes};
+  const PlanKey key{device,
+                    m,
+                    n,
+                    k,
+                    static_cast<int>(OutType(td)),
+                    lt::Alignment(a.untyped_data()),
+                    lt::Alignment(b.untyped_data()),
+                    lt::Alignment(d->untyped_data()),
+                    ws_bytes};
   Plan* plan = nullptr;
   if (auto e = GetPlan(handle, key, &plan); e.failure()) return e;
   std::lock_guard<std::mutex> lock(plan->mu);
   const void* lt_a_scale = b_scales.untyped_data();  // cuBLASLt's A is our b
   const void* lt_b_scale = a_scales.untyped_data();
-  SUROGATE_FP4_TRY("set A_SCALE_POINTER", lt.DescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                                              &lt_a_scale, sizeof(lt_a_scale)));
-  SUROGATE_FP4_TRY("set B_SCALE_POINTER", lt.DescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                                              &lt_b_scale, sizeof(lt_b_scale)));
+  SUROGATE_FP4_TRY("set A_SCALE_POINTER",
+                   lt.DescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                       &lt_a_scale, sizeof(lt_a_scale)));
+  SUROGATE_FP4_TRY("set B_SCALE_POINTER",
+                   lt.DescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                       &lt_b_scale, sizeof(lt_b_scale)));
   void* dp = d->untyped_data();
   SUROGATE_FP4_TRY("cublasLtMatmul",
-                   lt.Matmul(handle, plan->desc, head, b.untyped_data(), plan->a, a.untyped_data(), plan->b,
-                             head + 1, dp, plan->d, dp, plan->d, &plan->algo, ws_bytes ? work : nullptr,
-                             ws_bytes, stream));
+                   lt.Matmul(handle, plan->desc, head, b.untyped_data(), plan->a, a.untyped_data(),
+                             plan->b, head + 1, dp, plan->d, dp, plan->d, &plan->algo,
+                             ws_bytes ? work : nullptr, ws_bytes, stream));
   return ffi::Error::Success();
 #else
   (void)stream;
-  return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    std::string(kGemm) + ": the extension was built without a cuBLAS >= 12.8 cublasLt.h "
-                    "(no block-scaled FP4 in its headers); rebuild against CUDA 12.8+ to use the native "
-                    "NVFP4 GEMM on " + DeviceName(device));
+  return ffi::Error(
+      ffi::ErrorCode::kUnimplemented,
+      std::string(kGemm) +
+          ": the extension was built without a cuBLAS >= 12.8 cublasLt.h "
+          "(no block-scaled FP4 in its headers); rebuild against CUDA 12.8+ to use the native "
+          "NVFP4 GEMM on " +
+          DeviceName(device));
 #endif
 }
 
 }  // namespace
 
 SUROGATE_DEFINE_HANDLER(kNvfp4SwizzleHandler, SwizzleScales,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<int64_t>("rows")
-                           .Attr<int32_t>("row_div")
-                           .Arg<ffi::AnyBuffer>()   // scales
-                           .Ret<ffi::AnyBuffer>());  // swizzled
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<int64_t>("rows")
+                            .Attr<int32_t>("row_div")
+                            .Arg<ffi::AnyBuffer>()    // scales
+                            .Ret<ffi::AnyBuffer>());  // swizzled
 
 SUROGATE_DEFINE_HANDLER(kNvfp4TransposeHandler, TransposeCodes,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Arg<ffi::AnyBuffer>()   // codes
-                           .Ret<ffi::AnyBuffer>());  // transposed codes
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Arg<ffi::AnyBuffer>()    // codes
+                            .Ret<ffi::AnyBuffer>());  // transposed codes
 
-SUROGATE_DEFINE_HANDLER(kNvfp4GemmHandler, Nvfp4Gemm,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Arg<ffi::AnyBuffer>()   // a codes
-                           .Arg<ffi::AnyBuffer>()   // a_scales (swizzled)
-                           .Arg<ffi::AnyBuffer>()   // b codes
-                           .Arg<ffi::AnyBuffer>()   // b_scales (swizzled)
-                           .Arg<ffi::AnyBuffer>()   // a_gs
-                           .Arg<ffi::AnyBuffer>()   // b_gs
-                           .Ret<ffi::AnyBuffer>()   // d
-                           .Ret<ffi::AnyBuffer>());  // ws (alpha/beta + cuBLASLt workspace, discarded)
+SUROGATE_DEFINE_HANDLER(
+    kNvfp4GemmHandler, Nvfp4Gemm,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()    // a codes
+        .Arg<ffi::AnyBuffer>()    // a_scales (swizzled)
+        .Arg<ffi::AnyBuffer>()    // b codes
+        .Arg<ffi::AnyBuffer>()    // b_scales (swizzled)
+        .Arg<ffi::AnyBuffer>()    // a_gs
+        .Arg<ffi::AnyBuffer>()    // b_gs
+        .Ret<ffi::AnyBuffer>()    // d
+        .Ret<ffi::AnyBuffer>());  // ws (alpha/beta + cuBLASLt workspace, discarded)
 
 Targets Nvfp4MatmulTargets() {
   return {SUROGATE_TARGET(kSwizzle.data(), kNvfp4SwizzleHandler),

@@ -25,8 +25,9 @@ constexpr std::string_view kQuant = "surogate_nvfp4_quantize";
 ffi::Error CheckBlockAxis(std::string_view op, const ffi::AnyBuffer& x, int64_t* rows, int64_t* k) {
   if (auto e = RowsAndDim(op, "x", x, rows, k); e.failure()) return e;
   if (*k <= 0 || *k % 16 != 0) {
-    return InvalidArg(op, "the last (block) axis of x must be a positive multiple of 16, got shape " +
-                              ShapeStr(x));
+    return InvalidArg(
+        op,
+        "the last (block) axis of x must be a positive multiple of 16, got shape " + ShapeStr(x));
   }
   return ffi::Error::Success();
 }
@@ -64,16 +65,16 @@ ffi::Error Nvfp4Amax(cudaStream_t stream, int32_t rht_sign_mask, ffi::AnyBuffer 
   if (auto e = CheckCount(kAmax, "amax", *amax, 1); e.failure()) return e;
   return DispatchFloat(kAmax, x.element_type(), [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
-    return CudaError(kAmax, nvfp4_amax<T>(static_cast<const T*>(x.untyped_data()), rows * k,
-                                          rht_sign_mask, static_cast<float*>(amax->untyped_data()),
-                                          stream));
+    return CudaError(kAmax,
+                     nvfp4_amax<T>(static_cast<const T*>(x.untyped_data()), rows * k, rht_sign_mask,
+                                   static_cast<float*>(amax->untyped_data()), stream));
   });
 }
 
 ffi::Error Nvfp4Quantize(cudaStream_t stream, int32_t tile_2d, int32_t four_over_six,
                          int32_t stochastic, int32_t rht_sign_mask, ffi::AnyBuffer x,
-                         ffi::AnyBuffer amax, ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> codes,
-                         ffi::Result<ffi::AnyBuffer> scales,
+                         ffi::AnyBuffer amax, ffi::AnyBuffer seed,
+                         ffi::Result<ffi::AnyBuffer> codes, ffi::Result<ffi::AnyBuffer> scales,
                          ffi::Result<ffi::AnyBuffer> global_scale) {
   int64_t rows = 0, k = 0;
   if (auto e = CheckBlockAxis(kQuant, x, &rows, &k); e.failure()) return e;
@@ -87,8 +88,10 @@ ffi::Error Nvfp4Quantize(cudaStream_t stream, int32_t tile_2d, int32_t four_over
   if (auto e = ExpectDtype(kQuant, "seed", seed, ffi::DataType::U32); e.failure()) return e;
   if (auto e = CheckCount(kQuant, "seed", seed, 2); e.failure()) return e;
   if (auto e = ExpectDtype(kQuant, "codes", *codes, ffi::DataType::U8); e.failure()) return e;
-  if (auto e = ExpectDtype(kQuant, "scales", *scales, ffi::DataType::F8E4M3FN); e.failure()) return e;
-  if (auto e = ExpectDtype(kQuant, "global_scale", *global_scale, ffi::DataType::F32); e.failure()) {
+  if (auto e = ExpectDtype(kQuant, "scales", *scales, ffi::DataType::F8E4M3FN); e.failure())
+    return e;
+  if (auto e = ExpectDtype(kQuant, "global_scale", *global_scale, ffi::DataType::F32);
+      e.failure()) {
     return e;
   }
   if (auto e = CheckCount(kQuant, "global_scale", *global_scale, 1); e.failure()) return e;
@@ -112,41 +115,42 @@ ffi::Error Nvfp4Quantize(cudaStream_t stream, int32_t tile_2d, int32_t four_over
   opt.rht_sign_mask = rht_sign_mask;
   return DispatchFloat(kQuant, x.element_type(), [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
-    return CudaError(
-        kQuant, nvfp4_quantize<T>(static_cast<const T*>(x.untyped_data()), batch, m, k,
-                                  static_cast<const float*>(amax.untyped_data()),
-                                  static_cast<const uint32_t*>(seed.untyped_data()), opt,
-                                  static_cast<uint8_t*>(codes->untyped_data()),
-                                  static_cast<uint8_t*>(scales->untyped_data()),
-                                  static_cast<float*>(global_scale->untyped_data()), stream));
+    return CudaError(kQuant,
+                     nvfp4_quantize<T>(static_cast<const T*>(x.untyped_data()), batch, m, k,
+                                       static_cast<const float*>(amax.untyped_data()),
+                                       static_cast<const uint32_t*>(seed.untyped_data()), opt,
+                                       static_cast<uint8_t*>(codes->untyped_data()),
+                                       static_cast<uint8_t*>(scales->untyped_data()),
+                                       static_cast<float*>(global_scale->untyped_data()), stream));
   });
 }
 
 }  // namespace
 
 SUROGATE_DEFINE_HANDLER(kNvfp4AmaxHandler, Nvfp4Amax,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<int32_t>("rht_sign_mask")
-                           .Arg<ffi::AnyBuffer>()   // x
-                           .Ret<ffi::AnyBuffer>());  // amax
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<int32_t>("rht_sign_mask")
+                            .Arg<ffi::AnyBuffer>()    // x
+                            .Ret<ffi::AnyBuffer>());  // amax
 
 SUROGATE_DEFINE_HANDLER(kNvfp4QuantizeHandler, Nvfp4Quantize,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<int32_t>("tile_2d")
-                           .Attr<int32_t>("four_over_six")
-                           .Attr<int32_t>("stochastic")
-                           .Attr<int32_t>("rht_sign_mask")
-                           .Arg<ffi::AnyBuffer>()   // x
-                           .Arg<ffi::AnyBuffer>()   // amax
-                           .Arg<ffi::AnyBuffer>()   // seed
-                           .Ret<ffi::AnyBuffer>()   // codes
-                           .Ret<ffi::AnyBuffer>()   // scales
-                           .Ret<ffi::AnyBuffer>());  // global_scale
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<int32_t>("tile_2d")
+                            .Attr<int32_t>("four_over_six")
+                            .Attr<int32_t>("stochastic")
+                            .Attr<int32_t>("rht_sign_mask")
+                            .Arg<ffi::AnyBuffer>()    // x
+                            .Arg<ffi::AnyBuffer>()    // amax
+                            .Arg<ffi::AnyBuffer>()    // seed
+                            .Ret<ffi::AnyBuffer>()    // codes
+                            .Ret<ffi::AnyBuffer>()    // scales
+                            .Ret<ffi::AnyBuffer>());  // global_scale
 
 Targets Nvfp4QuantizeTargets() {
-  return {SUROGATE_TARGET(kAmax.data(), kNvfp4AmaxHandler), SUROGATE_TARGET(kQuant.data(), kNvfp4QuantizeHandler)};
+  return {SUROGATE_TARGET(kAmax.data(), kNvfp4AmaxHandler),
+          SUROGATE_TARGET(kQuant.data(), kNvfp4QuantizeHandler)};
 }
 
 }  // namespace surogate::ffi_bind

@@ -1,8 +1,8 @@
 // XLA FFI handlers for RMSNorm: check shapes/dtypes, pick the element type, call the launchers in
 // kernels/rms_norm.h on XLA's stream. Python side: surogate_jax/ops/rms_norm.py.
 //
-//   surogate_rms_norm_fwd(x [..., D], w [G.., D]; eps: f32, fwd_algo: i32) -> y [..., D], rstd [...] (f32)
-//   (fwd_algo picks a forward kernel variant, 0 = default: see kernels/rms_norm.h)
+//   surogate_rms_norm_fwd(x [..., D], w [G.., D]; eps: f32, fwd_algo: i32) -> y [..., D], rstd
+//   [...] (f32) (fwd_algo picks a forward kernel variant, 0 = default: see kernels/rms_norm.h)
 //   surogate_rms_norm_bwd(dy [..., D], x [..., D], w [G.., D], rstd [...]; bwd_algo: i32)
 //       -> dx [..., D], dw [G.., D], ws [.., P, D] (f32)   (bwd_algo: the backward's variant)
 // ws holds the backward's per-block dw partial sums; it is an output (the caller discards it)
@@ -13,9 +13,10 @@
 // vmap_method="broadcast_all", which gives w (and dw) a leading batch shape: then the rows of x
 // split into G equal consecutive groups, group g normalized with w[g] and summed into dw[g]
 // (one launch per group). x, w, y, dy, dx and dw share one dtype (f32, bf16 or f16).
-// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
-// device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
-// measured inside jitted train steps (benchmarks/kernels_in_model.py, tests/gpu/test_models_gpu.py).
+// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only
+// read device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and
+// async memsets; measured inside jitted train steps (benchmarks/kernels_in_model.py,
+// tests/gpu/test_models_gpu.py).
 #include "ffi/ffi_common.h"
 #include "kernels/rms_norm.h"
 
@@ -82,8 +83,8 @@ ffi::Error RmsNormFwd(cudaStream_t stream, float eps, int32_t fwd_algo, ffi::Any
   });
 }
 
-ffi::Error RmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
+ffi::Error RmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                      ffi::AnyBuffer w, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
                       ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> ws) {
   if (bwd_algo < 0 || bwd_algo >= kRmsNormBwdAlgos) {
     return InvalidArg(kBwd, "bwd_algo " + std::to_string(bwd_algo) + " is not in [0, " +
@@ -94,7 +95,9 @@ ffi::Error RmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer dy, 
   if (auto e = WeightGroups(kBwd, x, w, rows, dim, &groups); e.failure()) return e;
   const ffi::DataType t = x.element_type();
   for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"dy", &dy},
-                           {"w", &w}, {"dx", &*dx}, {"dw", &*dw}}) {
+                           {"w", &w},
+                           {"dx", &*dx},
+                           {"dw", &*dw}}) {
     if (auto e = ExpectDtype(kBwd, name, *buf, t); e.failure()) return e;
   }
   if (auto e = ExpectDtype(kBwd, "rstd", rstd, ffi::DataType::F32); e.failure()) return e;
@@ -124,8 +127,9 @@ ffi::Error RmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer dy, 
     T* dwp = static_cast<T*>(dw->untyped_data());
     for (int64_t g = 0; g < groups; ++g) {  // groups run in stream order, so they share `ws`
       const int64_t o = g * per * dim;
-      const cudaError_t err = rms_norm_bwd<T>(dyp + o, xp + o, wp + g * dim, rp + g * per, dxp + o,
-                                              dwp + g * dim, per, dim, wsp, ws_bytes, stream, bwd_algo);
+      const cudaError_t err =
+          rms_norm_bwd<T>(dyp + o, xp + o, wp + g * dim, rp + g * per, dxp + o, dwp + g * dim, per,
+                          dim, wsp, ws_bytes, stream, bwd_algo);
       if (err != cudaSuccess) return CudaError(kBwd, err);
     }
     return ffi::Error::Success();
@@ -135,29 +139,30 @@ ffi::Error RmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer dy, 
 }  // namespace
 
 SUROGATE_DEFINE_HANDLER(kRmsNormFwdHandler, RmsNormFwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<float>("eps")
-                           .Attr<int32_t>("fwd_algo")
-                           .Arg<ffi::AnyBuffer>()   // x
-                           .Arg<ffi::AnyBuffer>()   // w
-                           .Ret<ffi::AnyBuffer>()   // y
-                           .Ret<ffi::AnyBuffer>());  // rstd
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<float>("eps")
+                            .Attr<int32_t>("fwd_algo")
+                            .Arg<ffi::AnyBuffer>()    // x
+                            .Arg<ffi::AnyBuffer>()    // w
+                            .Ret<ffi::AnyBuffer>()    // y
+                            .Ret<ffi::AnyBuffer>());  // rstd
 
 SUROGATE_DEFINE_HANDLER(kRmsNormBwdHandler, RmsNormBwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<int32_t>("bwd_algo")
-                           .Arg<ffi::AnyBuffer>()   // dy
-                           .Arg<ffi::AnyBuffer>()   // x
-                           .Arg<ffi::AnyBuffer>()   // w
-                           .Arg<ffi::AnyBuffer>()   // rstd
-                           .Ret<ffi::AnyBuffer>()   // dx
-                           .Ret<ffi::AnyBuffer>()   // dw
-                           .Ret<ffi::AnyBuffer>());  // ws (dw partial sums, discarded)
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<int32_t>("bwd_algo")
+                            .Arg<ffi::AnyBuffer>()    // dy
+                            .Arg<ffi::AnyBuffer>()    // x
+                            .Arg<ffi::AnyBuffer>()    // w
+                            .Arg<ffi::AnyBuffer>()    // rstd
+                            .Ret<ffi::AnyBuffer>()    // dx
+                            .Ret<ffi::AnyBuffer>()    // dw
+                            .Ret<ffi::AnyBuffer>());  // ws (dw partial sums, discarded)
 
 Targets RmsNormTargets() {
-  return {SUROGATE_TARGET(kFwd.data(), kRmsNormFwdHandler), SUROGATE_TARGET(kBwd.data(), kRmsNormBwdHandler)};
+  return {SUROGATE_TARGET(kFwd.data(), kRmsNormFwdHandler),
+          SUROGATE_TARGET(kBwd.data(), kRmsNormBwdHandler)};
 }
 
 }  // namespace surogate::ffi_bind

@@ -24,9 +24,10 @@
 // Leading group dims G on inv_freq / w appear under jax.vmap (vmap_method="broadcast_all"): the
 // tokens then split into G equal consecutive groups, group g using inv_freq[g] / w[g] and summing
 // into dw[g] (one launch per group).
-// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
-// device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
-// measured inside jitted train steps (benchmarks/kernels_in_model.py, tests/gpu/test_models_gpu.py).
+// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only
+// read device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and
+// async memsets; measured inside jitted train steps (benchmarks/kernels_in_model.py,
+// tests/gpu/test_models_gpu.py).
 #include <algorithm>
 #include <tuple>
 
@@ -75,10 +76,9 @@ ffi::Error GroupRows(std::string_view op, const char* name, const ffi::AnyBuffer
   int64_t rows = 0, last = 0;
   if (auto e = RowsAndDim(op, name, b, &rows, &last); e.failure()) return e;
   if (last != n || rows < 1 || (tokens > 0 && tokens % rows != 0)) {
-    return InvalidArg(op, std::string(name) + " has shape " + ShapeStr(b) + ", expected [" +
-                              std::to_string(n) +
-                              "] (or a batch of such rows dividing the tokens, " +
-                              std::to_string(tokens) + ")");
+    return InvalidArg(
+        op, std::string(name) + " has shape " + ShapeStr(b) + ", expected [" + std::to_string(n) +
+                "] (or a batch of such rows dividing the tokens, " + std::to_string(tokens) + ")");
   }
   *groups = rows;
   return ffi::Error::Success();
@@ -113,8 +113,8 @@ ffi::Error Inspect(std::string_view op, const ffi::AnyBuffer& x, const ffi::AnyB
     const auto ad = a.dimensions();
     if (ad.size() != lead + 1 || !LeadingDimsEqual(ad, lead, xd, lead) || ad[lead] < c->half) {
       return InvalidArg(op, "cos table has shape " + ShapeStr(a) + ", expected " +
-                                DimsStr(xd, lead) + " + [S] with S >= head_dim / 2 = " +
-                                std::to_string(c->half));
+                                DimsStr(xd, lead) +
+                                " + [S] with S >= head_dim / 2 = " + std::to_string(c->half));
     }
     if (auto e = ExpectDtype(op, "sin table", b, ffi::DataType::F32); e.failure()) return e;
     if (!(b.dimensions() == ad)) {
@@ -122,8 +122,10 @@ ffi::Error Inspect(std::string_view op, const ffi::AnyBuffer& x, const ffi::AnyB
     }
     c->stride = ad[lead];
   } else {
-    return InvalidArg(op, "the angle source must be int32 positions or float32 cos/sin tables, "
-                          "got " + DtypeName(a.element_type()));
+    return InvalidArg(op,
+                      "the angle source must be int32 positions or float32 cos/sin tables, "
+                      "got " +
+                          DtypeName(a.element_type()));
   }
   if (w != nullptr) {
     if (auto e = ExpectDtype(op, "w", *w, x.element_type()); e.failure()) return e;
@@ -139,12 +141,14 @@ ffi::Error Inspect(std::string_view op, const ffi::AnyBuffer& x, const ffi::AnyB
 }
 
 // The angle source of token group g.
-RopeAngles AnglesOf(const RopeCall& c, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, int64_t g) {
+RopeAngles AnglesOf(const RopeCall& c, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                    int64_t g) {
   RopeAngles ang;
   const int64_t t0 = g * (c.tokens / c.groups);
   if (c.by_positions) {
     ang.positions = static_cast<const int32_t*>(a.untyped_data()) + t0;
-    ang.inv_freq = static_cast<const float*>(b.untyped_data()) + (c.freq_groups > 1 ? g * c.half : 0);
+    ang.inv_freq =
+        static_cast<const float*>(b.untyped_data()) + (c.freq_groups > 1 ? g * c.half : 0);
   } else {
     ang.cos = static_cast<const float*>(a.untyped_data()) + t0 * c.stride;
     ang.sin = static_cast<const float*>(b.untyped_data()) + t0 * c.stride;
@@ -161,8 +165,7 @@ ffi::Error CheckSameShape(std::string_view op, const char* name, const ffi::AnyB
 }
 
 ffi::Error RopeFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inverse, int32_t fwd_algo,
-                   ffi::AnyBuffer x,
-                   ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer w,
+                   ffi::AnyBuffer x, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer w,
                    ffi::Result<ffi::AnyBuffer> y) {
   if (fwd_algo < 0 || fwd_algo >= kRopeFwdAlgos) {
     return InvalidArg(kFwd, "fwd_algo " + std::to_string(fwd_algo) + " is not in [0, " +
@@ -181,16 +184,16 @@ ffi::Error RopeFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inverse
     for (int64_t g = 0; g < c.groups; ++g) {
       const cudaError_t err =
           rope_fwd<T>(xp + g * per * row, yp + g * per * row, AnglesOf(c, a, b, g),
-                      wp == nullptr ? nullptr : wp + (c.w_groups > 1 ? g * c.dim : 0), per,
-                      c.heads, c.dim, eps, inverse != 0, stream, fwd_algo);
+                      wp == nullptr ? nullptr : wp + (c.w_groups > 1 ? g * c.dim : 0), per, c.heads,
+                      c.dim, eps, inverse != 0, stream, fwd_algo);
       if (err != cudaSuccess) return CudaError(kFwd, err);
     }
     return ffi::Error::Success();
   });
 }
 
-ffi::Error RopeBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyBuffer dy, ffi::AnyBuffer x,
-                   ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer w,
+ffi::Error RopeBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyBuffer dy,
+                   ffi::AnyBuffer x, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer w,
                    ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw,
                    ffi::Result<ffi::AnyBuffer> ws) {
   if (bwd_algo < 0 || bwd_algo >= kRopeBwdAlgos) {
@@ -200,8 +203,8 @@ ffi::Error RopeBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyBuf
   RopeCall c;
   if (auto e = Inspect(kBwd, x, a, b, &w, &c); e.failure()) return e;
   const ffi::DataType t = x.element_type();
-  for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"dy", &dy},
-                           {"dx", &*dx}, {"dw", &*dw}}) {
+  for (auto [name, buf] :
+       {std::pair<const char*, const ffi::AnyBuffer*>{"dy", &dy}, {"dx", &*dx}, {"dw", &*dw}}) {
     if (auto e = ExpectDtype(kBwd, name, *buf, t); e.failure()) return e;
   }
   if (auto e = ExpectDtype(kBwd, "ws", *ws, ffi::DataType::F32); e.failure()) return e;
@@ -227,24 +230,24 @@ ffi::Error RopeBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyBuf
     T* dwp = static_cast<T*>(dw->untyped_data());
     for (int64_t g = 0; g < c.groups; ++g) {  // groups run in stream order, so they share `ws`
       const int64_t o = g * per * row;
-      const cudaError_t err =
-          rope_norm_bwd<T>(dyp + o, xp + o, AnglesOf(c, a, b, g), wp + g * c.dim, dxp + o,
-                           dwp + g * c.dim, per, c.heads, c.dim, eps, ws->untyped_data(),
-                           ws_bytes, stream, bwd_algo);
+      const cudaError_t err = rope_norm_bwd<T>(
+          dyp + o, xp + o, AnglesOf(c, a, b, g), wp + g * c.dim, dxp + o, dwp + g * c.dim, per,
+          c.heads, c.dim, eps, ws->untyped_data(), ws_bytes, stream, bwd_algo);
       if (err != cudaSuccess) return CudaError(kBwd, err);
     }
     return ffi::Error::Success();
   });
 }
 
-// q and k of a layer (surogate_rope_qk_*): both inspected as single calls, then required to agree on
-// everything but heads and w.
+// q and k of a layer (surogate_rope_qk_*): both inspected as single calls, then required to agree
+// on everything but heads and w.
 ffi::Error InspectPair(std::string_view op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                        const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::AnyBuffer* wq,
                        const ffi::AnyBuffer* wk, RopeCall* cq, RopeCall* ck) {
   if (auto e = Inspect(op, q, a, b, wq, cq); e.failure()) return e;
   if (q.element_type() != k.element_type()) {
-    return InvalidArg(op, "q is " + DtypeName(q.element_type()) + " but k is " + DtypeName(k.element_type()));
+    return InvalidArg(
+        op, "q is " + DtypeName(q.element_type()) + " but k is " + DtypeName(k.element_type()));
   }
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (kd.size() != qd.size() || !LeadingDimsEqual(qd, qd.size() - 2, kd, kd.size() - 2) ||
@@ -259,23 +262,26 @@ ffi::Error InspectPair(std::string_view op, const ffi::AnyBuffer& q, const ffi::
   return ffi::Error::Success();
 }
 
-ffi::Error RopeQkFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inverse, int32_t fwd_algo,
-                     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                     ffi::AnyBuffer wq, ffi::AnyBuffer wk, ffi::Result<ffi::AnyBuffer> yq,
-                     ffi::Result<ffi::AnyBuffer> yk) {
+ffi::Error RopeQkFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inverse,
+                     int32_t fwd_algo, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer a,
+                     ffi::AnyBuffer b, ffi::AnyBuffer wq, ffi::AnyBuffer wk,
+                     ffi::Result<ffi::AnyBuffer> yq, ffi::Result<ffi::AnyBuffer> yk) {
   if (fwd_algo < 0 || fwd_algo >= kRopeFwdAlgos) {
     return InvalidArg(kQkFwd, "fwd_algo " + std::to_string(fwd_algo) + " is not in [0, " +
                                   std::to_string(kRopeFwdAlgos) + ")");
   }
   RopeCall cq, ck;
-  if (auto e = InspectPair(kQkFwd, q, k, a, b, norm ? &wq : nullptr, norm ? &wk : nullptr, &cq, &ck);
+  if (auto e =
+          InspectPair(kQkFwd, q, k, a, b, norm ? &wq : nullptr, norm ? &wk : nullptr, &cq, &ck);
       e.failure()) {
     return e;
   }
-  for (auto [name, out, like] : {std::tuple<const char*, const ffi::AnyBuffer*, const ffi::AnyBuffer*>{"yq", &*yq, &q},
-                                 {"yk", &*yk, &k}}) {
+  for (auto [name, out, like] :
+       {std::tuple<const char*, const ffi::AnyBuffer*, const ffi::AnyBuffer*>{"yq", &*yq, &q},
+        {"yk", &*yk, &k}}) {
     if (auto e = ExpectDtype(kQkFwd, name, *out, q.element_type()); e.failure()) return e;
-    if (auto e = CheckSameShape(kQkFwd, name, *out, *like, name[1] == 'q' ? "q" : "k"); e.failure()) return e;
+    if (auto e = CheckSameShape(kQkFwd, name, *out, *like, name[1] == 'q' ? "q" : "k"); e.failure())
+      return e;
   }
   const int64_t per = cq.tokens / cq.groups, rq = cq.heads * cq.dim, rk = ck.heads * ck.dim;
   return DispatchFloat(kQkFwd, q.element_type(), [&](auto tag) -> ffi::Error {
@@ -291,19 +297,20 @@ ffi::Error RopeQkFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inver
       t1.out = static_cast<T*>(yk->untyped_data()) + g * per * rk;
       t1.w = norm ? static_cast<const T*>(wk.untyped_data()) + wo : nullptr;
       t1.heads = ck.heads;
-      const cudaError_t err = rope_fwd_pair<T>(t0, t1, AnglesOf(cq, a, b, g), per, cq.dim, eps, inverse != 0,
-                                               stream, fwd_algo);
+      const cudaError_t err = rope_fwd_pair<T>(t0, t1, AnglesOf(cq, a, b, g), per, cq.dim, eps,
+                                               inverse != 0, stream, fwd_algo);
       if (err != cudaSuccess) return CudaError(kQkFwd, err);
     }
     return ffi::Error::Success();
   });
 }
 
-ffi::Error RopeQkBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyBuffer dyq, ffi::AnyBuffer dyk,
-                     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                     ffi::AnyBuffer wq, ffi::AnyBuffer wk, ffi::Result<ffi::AnyBuffer> dq,
-                     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dwq,
-                     ffi::Result<ffi::AnyBuffer> dwk, ffi::Result<ffi::AnyBuffer> ws) {
+ffi::Error RopeQkBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyBuffer dyq,
+                     ffi::AnyBuffer dyk, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer a,
+                     ffi::AnyBuffer b, ffi::AnyBuffer wq, ffi::AnyBuffer wk,
+                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                     ffi::Result<ffi::AnyBuffer> dwq, ffi::Result<ffi::AnyBuffer> dwk,
+                     ffi::Result<ffi::AnyBuffer> ws) {
   if (bwd_algo < 0 || bwd_algo >= kRopeBwdAlgos) {
     return InvalidArg(kQkBwd, "bwd_algo " + std::to_string(bwd_algo) + " is not in [0, " +
                                   std::to_string(kRopeBwdAlgos) + ")");
@@ -316,9 +323,10 @@ ffi::Error RopeQkBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyB
   }
   const ffi::DataType t = q.element_type();
   using Check = std::tuple<const char*, const ffi::AnyBuffer*, const ffi::AnyBuffer*, const char*>;
-  for (auto [name, buf, like, like_name] : {Check{"dyq", &dyq, &q, "q"}, Check{"dyk", &dyk, &k, "k"},
-                                            Check{"dq", &*dq, &q, "q"}, Check{"dk", &*dk, &k, "k"},
-                                            Check{"dwq", &*dwq, &wq, "wq"}, Check{"dwk", &*dwk, &wk, "wk"}}) {
+  for (auto [name, buf, like, like_name] :
+       {Check{"dyq", &dyq, &q, "q"}, Check{"dyk", &dyk, &k, "k"}, Check{"dq", &*dq, &q, "q"},
+        Check{"dk", &*dk, &k, "k"}, Check{"dwq", &*dwq, &wq, "wq"},
+        Check{"dwk", &*dwk, &wk, "wk"}}) {
     if (auto e = ExpectDtype(kQkBwd, name, *buf, t); e.failure()) return e;
     if (auto e = CheckSameShape(kQkBwd, name, *buf, *like, like_name); e.failure()) return e;
   }
@@ -356,70 +364,72 @@ ffi::Error RopeQkBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyB
 }  // namespace
 
 SUROGATE_DEFINE_HANDLER(kRopeFwdHandler, RopeFwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<float>("eps")
-                           .Attr<int32_t>("norm")
-                           .Attr<int32_t>("inverse")
-                           .Attr<int32_t>("fwd_algo")
-                           .Arg<ffi::AnyBuffer>()   // x
-                           .Arg<ffi::AnyBuffer>()   // positions | cos
-                           .Arg<ffi::AnyBuffer>()   // inv_freq | sin
-                           .Arg<ffi::AnyBuffer>()   // w (ignored unless norm)
-                           .Ret<ffi::AnyBuffer>());  // y
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<float>("eps")
+                            .Attr<int32_t>("norm")
+                            .Attr<int32_t>("inverse")
+                            .Attr<int32_t>("fwd_algo")
+                            .Arg<ffi::AnyBuffer>()    // x
+                            .Arg<ffi::AnyBuffer>()    // positions | cos
+                            .Arg<ffi::AnyBuffer>()    // inv_freq | sin
+                            .Arg<ffi::AnyBuffer>()    // w (ignored unless norm)
+                            .Ret<ffi::AnyBuffer>());  // y
 
 SUROGATE_DEFINE_HANDLER(kRopeBwdHandler, RopeBwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<float>("eps")
-                           .Attr<int32_t>("bwd_algo")
-                           .Arg<ffi::AnyBuffer>()   // dy
-                           .Arg<ffi::AnyBuffer>()   // x
-                           .Arg<ffi::AnyBuffer>()   // positions | cos
-                           .Arg<ffi::AnyBuffer>()   // inv_freq | sin
-                           .Arg<ffi::AnyBuffer>()   // w
-                           .Ret<ffi::AnyBuffer>()   // dx
-                           .Ret<ffi::AnyBuffer>()   // dw
-                           .Ret<ffi::AnyBuffer>());  // ws (dw partial sums, discarded)
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<float>("eps")
+                            .Attr<int32_t>("bwd_algo")
+                            .Arg<ffi::AnyBuffer>()    // dy
+                            .Arg<ffi::AnyBuffer>()    // x
+                            .Arg<ffi::AnyBuffer>()    // positions | cos
+                            .Arg<ffi::AnyBuffer>()    // inv_freq | sin
+                            .Arg<ffi::AnyBuffer>()    // w
+                            .Ret<ffi::AnyBuffer>()    // dx
+                            .Ret<ffi::AnyBuffer>()    // dw
+                            .Ret<ffi::AnyBuffer>());  // ws (dw partial sums, discarded)
 
 SUROGATE_DEFINE_HANDLER(kRopeQkFwdHandler, RopeQkFwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<float>("eps")
-                           .Attr<int32_t>("norm")
-                           .Attr<int32_t>("inverse")
-                           .Attr<int32_t>("fwd_algo")
-                           .Arg<ffi::AnyBuffer>()   // q
-                           .Arg<ffi::AnyBuffer>()   // k
-                           .Arg<ffi::AnyBuffer>()   // positions | cos
-                           .Arg<ffi::AnyBuffer>()   // inv_freq | sin
-                           .Arg<ffi::AnyBuffer>()   // wq (ignored unless norm)
-                           .Arg<ffi::AnyBuffer>()   // wk (ignored unless norm)
-                           .Ret<ffi::AnyBuffer>()   // yq
-                           .Ret<ffi::AnyBuffer>());  // yk
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<float>("eps")
+                            .Attr<int32_t>("norm")
+                            .Attr<int32_t>("inverse")
+                            .Attr<int32_t>("fwd_algo")
+                            .Arg<ffi::AnyBuffer>()    // q
+                            .Arg<ffi::AnyBuffer>()    // k
+                            .Arg<ffi::AnyBuffer>()    // positions | cos
+                            .Arg<ffi::AnyBuffer>()    // inv_freq | sin
+                            .Arg<ffi::AnyBuffer>()    // wq (ignored unless norm)
+                            .Arg<ffi::AnyBuffer>()    // wk (ignored unless norm)
+                            .Ret<ffi::AnyBuffer>()    // yq
+                            .Ret<ffi::AnyBuffer>());  // yk
 
 SUROGATE_DEFINE_HANDLER(kRopeQkBwdHandler, RopeQkBwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<float>("eps")
-                           .Attr<int32_t>("bwd_algo")
-                           .Arg<ffi::AnyBuffer>()   // dyq
-                           .Arg<ffi::AnyBuffer>()   // dyk
-                           .Arg<ffi::AnyBuffer>()   // q
-                           .Arg<ffi::AnyBuffer>()   // k
-                           .Arg<ffi::AnyBuffer>()   // positions | cos
-                           .Arg<ffi::AnyBuffer>()   // inv_freq | sin
-                           .Arg<ffi::AnyBuffer>()   // wq
-                           .Arg<ffi::AnyBuffer>()   // wk
-                           .Ret<ffi::AnyBuffer>()   // dq
-                           .Ret<ffi::AnyBuffer>()   // dk
-                           .Ret<ffi::AnyBuffer>()   // dwq
-                           .Ret<ffi::AnyBuffer>()   // dwk
-                           .Ret<ffi::AnyBuffer>());  // ws (dw partial sums of both, discarded)
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<float>("eps")
+                            .Attr<int32_t>("bwd_algo")
+                            .Arg<ffi::AnyBuffer>()    // dyq
+                            .Arg<ffi::AnyBuffer>()    // dyk
+                            .Arg<ffi::AnyBuffer>()    // q
+                            .Arg<ffi::AnyBuffer>()    // k
+                            .Arg<ffi::AnyBuffer>()    // positions | cos
+                            .Arg<ffi::AnyBuffer>()    // inv_freq | sin
+                            .Arg<ffi::AnyBuffer>()    // wq
+                            .Arg<ffi::AnyBuffer>()    // wk
+                            .Ret<ffi::AnyBuffer>()    // dq
+                            .Ret<ffi::AnyBuffer>()    // dk
+                            .Ret<ffi::AnyBuffer>()    // dwq
+                            .Ret<ffi::AnyBuffer>()    // dwk
+                            .Ret<ffi::AnyBuffer>());  // ws (dw partial sums of both, discarded)
 
 Targets RopeTargets() {
-  return {SUROGATE_TARGET(kFwd.data(), kRopeFwdHandler), SUROGATE_TARGET(kBwd.data(), kRopeBwdHandler),
-          SUROGATE_TARGET(kQkFwd.data(), kRopeQkFwdHandler), SUROGATE_TARGET(kQkBwd.data(), kRopeQkBwdHandler)};
+  return {SUROGATE_TARGET(kFwd.data(), kRopeFwdHandler),
+          SUROGATE_TARGET(kBwd.data(), kRopeBwdHandler),
+          SUROGATE_TARGET(kQkFwd.data(), kRopeQkFwdHandler),
+          SUROGATE_TARGET(kQkBwd.data(), kRopeQkBwdHandler)};
 }
 
 }  // namespace surogate::ffi_bind

@@ -7,9 +7,10 @@
 //   surogate_swiglu_packed_bwd(dh [..., F], gate_up [..., 2F]) -> dgate_up [..., 2F]
 // All operands share one dtype (f32, bf16 or f16). The op is element-wise, so any leading shape
 // (including the batch axes vmap's broadcast_all adds) is just more rows.
-// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only read
-// device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and async memsets;
-// measured inside jitted train steps (benchmarks/kernels_in_model.py, tests/gpu/test_models_gpu.py).
+// Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only
+// read device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and
+// async memsets; measured inside jitted train steps (benchmarks/kernels_in_model.py,
+// tests/gpu/test_models_gpu.py).
 #include <initializer_list>
 #include <string>
 #include <string_view>
@@ -71,21 +72,25 @@ ffi::Error SwigluFwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer gate, ffi
   if (auto e = SameDtypes(kFwd, gate, {{"up", &up}, {"h", &*h}}); e.failure()) return e;
   return DispatchFloat(kFwd, gate.element_type(), [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
-    return CudaError(kFwd, swiglu_fwd<T>(In<T>(gate), In<T>(up), Out<T>(h), rows, F, F, stream, algo));
+    return CudaError(kFwd,
+                     swiglu_fwd<T>(In<T>(gate), In<T>(up), Out<T>(h), rows, F, F, stream, algo));
   });
 }
 
 ffi::Error SwigluBwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer dh, ffi::AnyBuffer gate,
-                     ffi::AnyBuffer up,
-                     ffi::Result<ffi::AnyBuffer> dgate, ffi::Result<ffi::AnyBuffer> dup) {
+                     ffi::AnyBuffer up, ffi::Result<ffi::AnyBuffer> dgate,
+                     ffi::Result<ffi::AnyBuffer> dup) {
   if (auto e = CheckAlgo(kBwd, algo); e.failure()) return e;
   int64_t rows = 0, F = 0;
   if (auto e = RowsAndDim(kBwd, "gate", gate, &rows, &F); e.failure()) return e;
-  for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"dh", &dh}, {"up", &up},
-                           {"dgate", &*dgate}, {"dup", &*dup}}) {
+  for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"dh", &dh},
+                           {"up", &up},
+                           {"dgate", &*dgate},
+                           {"dup", &*dup}}) {
     if (auto e = SameShape(kBwd, name, *buf, gate, "gate"); e.failure()) return e;
   }
-  if (auto e = SameDtypes(kBwd, gate, {{"dh", &dh}, {"up", &up}, {"dgate", &*dgate}, {"dup", &*dup}});
+  if (auto e =
+          SameDtypes(kBwd, gate, {{"dh", &dh}, {"up", &up}, {"dgate", &*dgate}, {"dup", &*dup}});
       e.failure()) {
     return e;
   }
@@ -116,8 +121,7 @@ ffi::Error SwigluPackedFwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer gat
 }
 
 ffi::Error SwigluPackedBwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer dh,
-                           ffi::AnyBuffer gate_up,
-                           ffi::Result<ffi::AnyBuffer> dgate_up) {
+                           ffi::AnyBuffer gate_up, ffi::Result<ffi::AnyBuffer> dgate_up) {
   if (auto e = CheckAlgo(kPackedBwd, algo); e.failure()) return e;
   int64_t rows = 0, F2 = 0;
   if (auto e = RowsAndDim(kPackedBwd, "gate_up", gate_up, &rows, &F2); e.failure()) return e;
@@ -146,37 +150,37 @@ ffi::Error SwigluPackedBwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer dh,
 }  // namespace
 
 SUROGATE_DEFINE_HANDLER(kSwigluFwdHandler, SwigluFwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<int32_t>("algo")  // launch variant (kernels/swiglu.h)
-                           .Arg<ffi::AnyBuffer>()   // gate
-                           .Arg<ffi::AnyBuffer>()   // up
-                           .Ret<ffi::AnyBuffer>());  // h
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<int32_t>("algo")    // launch variant (kernels/swiglu.h)
+                            .Arg<ffi::AnyBuffer>()    // gate
+                            .Arg<ffi::AnyBuffer>()    // up
+                            .Ret<ffi::AnyBuffer>());  // h
 
 SUROGATE_DEFINE_HANDLER(kSwigluBwdHandler, SwigluBwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<int32_t>("algo")  // launch variant (kernels/swiglu.h)
-                           .Arg<ffi::AnyBuffer>()   // dh
-                           .Arg<ffi::AnyBuffer>()   // gate
-                           .Arg<ffi::AnyBuffer>()   // up
-                           .Ret<ffi::AnyBuffer>()   // dgate
-                           .Ret<ffi::AnyBuffer>());  // dup
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<int32_t>("algo")    // launch variant (kernels/swiglu.h)
+                            .Arg<ffi::AnyBuffer>()    // dh
+                            .Arg<ffi::AnyBuffer>()    // gate
+                            .Arg<ffi::AnyBuffer>()    // up
+                            .Ret<ffi::AnyBuffer>()    // dgate
+                            .Ret<ffi::AnyBuffer>());  // dup
 
 SUROGATE_DEFINE_HANDLER(kSwigluPackedFwdHandler, SwigluPackedFwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<int32_t>("algo")  // launch variant (kernels/swiglu.h)
-                           .Arg<ffi::AnyBuffer>()   // gate_up
-                           .Ret<ffi::AnyBuffer>());  // h
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<int32_t>("algo")    // launch variant (kernels/swiglu.h)
+                            .Arg<ffi::AnyBuffer>()    // gate_up
+                            .Ret<ffi::AnyBuffer>());  // h
 
 SUROGATE_DEFINE_HANDLER(kSwigluPackedBwdHandler, SwigluPackedBwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<int32_t>("algo")  // launch variant (kernels/swiglu.h)
-                           .Arg<ffi::AnyBuffer>()   // dh
-                           .Arg<ffi::AnyBuffer>()   // gate_up
-                           .Ret<ffi::AnyBuffer>());  // dgate_up
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<int32_t>("algo")    // launch variant (kernels/swiglu.h)
+                            .Arg<ffi::AnyBuffer>()    // dh
+                            .Arg<ffi::AnyBuffer>()    // gate_up
+                            .Ret<ffi::AnyBuffer>());  // dgate_up
 
 Targets SwigluTargets() {
   return {SUROGATE_TARGET(kFwd.data(), kSwigluFwdHandler),

@@ -30,15 +30,16 @@ constexpr std::string_view kSepBwd = "surogate_swiglu_lora_sep_bwd";
 constexpr std::string_view kSepBwdSplit = "surogate_swiglu_lora_sep_bwd_split";
 
 // b's leading dims equal like's and its last dim is `last`.
-ffi::Error Rows(std::string_view op, const char* name, const ffi::AnyBuffer& b, const char* like_name,
-                const ffi::AnyBuffer& like, int64_t last, const char* last_what) {
+ffi::Error Rows(std::string_view op, const char* name, const ffi::AnyBuffer& b,
+                const char* like_name, const ffi::AnyBuffer& like, int64_t last,
+                const char* last_what) {
   const auto bd = b.dimensions(), ld = like.dimensions();
   bool ok = bd.size() == ld.size() && bd.size() >= 1 && bd.back() == last;
   for (size_t i = 0; ok && i + 1 < bd.size(); ++i) ok = bd[i] == ld[i];
   if (ok) return ffi::Error::Success();
-  return InvalidArg(op, std::string(name) + " has shape " + ShapeStr(b) + ", expected " + like_name +
-                            "'s leading dims " + ShapeStr(like) + " and last dimension " +
-                            std::to_string(last) + " (" + last_what + ")");
+  return InvalidArg(op, std::string(name) + " has shape " + ShapeStr(b) + ", expected " +
+                            like_name + "'s leading dims " + ShapeStr(like) +
+                            " and last dimension " + std::to_string(last) + " (" + last_what + ")");
 }
 
 // The base GEMM output(s): `first` is gate_up [..., 2F] (up == nullptr) or gate [..., F].
@@ -49,12 +50,14 @@ struct Base {
 };
 
 // Checks the base, xa, lora_b (and dh when given); sets rows, F, R.
-ffi::Error Check(std::string_view op, const Base& base, const ffi::AnyBuffer& xa, const ffi::AnyBuffer& lora_b,
-                 const ffi::AnyBuffer* dh, int64_t* rows, int64_t* F, int64_t* R) {
+ffi::Error Check(std::string_view op, const Base& base, const ffi::AnyBuffer& xa,
+                 const ffi::AnyBuffer& lora_b, const ffi::AnyBuffer* dh, int64_t* rows, int64_t* F,
+                 int64_t* R) {
   int64_t last = 0;
   if (auto e = RowsAndDim(op, base.name(), base.first, rows, &last); e.failure()) return e;
   if (base.up == nullptr && last % 2 != 0) {
-    return InvalidArg(op, "gate_up has shape " + ShapeStr(base.first) + "; its last dimension (2F) must be even");
+    return InvalidArg(
+        op, "gate_up has shape " + ShapeStr(base.first) + "; its last dimension (2F) must be even");
   }
   *F = base.up ? last : last / 2;
   const auto t = base.first.element_type();
@@ -81,14 +84,15 @@ ffi::Error Check(std::string_view op, const Base& base, const ffi::AnyBuffer& xa
 }
 
 // out has base's leading dims, last dimension `last` and base's dtype.
-ffi::Error CheckOut(std::string_view op, const char* name, const ffi::AnyBuffer& out, const Base& base,
-                    int64_t last, const char* last_what) {
+ffi::Error CheckOut(std::string_view op, const char* name, const ffi::AnyBuffer& out,
+                    const Base& base, int64_t last, const char* last_what) {
   if (auto e = Rows(op, name, out, base.name(), base.first, last, last_what); e.failure()) return e;
   return ExpectDtype(op, name, out, base.first.element_type());
 }
 
 ffi::Error FwdImpl(std::string_view op, cudaStream_t stream, float scale, const Base& base,
-                   const ffi::AnyBuffer& xa, const ffi::AnyBuffer& lora_b, ffi::Result<ffi::AnyBuffer>& h) {
+                   const ffi::AnyBuffer& xa, const ffi::AnyBuffer& lora_b,
+                   ffi::Result<ffi::AnyBuffer>& h) {
   int64_t rows = 0, F = 0, R = 0;
   if (auto e = Check(op, base, xa, lora_b, nullptr, &rows, &F, &R); e.failure()) return e;
   if (auto e = CheckOut(op, "h", *h, base, F, "F"); e.failure()) return e;
@@ -97,8 +101,8 @@ ffi::Error FwdImpl(std::string_view op, cudaStream_t stream, float scale, const 
     const T* gate = In<T>(base.first);
     const T* up = base.up ? In<T>(*base.up) : gate + F;
     const int64_t ld = base.up ? F : 2 * F;
-    return CudaError(op, swiglu_lora_fwd<T>(gate, up, ld, In<T>(xa), In<T>(lora_b), Out<T>(h), rows, F, R,
-                                            scale, stream));
+    return CudaError(op, swiglu_lora_fwd<T>(gate, up, ld, In<T>(xa), In<T>(lora_b), Out<T>(h), rows,
+                                            F, R, scale, stream));
   });
 }
 
@@ -126,8 +130,9 @@ ffi::Error BwdImpl(std::string_view op, cudaStream_t stream, float scale, const 
     const int64_t ld = base.up ? F : 2 * F;
     T* dg = Out<T>(dgate);
     T* du = dup ? Out<T>(*dup) : dg + F;
-    return CudaError(op, swiglu_lora_bwd<T>(In<T>(dh), dh2 ? In<T>(*dh2) : nullptr, gate, up, ld, In<T>(xa),
-                                            In<T>(lora_b), dg, du, dup ? F : 2 * F, rows, F, R, scale, stream));
+    return CudaError(
+        op, swiglu_lora_bwd<T>(In<T>(dh), dh2 ? In<T>(*dh2) : nullptr, gate, up, ld, In<T>(xa),
+                               In<T>(lora_b), dg, du, dup ? F : 2 * F, rows, F, R, scale, stream));
   });
 }
 
@@ -138,97 +143,100 @@ ffi::Error Fwd(cudaStream_t stream, float scale, ffi::AnyBuffer gate_up, ffi::An
 
 ffi::Error Bwd(cudaStream_t stream, float scale, ffi::AnyBuffer dh, ffi::AnyBuffer gate_up,
                ffi::AnyBuffer xa, ffi::AnyBuffer lora_b, ffi::Result<ffi::AnyBuffer> dgate_up) {
-  return BwdImpl(kBwd, stream, scale, dh, nullptr, Base{gate_up, nullptr}, xa, lora_b, dgate_up, nullptr);
+  return BwdImpl(kBwd, stream, scale, dh, nullptr, Base{gate_up, nullptr}, xa, lora_b, dgate_up,
+                 nullptr);
 }
 
 ffi::Error BwdSplit(cudaStream_t stream, float scale, ffi::AnyBuffer dh, ffi::AnyBuffer dh2,
                     ffi::AnyBuffer gate_up, ffi::AnyBuffer xa, ffi::AnyBuffer lora_b,
                     ffi::Result<ffi::AnyBuffer> dgate_up) {
-  return BwdImpl(kBwdSplit, stream, scale, dh, &dh2, Base{gate_up, nullptr}, xa, lora_b, dgate_up, nullptr);
+  return BwdImpl(kBwdSplit, stream, scale, dh, &dh2, Base{gate_up, nullptr}, xa, lora_b, dgate_up,
+                 nullptr);
 }
 
-ffi::Error SepFwd(cudaStream_t stream, float scale, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer xa,
-                  ffi::AnyBuffer lora_b, ffi::Result<ffi::AnyBuffer> h) {
+ffi::Error SepFwd(cudaStream_t stream, float scale, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                  ffi::AnyBuffer xa, ffi::AnyBuffer lora_b, ffi::Result<ffi::AnyBuffer> h) {
   return FwdImpl(kSepFwd, stream, scale, Base{gate, &up}, xa, lora_b, h);
 }
 
-ffi::Error SepBwd(cudaStream_t stream, float scale, ffi::AnyBuffer dh, ffi::AnyBuffer gate, ffi::AnyBuffer up,
-                  ffi::AnyBuffer xa, ffi::AnyBuffer lora_b, ffi::Result<ffi::AnyBuffer> dgate,
-                  ffi::Result<ffi::AnyBuffer> dup) {
+ffi::Error SepBwd(cudaStream_t stream, float scale, ffi::AnyBuffer dh, ffi::AnyBuffer gate,
+                  ffi::AnyBuffer up, ffi::AnyBuffer xa, ffi::AnyBuffer lora_b,
+                  ffi::Result<ffi::AnyBuffer> dgate, ffi::Result<ffi::AnyBuffer> dup) {
   return BwdImpl(kSepBwd, stream, scale, dh, nullptr, Base{gate, &up}, xa, lora_b, dgate, &dup);
 }
 
 ffi::Error SepBwdSplit(cudaStream_t stream, float scale, ffi::AnyBuffer dh, ffi::AnyBuffer dh2,
-                       ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer xa, ffi::AnyBuffer lora_b,
-                       ffi::Result<ffi::AnyBuffer> dgate, ffi::Result<ffi::AnyBuffer> dup) {
+                       ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer xa,
+                       ffi::AnyBuffer lora_b, ffi::Result<ffi::AnyBuffer> dgate,
+                       ffi::Result<ffi::AnyBuffer> dup) {
   return BwdImpl(kSepBwdSplit, stream, scale, dh, &dh2, Base{gate, &up}, xa, lora_b, dgate, &dup);
 }
 
 }  // namespace
 SUROGATE_DEFINE_HANDLER(kSwigluLoraFwdHandler, Fwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<float>("scale")   // LoRA alpha / r
-                           .Arg<ffi::AnyBuffer>()   // gate_up
-                           .Arg<ffi::AnyBuffer>()   // xa
-                           .Arg<ffi::AnyBuffer>()   // lora_b
-                           .Ret<ffi::AnyBuffer>());  // h
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<float>("scale")     // LoRA alpha / r
+                            .Arg<ffi::AnyBuffer>()    // gate_up
+                            .Arg<ffi::AnyBuffer>()    // xa
+                            .Arg<ffi::AnyBuffer>()    // lora_b
+                            .Ret<ffi::AnyBuffer>());  // h
 
 SUROGATE_DEFINE_HANDLER(kSwigluLoraBwdHandler, Bwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<float>("scale")   // LoRA alpha / r
-                           .Arg<ffi::AnyBuffer>()   // dh
-                           .Arg<ffi::AnyBuffer>()   // gate_up
-                           .Arg<ffi::AnyBuffer>()   // xa
-                           .Arg<ffi::AnyBuffer>()   // lora_b
-                           .Ret<ffi::AnyBuffer>());  // dgate_up
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<float>("scale")     // LoRA alpha / r
+                            .Arg<ffi::AnyBuffer>()    // dh
+                            .Arg<ffi::AnyBuffer>()    // gate_up
+                            .Arg<ffi::AnyBuffer>()    // xa
+                            .Arg<ffi::AnyBuffer>()    // lora_b
+                            .Ret<ffi::AnyBuffer>());  // dgate_up
 
 SUROGATE_DEFINE_HANDLER(kSwigluLoraBwdSplitHandler, BwdSplit,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<float>("scale")   // LoRA alpha / r
-                           .Arg<ffi::AnyBuffer>()   // dh (from h's first use)
-                           .Arg<ffi::AnyBuffer>()   // dh2 (from its second use)
-                           .Arg<ffi::AnyBuffer>()   // gate_up
-                           .Arg<ffi::AnyBuffer>()   // xa
-                           .Arg<ffi::AnyBuffer>()   // lora_b
-                           .Ret<ffi::AnyBuffer>());  // dgate_up
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<float>("scale")     // LoRA alpha / r
+                            .Arg<ffi::AnyBuffer>()    // dh (from h's first use)
+                            .Arg<ffi::AnyBuffer>()    // dh2 (from its second use)
+                            .Arg<ffi::AnyBuffer>()    // gate_up
+                            .Arg<ffi::AnyBuffer>()    // xa
+                            .Arg<ffi::AnyBuffer>()    // lora_b
+                            .Ret<ffi::AnyBuffer>());  // dgate_up
 
 SUROGATE_DEFINE_HANDLER(kSwigluLoraSepFwdHandler, SepFwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<float>("scale")   // LoRA alpha / r
-                           .Arg<ffi::AnyBuffer>()   // gate
-                           .Arg<ffi::AnyBuffer>()   // up
-                           .Arg<ffi::AnyBuffer>()   // xa
-                           .Arg<ffi::AnyBuffer>()   // lora_b
-                           .Ret<ffi::AnyBuffer>());  // h
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<float>("scale")     // LoRA alpha / r
+                            .Arg<ffi::AnyBuffer>()    // gate
+                            .Arg<ffi::AnyBuffer>()    // up
+                            .Arg<ffi::AnyBuffer>()    // xa
+                            .Arg<ffi::AnyBuffer>()    // lora_b
+                            .Ret<ffi::AnyBuffer>());  // h
 
 SUROGATE_DEFINE_HANDLER(kSwigluLoraSepBwdHandler, SepBwd,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<float>("scale")   // LoRA alpha / r
-                           .Arg<ffi::AnyBuffer>()   // dh
-                           .Arg<ffi::AnyBuffer>()   // gate
-                           .Arg<ffi::AnyBuffer>()   // up
-                           .Arg<ffi::AnyBuffer>()   // xa
-                           .Arg<ffi::AnyBuffer>()   // lora_b
-                           .Ret<ffi::AnyBuffer>()   // dgate
-                           .Ret<ffi::AnyBuffer>());  // dup
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<float>("scale")     // LoRA alpha / r
+                            .Arg<ffi::AnyBuffer>()    // dh
+                            .Arg<ffi::AnyBuffer>()    // gate
+                            .Arg<ffi::AnyBuffer>()    // up
+                            .Arg<ffi::AnyBuffer>()    // xa
+                            .Arg<ffi::AnyBuffer>()    // lora_b
+                            .Ret<ffi::AnyBuffer>()    // dgate
+                            .Ret<ffi::AnyBuffer>());  // dup
 
 SUROGATE_DEFINE_HANDLER(kSwigluLoraSepBwdSplitHandler, SepBwdSplit,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Attr<float>("scale")   // LoRA alpha / r
-                           .Arg<ffi::AnyBuffer>()   // dh (from h's first use)
-                           .Arg<ffi::AnyBuffer>()   // dh2 (from its second use)
-                           .Arg<ffi::AnyBuffer>()   // gate
-                           .Arg<ffi::AnyBuffer>()   // up
-                           .Arg<ffi::AnyBuffer>()   // xa
-                           .Arg<ffi::AnyBuffer>()   // lora_b
-                           .Ret<ffi::AnyBuffer>()   // dgate
-                           .Ret<ffi::AnyBuffer>());  // dup
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<float>("scale")     // LoRA alpha / r
+                            .Arg<ffi::AnyBuffer>()    // dh (from h's first use)
+                            .Arg<ffi::AnyBuffer>()    // dh2 (from its second use)
+                            .Arg<ffi::AnyBuffer>()    // gate
+                            .Arg<ffi::AnyBuffer>()    // up
+                            .Arg<ffi::AnyBuffer>()    // xa
+                            .Arg<ffi::AnyBuffer>()    // lora_b
+                            .Ret<ffi::AnyBuffer>()    // dgate
+                            .Ret<ffi::AnyBuffer>());  // dup
 
 Targets SwigluLoraTargets() {
   return {SUROGATE_TARGET(kFwd.data(), kSwigluLoraFwdHandler),

@@ -51,7 +51,7 @@ constexpr int kWarp = 32;
 constexpr int kThreads = 256;
 constexpr int kWarpsPerCta = kThreads / kWarp;
 constexpr int kPerLane = kAdamw8bitBlock / kWarp;  // 8
-constexpr int kZeroS = 127;                       // index of 0.0 in the signed map
+constexpr int kZeroS = 127;                        // index of 0.0 in the signed map
 constexpr int kTableSize = 256;
 
 struct Scalars {
@@ -83,12 +83,14 @@ struct Tables {
 
 // 8 consecutive elements from `base` as floats. kVec: the 8 are in range and 16-byte aligned.
 template <typename T, bool kVec>
-__device__ __forceinline__ void load8(const T* ptr, int64_t base, int64_t n, float (&out)[kPerLane]) {
+__device__ __forceinline__ void load8(const T* ptr, int64_t base, int64_t n,
+                                      float (&out)[kPerLane]) {
   if constexpr (kVec) {
     constexpr int kChunks = kPerLane * sizeof(T) / 16;
     uint4 raw[kChunks];
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) raw[c] = __ldcs(reinterpret_cast<const uint4*>(ptr + base) + c);
+    for (int c = 0; c < kChunks; ++c)
+      raw[c] = __ldcs(reinterpret_cast<const uint4*>(ptr + base) + c);
     T v[kPerLane];
     memcpy(v, raw, sizeof(v));
 #pragma unroll
@@ -100,7 +102,8 @@ __device__ __forceinline__ void load8(const T* ptr, int64_t base, int64_t n, flo
 }
 
 template <typename T, bool kVec>
-__device__ __forceinline__ void store8(T* ptr, int64_t base, int64_t n, const float (&in)[kPerLane]) {
+__device__ __forceinline__ void store8(T* ptr, int64_t base, int64_t n,
+                                       const float (&in)[kPerLane]) {
   if constexpr (kVec) {
     constexpr int kChunks = kPerLane * sizeof(T) / 16;
     T v[kPerLane];
@@ -119,8 +122,8 @@ __device__ __forceinline__ void store8(T* ptr, int64_t base, int64_t n, const fl
 }
 
 template <bool kVec>
-__device__ __forceinline__ void load_codes(const uint8_t* ptr, int64_t base, int64_t n, uint8_t fill,
-                                           uint8_t (&out)[kPerLane]) {
+__device__ __forceinline__ void load_codes(const uint8_t* ptr, int64_t base, int64_t n,
+                                           uint8_t fill, uint8_t (&out)[kPerLane]) {
   if constexpr (kVec) {
     const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(ptr + base));
     memcpy(out, &raw, sizeof(out));
@@ -222,9 +225,9 @@ __device__ __forceinline__ void update_block(int64_t blk, int lane, TP* p, const
 
 template <typename TP, typename TG>
 __global__ void __launch_bounds__(kThreads, 4)  // 64 registers: 32 warps per SM
-    kernel(TP* p, const TG* __restrict__ g, uint8_t* qm, uint8_t* qv, float* absmax_m, float* absmax_v,
-           const float* __restrict__ scalars, const uint32_t* __restrict__ aux, int64_t n, int64_t nblocks,
-           bool aligned) {
+    kernel(TP* p, const TG* __restrict__ g, uint8_t* qm, uint8_t* qv, float* absmax_m,
+           float* absmax_v, const float* __restrict__ scalars, const uint32_t* __restrict__ aux,
+           int64_t n, int64_t nblocks, bool aligned) {
   __shared__ Tables tb;
   {
     float* dst = tb.code_s;  // code_s, mid_s, code_u, mid_u are contiguous, as in aux
@@ -280,10 +283,12 @@ constexpr bool kSplit = sizeof(TP) == 4 || sizeof(TG) == 4;
 // Offset of a lane's element k inside its block.
 template <bool kSplitMap>
 __device__ __forceinline__ int elem_offset(int lane, int k) {
-  return kSplitMap ? (k < 4 ? 4 * lane + k : kAdamw8bitBlock / 2 + 4 * lane + (k - 4)) : kPerLane * lane + k;
+  return kSplitMap ? (k < 4 ? 4 * lane + k : kAdamw8bitBlock / 2 + 4 * lane + (k - 4))
+                   : kPerLane * lane + k;
 }
 
-template <typename T> __device__ __forceinline__ float word_get(const uint32_t* w, int k) {
+template <typename T>
+__device__ __forceinline__ float word_get(const uint32_t* w, int k) {
   if constexpr (sizeof(T) == 4) {
     return __uint_as_float(w[k]);
   } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -293,7 +298,8 @@ template <typename T> __device__ __forceinline__ float word_get(const uint32_t* 
   }
 }
 
-template <typename T> __device__ __forceinline__ void word_put(uint32_t* w, int k, float v) {
+template <typename T>
+__device__ __forceinline__ void word_put(uint32_t* w, int k, float v) {
   if constexpr (sizeof(T) == 4) {
     w[k] = __float_as_uint(v);
   } else {
@@ -313,7 +319,8 @@ template <typename T> __device__ __forceinline__ void word_put(uint32_t* w, int 
 
 // Vector load / store of a lane's 8 elements (kSplitMap: two halves of 4, else 8 contiguous).
 template <typename T, bool kSplitMap>
-__device__ __forceinline__ void load_words(const T* ptr, int64_t base, int lane, uint32_t (&w)[2 * sizeof(T)]) {
+__device__ __forceinline__ void load_words(const T* ptr, int64_t base, int lane,
+                                           uint32_t (&w)[2 * sizeof(T)]) {
   if constexpr (kSplitMap) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -334,24 +341,28 @@ __device__ __forceinline__ void load_words(const T* ptr, int64_t base, int lane,
 }
 
 template <typename T, bool kSplitMap>
-__device__ __forceinline__ void store_words(T* ptr, int64_t base, int lane, const uint32_t (&w)[2 * sizeof(T)]) {
+__device__ __forceinline__ void store_words(T* ptr, int64_t base, int lane,
+                                            const uint32_t (&w)[2 * sizeof(T)]) {
   if constexpr (kSplitMap) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       T* a = ptr + base + h * (kAdamw8bitBlock / 2) + 4 * lane;
       if constexpr (sizeof(T) == 4) {
-        __stcs(reinterpret_cast<uint4*>(a), make_uint4(w[4 * h], w[4 * h + 1], w[4 * h + 2], w[4 * h + 3]));
+        __stcs(reinterpret_cast<uint4*>(a),
+               make_uint4(w[4 * h], w[4 * h + 1], w[4 * h + 2], w[4 * h + 3]));
       } else {
         __stcs(reinterpret_cast<uint2*>(a), make_uint2(w[2 * h], w[2 * h + 1]));
       }
     }
   } else {
-    __stcs(reinterpret_cast<uint4*>(ptr + base + kPerLane * lane), make_uint4(w[0], w[1], w[2], w[3]));
+    __stcs(reinterpret_cast<uint4*>(ptr + base + kPerLane * lane),
+           make_uint4(w[0], w[1], w[2], w[3]));
   }
 }
 
 template <bool kSplitMap>
-__device__ __forceinline__ void load_code_words(const uint8_t* q, int64_t base, int lane, uint32_t (&w)[2]) {
+__device__ __forceinline__ void load_code_words(const uint8_t* q, int64_t base, int lane,
+                                                uint32_t (&w)[2]) {
   if constexpr (kSplitMap) {
     w[0] = __ldcs(reinterpret_cast<const unsigned int*>(q + base + 4 * lane));
     w[1] = __ldcs(reinterpret_cast<const unsigned int*>(q + base + kAdamw8bitBlock / 2 + 4 * lane));
@@ -362,7 +373,8 @@ __device__ __forceinline__ void load_code_words(const uint8_t* q, int64_t base, 
 }
 
 template <bool kSplitMap>
-__device__ __forceinline__ void store_code_words(uint8_t* q, int64_t base, int lane, const uint32_t (&w)[2]) {
+__device__ __forceinline__ void store_code_words(uint8_t* q, int64_t base, int lane,
+                                                 const uint32_t (&w)[2]) {
   if constexpr (kSplitMap) {
     __stcs(reinterpret_cast<unsigned int*>(q + base + 4 * lane), w[0]);
     __stcs(reinterpret_cast<unsigned int*>(q + base + kAdamw8bitBlock / 2 + 4 * lane), w[1]);
@@ -390,7 +402,8 @@ __device__ __forceinline__ uint32_t quantize_signed(float x, const uint32_t* __r
   const uint32_t e = look[lookup_bucket<kAdamw8bitBitsS>(tb)];
   const uint32_t neg = x < 0.f ? 1u : 0u;
   // x >= 0: midpoints < t; x < 0: midpoints <= t (that is < t + 1 ulp inside the bucket)
-  const uint32_t q = (e >> (kLow + 1)) + ((e & ((2u << kLow) - 1)) < (tb & ((1u << kLow) - 1)) + neg ? 1u : 0u);
+  const uint32_t q =
+      (e >> (kLow + 1)) + ((e & ((2u << kLow) - 1)) < (tb & ((1u << kLow) - 1)) + neg ? 1u : 0u);
   const int r = min(max(254 - static_cast<int>(q), 0), kZeroS - 1);  // mirror, then the sign guard
   return neg ? static_cast<uint32_t>(r) : q;
 }
@@ -452,9 +465,10 @@ __device__ __forceinline__ float div_fast(float a, float b, bool& exact) {
 // kHoist: straight-line fast paths for the 8 divides and square roots, one rarely taken branch
 // for the exact fallback (instead of a branch around every one of them).
 template <bool kHoist>
-__device__ __forceinline__ void block_math(const Smem& sm, const Scalars& s, const float (&gv)[kPerLane],
-                                           float (&pv)[kPerLane], uint32_t (&cm)[2], uint32_t (&cv)[2],
-                                           float am, float av, float& am_out, float& av_out) {
+__device__ __forceinline__ void block_math(const Smem& sm, const Scalars& s,
+                                           const float (&gv)[kPerLane], float (&pv)[kPerLane],
+                                           uint32_t (&cm)[2], uint32_t (&cv)[2], float am, float av,
+                                           float& am_out, float& av_out) {
   float m[kPerLane], v[kPerLane], u[kPerLane];
   uint32_t ok = 0u, slow = 0u;
   float lm = 0.f, lv = 0.f;
@@ -506,9 +520,9 @@ __device__ __forceinline__ void block_math(const Smem& sm, const Scalars& s, con
 }
 
 template <typename TP, typename TG>
-__device__ __forceinline__ void load_block(Raw<TP, TG>& r, int64_t blk, int lane, const TP* p, const TG* g,
-                                           const uint8_t* qm, const uint8_t* qv, const float* absmax_m,
-                                           const float* absmax_v) {
+__device__ __forceinline__ void load_block(Raw<TP, TG>& r, int64_t blk, int lane, const TP* p,
+                                           const TG* g, const uint8_t* qm, const uint8_t* qv,
+                                           const float* absmax_m, const float* absmax_v) {
   constexpr bool kS = kSplit<TP, TG>;
   const int64_t base = blk * kAdamw8bitBlock;
   load_words<TG, kS>(g, base, lane, r.g);
@@ -520,9 +534,10 @@ __device__ __forceinline__ void load_block(Raw<TP, TG>& r, int64_t blk, int lane
 }
 
 template <typename TP, typename TG, bool kHoist>
-__device__ __forceinline__ void update_full_block(Raw<TP, TG>& r, int64_t blk, int lane, TP* p, uint8_t* qm,
-                                                  uint8_t* qv, float* absmax_m, float* absmax_v,
-                                                  const Scalars& s, const Smem& sm) {
+__device__ __forceinline__ void update_full_block(Raw<TP, TG>& r, int64_t blk, int lane, TP* p,
+                                                  uint8_t* qm, uint8_t* qv, float* absmax_m,
+                                                  float* absmax_v, const Scalars& s,
+                                                  const Smem& sm) {
   constexpr bool kS = kSplit<TP, TG>;
   float gv[kPerLane], pv[kPerLane];
 #pragma unroll
@@ -547,9 +562,10 @@ __device__ __forceinline__ void update_full_block(Raw<TP, TG>& r, int64_t blk, i
 
 // Any block (the partial last one, or misaligned pointers): element loads with bounds checks.
 template <typename TP, typename TG, bool kHoist>
-__device__ __forceinline__ void update_any_block(int64_t blk, int lane, TP* p, const TG* g, uint8_t* qm,
-                                              uint8_t* qv, float* absmax_m, float* absmax_v, int64_t n,
-                                              const Scalars& s, const Smem& sm) {
+__device__ __forceinline__ void update_any_block(int64_t blk, int lane, TP* p, const TG* g,
+                                                 uint8_t* qm, uint8_t* qv, float* absmax_m,
+                                                 float* absmax_v, int64_t n, const Scalars& s,
+                                                 const Smem& sm) {
   const int64_t base = blk * kAdamw8bitBlock + static_cast<int64_t>(lane) * kPerLane;
   float gv[kPerLane], pv[kPerLane];
   uint32_t cm[2] = {0u, 0u}, cv[2] = {0u, 0u};
@@ -558,7 +574,8 @@ __device__ __forceinline__ void update_any_block(int64_t blk, int lane, TP* p, c
     const bool in = base + k < n;
     gv[k] = in ? to_float(g[base + k]) : 0.f;
     pv[k] = in ? to_float(p[base + k]) : 0.f;
-    cm[k >> 2] |= static_cast<uint32_t>(in ? qm[base + k] : static_cast<uint8_t>(kZeroS)) << (8 * (k & 3));
+    cm[k >> 2] |= static_cast<uint32_t>(in ? qm[base + k] : static_cast<uint8_t>(kZeroS))
+                  << (8 * (k & 3));
     cv[k >> 2] |= static_cast<uint32_t>(in ? qv[base + k] : 0) << (8 * (k & 3));
   }
   float am1, av1;
@@ -580,12 +597,13 @@ __device__ __forceinline__ void update_any_block(int64_t blk, int lane, TP* p, c
 // kPipeline: issue block b + stride's loads before block b's math; kHoist: see block_math.
 template <typename TP, typename TG, bool kPipeline, bool kHoist>
 __global__ void __launch_bounds__(kThreads, kPipeline ? 3 : 4)
-    kernel(TP* p, const TG* __restrict__ g, uint8_t* qm, uint8_t* qv, float* absmax_m, float* absmax_v,
-           const float* __restrict__ scalars, const uint32_t* __restrict__ aux, int64_t n, int64_t nblocks,
-           int64_t nvec) {
+    kernel(TP* p, const TG* __restrict__ g, uint8_t* qm, uint8_t* qv, float* absmax_m,
+           float* absmax_v, const float* __restrict__ scalars, const uint32_t* __restrict__ aux,
+           int64_t n, int64_t nblocks, int64_t nvec) {
   __shared__ __align__(16) Smem sm;
   {
-    // aux: code_s at word 0, code_u at word 512, the two lookups contiguous from kAdamw8bitAuxLookupS
+    // aux: code_s at word 0, code_u at word 512, the two lookups contiguous from
+    // kAdamw8bitAuxLookupS
     uint4* dst = reinterpret_cast<uint4*>(&sm);
     const uint4* codes_s = reinterpret_cast<const uint4*>(aux);
     const uint4* codes_u = reinterpret_cast<const uint4*>(aux + 2 * kTableSize);
@@ -593,7 +611,9 @@ __global__ void __launch_bounds__(kThreads, kPipeline ? 3 : 4)
     constexpr int kCode4 = kTableSize / 4;
     constexpr int kLook4 = (kAdamw8bitBucketsS + kAdamw8bitBucketsU) / 4;
     for (int i = threadIdx.x; i < 2 * kCode4 + kLook4; i += blockDim.x) {
-      dst[i] = i < kCode4 ? codes_s[i] : i < 2 * kCode4 ? codes_u[i - kCode4] : looks[i - 2 * kCode4];
+      dst[i] = i < kCode4       ? codes_s[i]
+               : i < 2 * kCode4 ? codes_u[i - kCode4]
+                                : looks[i - 2 * kCode4];
     }
   }
   const Scalars s = load_scalars(scalars);
@@ -679,28 +699,36 @@ cudaError_t adamw_8bit_update(TP* p, const TG* g, uint8_t* qm, uint8_t* qv, floa
   if (n < 0 || variant < 0 || variant >= kAdamw8bitVariants) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
   const int64_t nblocks = (n + kAdamw8bitBlock - 1) / kAdamw8bitBlock;
-  const bool aligned = aligned_to(p, 16) && aligned_to(g, 16) && aligned_to(qm, 8) && aligned_to(qv, 8);
+  const bool aligned =
+      aligned_to(p, 16) && aligned_to(g, 16) && aligned_to(qm, 8) && aligned_to(qv, 8);
   int dev = 0;
   SUROGATE_TRY(cudaGetDevice(&dev));
   const int64_t need = (nblocks + kWarpsPerCta - 1) / kWarpsPerCta;
   const int64_t nvec = aligned ? n / kAdamw8bitBlock : 0;  // full blocks on the vector path (1-4)
   auto launch = [&](auto kernel, auto... args) -> cudaError_t {
-    const int64_t fit = static_cast<int64_t>(sm_count(dev)) * ctas_per_sm(reinterpret_cast<const void*>(kernel), dev);
+    const int64_t fit = static_cast<int64_t>(sm_count(dev)) *
+                        ctas_per_sm(reinterpret_cast<const void*>(kernel), dev);
     const int grid = static_cast<int>(std::max<int64_t>(1, std::min(need, fit)));
-    kernel<<<grid, kThreads, 0, stream>>>(p, g, qm, qv, absmax_m, absmax_v, scalars, aux, n, nblocks, args...);
+    kernel<<<grid, kThreads, 0, stream>>>(p, g, qm, qv, absmax_m, absmax_v, scalars, aux, n,
+                                          nblocks, args...);
     return cudaGetLastError();
   };
   switch (variant) {
-    case 0: return launch(legacy::kernel<TP, TG>, aligned);
-    case 1: return launch(fast::kernel<TP, TG, false, false>, nvec);
-    case 2: return launch(fast::kernel<TP, TG, true, false>, nvec);
-    case 3: return launch(fast::kernel<TP, TG, false, true>, nvec);
-    default: return launch(fast::kernel<TP, TG, true, true>, nvec);
+    case 0:
+      return launch(legacy::kernel<TP, TG>, aligned);
+    case 1:
+      return launch(fast::kernel<TP, TG, false, false>, nvec);
+    case 2:
+      return launch(fast::kernel<TP, TG, true, false>, nvec);
+    case 3:
+      return launch(fast::kernel<TP, TG, false, true>, nvec);
+    default:
+      return launch(fast::kernel<TP, TG, true, true>, nvec);
   }
 }
 
 #define SUROGATE_ADAMW8_INSTANTIATE(TP, TG)                                                      \
-  template cudaError_t adamw_8bit_update<TP, TG>(TP*, const TG*, uint8_t*, uint8_t*, float*,    \
+  template cudaError_t adamw_8bit_update<TP, TG>(TP*, const TG*, uint8_t*, uint8_t*, float*,     \
                                                  float*, const float*, const uint32_t*, int64_t, \
                                                  int, cudaStream_t);
 

@@ -5,10 +5,10 @@
 // One tensor of n elements, split row-major into blocks of 256; every pointer is device memory:
 //   p        [n]  TP (float / bf16 / half)   parameter, read and written in place
 //   g        [n]  TG (float / bf16 / half)   gradient
-//   qm, qv   [n]  uint8                       codes of m (signed map) and v (unsigned map), in place
-//   absmax_m, absmax_v [ceil(n / 256)] float  per-block scales, in place
-//   scalars  [9]  float: b1, 1 - b1, b2, 1 - b2, step, eps_hat, decay, gscale, t (t unused here)
-//   aux      [kAdamw8bitAuxWords] uint32, the code tables (layout below, built by the .py file):
+//   qm, qv   [n]  uint8                       codes of m (signed map) and v (unsigned map), in
+//   place absmax_m, absmax_v [ceil(n / 256)] float  per-block scales, in place scalars  [9]  float:
+//   b1, 1 - b1, b2, 1 - b2, step, eps_hat, decay, gscale, t (t unused here) aux
+//   [kAdamw8bitAuxWords] uint32, the code tables (layout below, built by the .py file):
 //     [0, 1024)        float bits: signed codes, signed midpoints (255 + inf), unsigned codes,
 //                      unsigned midpoints (255 + inf)
 //     [1024, 1856)     bytes [2][1664] (legacy search): per 6-bit bucket of |x|'s float bits the
@@ -27,7 +27,8 @@
 //   m = b1 * (code_s[qm] * am) + (1 - b1) * gs;  v = b2 * (code_u[qv] * av) + ((1 - b2) * gs) * gs
 //   am' = max |m|, av' = max v over the block
 //   p = (p - step * (m / (sqrt(v) + eps_hat))) * decay
-//   qm = nearest signed code to m * (1 / am') with the sign guard, qv likewise (0 if the scale is 0)
+//   qm = nearest signed code to m * (1 / am') with the sign guard, qv likewise (0 if the scale is
+//   0)
 // All variants give the same bits. The launcher enqueues on `stream`, never synchronizes, and
 // returns the first CUDA error.
 #pragma once
@@ -54,7 +55,7 @@ constexpr int kAdamw8bitBucketsS = (127 - kAdamw8bitBucketE0 + 1) << kAdamw8bitB
 constexpr int kAdamw8bitBucketsU = (127 - kAdamw8bitBucketE0 + 1) << kAdamw8bitBitsU;  // 3328
 constexpr int kAdamw8bitAuxGuess = 1024;
 constexpr int kAdamw8bitAuxLookupS = kAdamw8bitAuxGuess + 2 * kAdamw8bitBuckets / 4;  // 1856
-constexpr int kAdamw8bitAuxLookupU = kAdamw8bitAuxLookupS + kAdamw8bitBucketsS;      // 3520
+constexpr int kAdamw8bitAuxLookupU = kAdamw8bitAuxLookupS + kAdamw8bitBucketsS;       // 3520
 constexpr int kAdamw8bitAuxWords = kAdamw8bitAuxLookupU + kAdamw8bitBucketsU;         // 6848
 constexpr int kAdamw8bitVariants = 5;
 

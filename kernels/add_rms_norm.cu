@@ -30,14 +30,15 @@ cudaError_t add_rms_norm_bwd(const T* dy, const T* dres_out, const T* res_out, c
                              int algo) {
   if (dres_out == nullptr) return cudaErrorInvalidValue;
   return normk::norm_bwd<T, true>(dy, res_out, w, rstd, dres_out, dx, dw, rows, dim, workspace,
-                            workspace_bytes, stream, algo);
+                                  workspace_bytes, stream, algo);
 }
 
-#define SUROGATE_ADD_RMS_NORM_INSTANTIATE(T)                                                     \
+#define SUROGATE_ADD_RMS_NORM_INSTANTIATE(T)                                                      \
   template cudaError_t add_rms_norm_fwd<T>(const T*, const T*, const T*, T*, T*, float*, int64_t, \
                                            int64_t, float, cudaStream_t, int);                    \
   template cudaError_t add_rms_norm_bwd<T>(const T*, const T*, const T*, const T*, const float*,  \
-                                           T*, T*, int64_t, int64_t, void*, size_t, cudaStream_t, int);
+                                           T*, T*, int64_t, int64_t, void*, size_t, cudaStream_t, \
+                                           int);
 
 SUROGATE_ADD_RMS_NORM_INSTANTIATE(float)
 SUROGATE_ADD_RMS_NORM_INSTANTIATE(__nv_bfloat16)

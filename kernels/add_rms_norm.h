@@ -2,7 +2,8 @@
 //
 //   forward : x, res [rows, dim], w [dim] -> y [rows, dim], res_out [rows, dim], rstd [rows] (f32)
 //             res_out = round_T(x + res)                 (the residual stream stays in T)
-//             rstd = rsqrt(mean(res_out^2) + eps), y = res_out * rstd * w (fp32 math, y rounded once)
+//             rstd = rsqrt(mean(res_out^2) + eps), y = res_out * rstd * w (fp32 math, y rounded
+//             once)
 //   backward: dy, dres_out, res_out [rows, dim], w [dim], rstd -> dx [rows, dim], dw [dim]
 //             shat = res_out * rstd, g = dy * w
 //             dx = rstd * (g - shat * mean(g * shat)) + dres_out   (= d x = d res: one tensor)

@@ -19,19 +19,33 @@
 
 namespace surogate {
 
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
   return __bfloat162float(v);
 }
-template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) {
+  return __half2float(v);
+}
 
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16(v);  // round to nearest even, as XLA's convert
 }
-template <> __device__ __forceinline__ __half from_float<__half>(float v) {
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
   return __float2half(v);  // round to nearest even
 }
 
@@ -71,7 +85,9 @@ struct Raw<T, 1> {
 
 namespace detail {
 
-__device__ __forceinline__ void unpack_word(float, uint32_t w, float* out) { out[0] = __uint_as_float(w); }
+__device__ __forceinline__ void unpack_word(float, uint32_t w, float* out) {
+  out[0] = __uint_as_float(w);
+}
 __device__ __forceinline__ void unpack_word(__nv_bfloat16, uint32_t w, float* out) {
   out[0] = __uint_as_float(w << 16);  // element at the lower address sits in the low half
   out[1] = __uint_as_float(w & 0xffff0000u);
@@ -84,7 +100,9 @@ __device__ __forceinline__ void unpack_word(__half, uint32_t w, float* out) {
   out[1] = f.y;
 }
 
-__device__ __forceinline__ uint32_t pack_word(float, const float* in) { return __float_as_uint(in[0]); }
+__device__ __forceinline__ uint32_t pack_word(float, const float* in) {
+  return __float_as_uint(in[0]);
+}
 __device__ __forceinline__ uint32_t pack_word(__nv_bfloat16, const float* in) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(in[0], in[1]);  // round to nearest even
   uint32_t w;

@@ -4,8 +4,8 @@
 //
 // Why its own kernel file: the sum is latency-bound, not bandwidth-bound (a few hundred rows of
 // ~1-4% of the backward's bytes, just written, so L2 hits), and a loop that issues one dependent
-// load at a time costs ~0.3 us per row in flight (one sum per thread over 528 rows: ~10 us a call, a
-// third of rope's 34 us backward). Here a block is 32 columns x kColSumRows row slices, and each
+// load at a time costs ~0.3 us per row in flight (one sum per thread over 528 rows: ~10 us a call,
+// a third of rope's 34 us backward). Here a block is 32 columns x kColSumRows row slices, and each
 // thread keeps four independent sums so four loads are in flight at once.
 #pragma once
 
@@ -25,9 +25,9 @@ constexpr int kColSumRows = 32;
 // blockIdx.y == 0: dw0 = sums of rows [0, parts0); 1: dw1 = sums of rows [parts0, parts0 + parts1)
 // (the two tensors of a paired launch, rope.cu).
 template <typename T>
-__global__ void __launch_bounds__(kColSumCols * kColSumRows)
-    dw_col_sum_kernel(const float* __restrict__ ws, T* __restrict__ dw0, int parts0, T* __restrict__ dw1,
-                      int parts1, int dim) {
+__global__ void __launch_bounds__(kColSumCols* kColSumRows)
+    dw_col_sum_kernel(const float* __restrict__ ws, T* __restrict__ dw0, int parts0,
+                      T* __restrict__ dw1, int parts1, int dim) {
   __shared__ float acc[kColSumRows][kColSumCols + 1];
   const int col = blockIdx.x * kColSumCols + threadIdx.x;
   const bool second = blockIdx.y != 0;
@@ -61,10 +61,11 @@ __global__ void __launch_bounds__(kColSumCols * kColSumRows)
 // Enqueues dw0 = column sums of ws[:parts0, :dim] and, when dw1 != nullptr, dw1 = those of the
 // next parts1 rows, in one launch on `stream`.
 template <typename T>
-cudaError_t dw_col_sum(const float* ws, T* dw0, int parts0, int dim, cudaStream_t stream, T* dw1 = nullptr,
-                       int parts1 = 0) {
+cudaError_t dw_col_sum(const float* ws, T* dw0, int parts0, int dim, cudaStream_t stream,
+                       T* dw1 = nullptr, int parts1 = 0) {
   const dim3 block(kColSumCols, kColSumRows);
-  const dim3 grid(static_cast<unsigned>((dim + kColSumCols - 1) / kColSumCols), dw1 != nullptr ? 2u : 1u);
+  const dim3 grid(static_cast<unsigned>((dim + kColSumCols - 1) / kColSumCols),
+                  dw1 != nullptr ? 2u : 1u);
   dw_col_sum_kernel<T><<<grid, block, 0, stream>>>(ws, dw0, parts0, dw1, parts1, dim);
   return cudaGetLastError();
 }

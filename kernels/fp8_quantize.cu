@@ -241,11 +241,11 @@ cudaError_t launch(const T* x, const float* scale, int64_t rows, int64_t cols, u
     const int64_t blocks = std::max<int64_t>(
         1, std::min<int64_t>((work + kFlatThreads - 1) / kFlatThreads, int64_t{sms} * 8));
     if (vec) {
-      quantize_flat_kernel<T, F, kN><<<static_cast<unsigned>(blocks), kFlatThreads, 0, stream>>>(
-          x, scale, q, n, amax);
+      quantize_flat_kernel<T, F, kN>
+          <<<static_cast<unsigned>(blocks), kFlatThreads, 0, stream>>>(x, scale, q, n, amax);
     } else {
-      quantize_flat_kernel<T, F, 1><<<static_cast<unsigned>(blocks), kFlatThreads, 0, stream>>>(
-          x, scale, q, n, amax);
+      quantize_flat_kernel<T, F, 1>
+          <<<static_cast<unsigned>(blocks), kFlatThreads, 0, stream>>>(x, scale, q, n, amax);
     }
     return cudaGetLastError();
   }
@@ -268,8 +268,8 @@ cudaError_t fp8_quantize(const T* x, const float* scale, int64_t rows, int64_t c
   return launch<T, Fp8Format::kE5M2>(x, scale, rows, cols, q, qt, ld_t, amax, stream);
 }
 
-cudaError_t fp8_transpose(const uint8_t* x, int64_t rows, int64_t cols, uint8_t* qt,
-                          int64_t ld_t, cudaStream_t stream) {
+cudaError_t fp8_transpose(const uint8_t* x, int64_t rows, int64_t cols, uint8_t* qt, int64_t ld_t,
+                          cudaStream_t stream) {
   if (rows < 0 || cols < 0 || ld_t < rows) return cudaErrorInvalidValue;
   if (cols == 0 || ld_t == 0) return cudaSuccess;  // qt is empty
   if (qt == nullptr || (rows > 0 && x == nullptr)) return cudaErrorInvalidValue;
@@ -278,7 +278,7 @@ cudaError_t fp8_transpose(const uint8_t* x, int64_t rows, int64_t cols, uint8_t*
                                                        nullptr, stream);
 }
 
-#define SUROGATE_FP8_QUANTIZE_INSTANTIATE(T)                                                   \
+#define SUROGATE_FP8_QUANTIZE_INSTANTIATE(T)                                                \
   template cudaError_t fp8_quantize<T>(const T*, const float*, int64_t, int64_t, Fp8Format, \
                                        uint8_t*, uint8_t*, int64_t, float*, cudaStream_t);
 

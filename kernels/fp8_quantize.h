@@ -38,7 +38,7 @@ cudaError_t fp8_quantize(const T* x, const float* scale, int64_t rows, int64_t c
                          Fp8Format format, uint8_t* q, uint8_t* qt, int64_t ld_t, float* amax,
                          cudaStream_t stream);
 
-cudaError_t fp8_transpose(const uint8_t* x, int64_t rows, int64_t cols, uint8_t* qt,
-                          int64_t ld_t, cudaStream_t stream);
+cudaError_t fp8_transpose(const uint8_t* x, int64_t rows, int64_t cols, uint8_t* qt, int64_t ld_t,
+                          cudaStream_t stream);
 
 }  // namespace surogate

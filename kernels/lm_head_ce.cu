@@ -50,7 +50,7 @@ constexpr int kWarp = 32;
 constexpr int kUnroll = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
-constexpr int kMaxCluster = 8;                  // portable cluster size limit
+constexpr int kMaxCluster = 8;                    // portable cluster size limit
 constexpr size_t kClusterSmemTarget = 100 << 10;  // bytes of row slice per CTA: 2 CTAs per SM
 
 __device__ __forceinline__ float ex2(float x) {
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t g0 = row * V;
     const int64_t h0 = std::min<int64_t>((N - g0 % N) % N, V);  // scalar head to 16-byte alignment
     const int64_t nv = (V - h0) / N;
-    const int64_t t0 = h0 + nv * N;                                // scalar tail start
+    const int64_t t0 = h0 + nv * N;  // scalar tail start
     const TIn* xr = logits + g0;
     const float w = weights[row];
     const int32_t t = targets[row];
@@ -322,8 +322,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < N; ++k) vals[k] = v;
       for (int64_t i = v0 + tid; i < v1; i += bd) store_vec<TOut, N>(dv + i * N, vals);
-      if (head) for (int64_t j = tid; j < h0; j += bd) dr[j] = from_float<TOut>(v);
-      if (tail) for (int64_t j = t0 + tid; j < V; j += bd) dr[j] = from_float<TOut>(v);
+      if (head)
+        for (int64_t j = tid; j < h0; j += bd) dr[j] = from_float<TOut>(v);
+      if (tail)
+        for (int64_t j = t0 + tid; j < V; j += bd) dr[j] = from_float<TOut>(v);
       continue;
     }
     const float xt = head && tid == 0 ? to_float(xr[t]) : 0.f;
@@ -388,8 +390,10 @@ __global__ void __launch_bounds__(kThreads)
       for (int k = 0; k < N; ++k) d[k] = grad(x[k], h0 + i * N + k);
       store_vec<TOut, N>(dv + i * N, d);
     }
-    if (head) for (int64_t j = tid; j < h0; j += bd) dr[j] = from_float<TOut>(grad(to_float(xr[j]), j));
-    if (tail) for (int64_t j = t0 + tid; j < V; j += bd) dr[j] = from_float<TOut>(grad(to_float(xr[j]), j));
+    if (head)
+      for (int64_t j = tid; j < h0; j += bd) dr[j] = from_float<TOut>(grad(to_float(xr[j]), j));
+    if (tail)
+      for (int64_t j = t0 + tid; j < V; j += bd) dr[j] = from_float<TOut>(grad(to_float(xr[j]), j));
   }
   cluster.sync();  // no CTA leaves while another may still read its slots
 #endif
@@ -407,7 +411,8 @@ int cluster_plan(int64_t vocab, size_t* smem) {
   if (nv < kThreads) return 0;  // short rows: the two-pass kernel's second read hits L1/L2 anyway
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9) {
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      major < 9) {
     return 0;
   }
   for (int k = 1; k <= kMaxCluster; k *= 2) {
@@ -450,7 +455,8 @@ cudaError_t launch(const TIn* logits, const int32_t* targets, const float* weigh
   const unsigned blocks = static_cast<unsigned>(std::min(rows, kMaxBlocks));
   const bool vec = aligned16(logits) && (!kGrad || aligned16(dlogits));
   size_t smem = 0;
-  const int k = kGrad && vec && algo != LmHeadCeAlgo::kTwoPass ? cluster_plan<TIn, TOut>(vocab, &smem) : 0;
+  const int k =
+      kGrad && vec && algo != LmHeadCeAlgo::kTwoPass ? cluster_plan<TIn, TOut>(vocab, &smem) : 0;
   if (k > 0) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(std::min(rows, kMaxBlocks) * k));
@@ -483,8 +489,8 @@ template <typename TIn>
 cudaError_t lm_head_ce_loss(const TIn* logits, const int32_t* targets, const float* weights,
                             float* loss, float* lse, int64_t rows, int64_t vocab, float z_loss,
                             cudaStream_t stream) {
-  return launch<TIn, TIn, false>(logits, targets, weights, loss, lse, nullptr, rows, vocab,
-                                 z_loss, LmHeadCeAlgo::kTwoPass, stream);
+  return launch<TIn, TIn, false>(logits, targets, weights, loss, lse, nullptr, rows, vocab, z_loss,
+                                 LmHeadCeAlgo::kTwoPass, stream);
 }
 
 template <typename TIn, typename TOut>
@@ -492,17 +498,17 @@ cudaError_t lm_head_ce_grad(const TIn* logits, const int32_t* targets, const flo
                             float* loss, float* lse, TOut* dlogits, int64_t rows, int64_t vocab,
                             float z_loss, LmHeadCeAlgo algo, cudaStream_t stream) {
   if (dlogits == nullptr) return cudaErrorInvalidValue;
-  return launch<TIn, TOut, true>(logits, targets, weights, loss, lse, dlogits, rows, vocab,
-                                 z_loss, algo, stream);
+  return launch<TIn, TOut, true>(logits, targets, weights, loss, lse, dlogits, rows, vocab, z_loss,
+                                 algo, stream);
 }
 
-#define SUROGATE_LM_HEAD_CE_LOSS(TIn)                                                          \
+#define SUROGATE_LM_HEAD_CE_LOSS(TIn)                                                         \
   template cudaError_t lm_head_ce_loss<TIn>(const TIn*, const int32_t*, const float*, float*, \
                                             float*, int64_t, int64_t, float, cudaStream_t);
-#define SUROGATE_LM_HEAD_CE_GRAD(TIn, TOut)                                              \
-  template cudaError_t lm_head_ce_grad<TIn, TOut>(const TIn*, const int32_t*, const float*, \
-                                                  float*, float*, TOut*, int64_t, int64_t,   \
-                                                  float, LmHeadCeAlgo, cudaStream_t);
+#define SUROGATE_LM_HEAD_CE_GRAD(TIn, TOut)                                                       \
+  template cudaError_t lm_head_ce_grad<TIn, TOut>(const TIn*, const int32_t*, const float*,       \
+                                                  float*, float*, TOut*, int64_t, int64_t, float, \
+                                                  LmHeadCeAlgo, cudaStream_t);
 
 SUROGATE_LM_HEAD_CE_LOSS(float)
 SUROGATE_LM_HEAD_CE_LOSS(__nv_bfloat16)

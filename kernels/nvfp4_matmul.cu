@@ -63,7 +63,8 @@ __global__ void transpose_codes_kernel(const uint8_t* __restrict__ src, int64_t 
     const int lc = i / (kTile / 2), lb = i % (kTile / 2);
     const int64_t c = c0 + lc, r = r0 + 2 * lb;
     if (c < cols && r < rows) {
-      dst[c * dst_pitch + r / 2] = static_cast<uint8_t>(tile[2 * lb][lc] | (tile[2 * lb + 1][lc] << 4));
+      dst[c * dst_pitch + r / 2] =
+          static_cast<uint8_t>(tile[2 * lb][lc] | (tile[2 * lb + 1][lc] << 4));
     }
   }
 }
@@ -99,7 +100,8 @@ cudaError_t nvfp4_transpose_codes(const uint8_t* src, int64_t rows, int64_t cols
   return cudaGetLastError();
 }
 
-cudaError_t nvfp4_gemm_alpha(const float* a_gs, const float* b_gs, float* out, cudaStream_t stream) {
+cudaError_t nvfp4_gemm_alpha(const float* a_gs, const float* b_gs, float* out,
+                             cudaStream_t stream) {
   gemm_alpha_kernel<<<1, 1, 0, stream>>>(a_gs, b_gs, out);
   return cudaGetLastError();
 }

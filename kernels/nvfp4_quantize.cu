@@ -1,12 +1,13 @@
-// NVFP4 quantizer kernels (see nvfp4_quantize.h for the contract, surogate_jax/ops/nvfp4_quantize.py
-// for the formulas).
+// NVFP4 quantizer kernels (see nvfp4_quantize.h for the contract,
+// surogate_jax/ops/nvfp4_quantize.py for the formulas).
 //
 // Floor: memory bound. Per element the quantize pass reads x (2 B bf16 / 4 B f32) and writes
 // 0.5 B of codes + 1/16 B of scale (1x16; 1/256 B for 16x16 tiles): 2.5625 B/elt for bf16 1x16.
 // The global scale needs amax(x) first, so unless the caller passes amax the amax pass reads x
 // once more (+2 B/elt): 4.5625 B/elt. At the H100's ~3000 GB/s measured copy bandwidth:
-//   [16384, 4096] bf16 (67.1 M elt): quantize only 172 MB -> 57 us; with the amax pass 306 MB -> 102 us
-//   [8192, 14336] bf16 (117 M elt):  quantize only 301 MB -> 100 us; with the amax pass 536 MB -> 179 us
+//   [16384, 4096] bf16 (67.1 M elt): quantize only 172 MB -> 57 us; with the amax pass 306 MB ->
+//   102 us [8192, 14336] bf16 (117 M elt):  quantize only 301 MB -> 100 us; with the amax pass 536
+//   MB -> 179 us
 // (~90 MB total / 50 MB L2, so the second read comes from DRAM.) Compute: about 40 float ops per
 // element with Four Over Six (two candidates, squared-error tree) plus ~20 for the RHT butterflies;
 // at 1.2 G elt/ms that is ~70 TFLOP/s-equivalent of simple ALU work, close to the H100's fp32 rate,
@@ -100,7 +101,8 @@ __device__ __forceinline__ uint32_t e2m1_rne(float a) {
 }
 
 __device__ __forceinline__ float e2m1_value(uint32_t c) {
-  return c < 4 ? 0.5f * static_cast<float>(c) : (c == 4 ? 2.0f : (c == 5 ? 3.0f : (c == 6 ? 4.0f : 6.0f)));
+  return c < 4 ? 0.5f * static_cast<float>(c)
+               : (c == 4 ? 2.0f : (c == 5 ? 3.0f : (c == 6 ? 4.0f : 6.0f)));
 }
 
 // Stochastic rounding of a >= 0 with u in [0, 1): up with probability (a - lo) / (hi - lo).
@@ -162,8 +164,9 @@ struct Candidate {
   float err;
 };
 
-__device__ __forceinline__ Candidate candidate(const float (&v)[16], float block_amax, float divisor,
-                                               float s_enc, float s_dec, bool want_err) {
+__device__ __forceinline__ Candidate candidate(const float (&v)[16], float block_amax,
+                                               float divisor, float s_enc, float s_dec,
+                                               bool want_err) {
   Candidate c;
   float t = __fmul_rn(__fdiv_rn(block_amax, divisor), s_enc);
   if (t > 448.0f) t = 448.0f;
@@ -218,8 +221,8 @@ __device__ __forceinline__ void scales_of(const float* amax, bool four_over_six,
 // ---------------------------------------------------------------------------------------------
 
 template <typename T, bool kVec>
-__global__ void __launch_bounds__(kThreads)
-    amax_kernel(const T* __restrict__ x, int64_t nblocks, int mask, unsigned int* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x, int64_t nblocks,
+                                                        int mask, unsigned int* __restrict__ out) {
   unsigned int m = 0;
   for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < nblocks;
        b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -379,14 +382,14 @@ cudaError_t nvfp4_quantize(const T* x, int64_t batch, int64_t rows, int64_t cols
   if (blocks > INT_MAX) return cudaErrorInvalidValue;
   auto kernel = vec ? quant_16x16_kernel<T, true> : quant_16x16_kernel<T, false>;
   kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(
-      x, rows, kb, std::max<int64_t>(row_tiles, 1), std::max<int64_t>(col_groups, 1), amax, seed,
-      p, codes, scales, global_scale);
+      x, rows, kb, std::max<int64_t>(row_tiles, 1), std::max<int64_t>(col_groups, 1), amax, seed, p,
+      codes, scales, global_scale);
   return cudaGetLastError();
 }
 
-#define SUROGATE_NVFP4_INSTANTIATE(T)                                                             \
-  template cudaError_t nvfp4_amax<T>(const T*, int64_t, int, float*, cudaStream_t);               \
-  template cudaError_t nvfp4_quantize<T>(const T*, int64_t, int64_t, int64_t, const float*,       \
+#define SUROGATE_NVFP4_INSTANTIATE(T)                                                              \
+  template cudaError_t nvfp4_amax<T>(const T*, int64_t, int, float*, cudaStream_t);                \
+  template cudaError_t nvfp4_quantize<T>(const T*, int64_t, int64_t, int64_t, const float*,        \
                                          const uint32_t*, const Nvfp4Options&, uint8_t*, uint8_t*, \
                                          float*, cudaStream_t);
 

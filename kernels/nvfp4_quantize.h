@@ -33,10 +33,10 @@
 namespace surogate {
 
 struct Nvfp4Options {
-  bool tile_2d = false;        // 16x16 tiles over (rows, cols) instead of 1x16 blocks along cols
-  bool four_over_six = true;   // per-block choice between block max -> 6 and -> 4 (global M = 256)
-  bool stochastic = false;     // stochastic rounding of the elements (scale choice stays RNE)
-  int rht_sign_mask = -1;      // < 0: no random Hadamard transform; else its 16-bit sign mask
+  bool tile_2d = false;       // 16x16 tiles over (rows, cols) instead of 1x16 blocks along cols
+  bool four_over_six = true;  // per-block choice between block max -> 6 and -> 4 (global M = 256)
+  bool stochastic = false;    // stochastic rounding of the elements (scale choice stays RNE)
+  int rht_sign_mask = -1;     // < 0: no random Hadamard transform; else its 16-bit sign mask
 };
 
 template <typename T>

@@ -21,7 +21,7 @@ cudaError_t rms_norm_bwd(const T* dy, const T* x, const T* w, const float* rstd,
                          int64_t rows, int64_t dim, void* workspace, size_t workspace_bytes,
                          cudaStream_t stream, int algo) {
   return normk::norm_bwd<T, false>(dy, x, w, rstd, nullptr, dx, dw, rows, dim, workspace,
-                            workspace_bytes, stream, algo);
+                                   workspace_bytes, stream, algo);
 }
 
 #define SUROGATE_RMS_NORM_INSTANTIATE(T)                                                        \

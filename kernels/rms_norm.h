@@ -4,10 +4,12 @@
 //             rstd = rsqrt(mean(x^2) + eps), y = x * rstd * w (fp32 math, rounded once to T)
 //   backward: dy, x [rows, dim], w [dim], rstd  -> dx [rows, dim], dw [dim]
 //             xhat = x * rstd, g = dy * w
-//             dx = rstd * (g - xhat * mean(g * xhat)),  dw = sum_rows(dy * xhat) (fp32 accumulation)
+//             dx = rstd * (g - xhat * mean(g * xhat)),  dw = sum_rows(dy * xhat) (fp32
+//             accumulation)
 //
 // T is float, __nv_bfloat16 or __half (x, w, y, dy, dx, dw all share it). Every launcher enqueues
-// on `stream`, never synchronizes, and returns the first CUDA error it sees (cudaSuccess otherwise).
+// on `stream`, never synchronizes, and returns the first CUDA error it sees (cudaSuccess
+// otherwise).
 #pragma once
 
 #include <cstddef>

@@ -27,10 +27,10 @@
 //  * Persistent grid (SMs x resident blocks, grid-stride over rows): each thread always owns the
 //    same columns, so in the plain forward it loads its slice of w once into registers, and in
 //    the backward it keeps its dw partial sums in registers across all its rows (w is re-read
-//    from L1 there and in the residual forward, to stay within the register cap). At the end the groups of a block add their
-//    partials in shared memory in a fixed order, each block writes one fp32 row of the
-//    workspace [blocks, dim], and a tiny second kernel sums the workspace over blocks (~1-2% of
-//    the bytes). No atomics: results are deterministic.
+//    from L1 there and in the residual forward, to stay within the register cap). At the end the
+//    groups of a block add their partials in shared memory in a fixed order, each block writes one
+//    fp32 row of the workspace [blocks, dim], and a tiny second kernel sums the workspace over
+//    blocks (~1-2% of the bytes). No atomics: results are deterministic.
 //  * Inputs read once use streaming loads (ld.global.cs) so they do not evict w or the workspace
 //    (forward variants 0-3, backward variant 0); forward variant 4 and backward variant 1 use
 //    plain loads instead (for SwiGLU plain loads were 4-9% faster).
@@ -61,23 +61,28 @@ using vec::kVec;
 using vec::Raw;
 
 constexpr int kWarp = 32;
-constexpr int kRegVecs = 4;           // vectors per thread in the register path (forward)
+constexpr int kRegVecs = 4;  // vectors per thread in the register path (forward)
 // Backward: dy, s (and dres) plus the fp32 dw partials per thread, so a thread holds two 16-byte
 // vectors (four scalars on the scalar path) to stay within its register cap without spilling.
-template <int N> constexpr int kBwdVecs = N == 1 ? 4 : 2;
+template <int N>
+constexpr int kBwdVecs = N == 1 ? 4 : 2;
 // The wide backward (rows beyond the default's kMaxRegBlock threads) holds twice as many.
-template <int N> constexpr int kBwdWideVecs = 2 * kBwdVecs<N>;
+template <int N>
+constexpr int kBwdWideVecs = 2 * kBwdVecs<N>;
 constexpr int kSubWarpThreads = 256;  // block size when row groups are warp slices
 constexpr int kMaxRegBlock = 512;     // largest row group (block) of the register path
 // Register caps (__maxnreg__): at most 72-80 registers (forward) and 64-72 (backward) per thread,
 // so 768-1024 threads stay resident per SM and enough rows are in flight to cover DRAM latency
 // (each thread has its whole slice of a row in flight at once). Chosen as the smallest caps at
 // which ptxas (nvcc 13, sm_90a) spills nothing for any instantiation.
-template <bool kRes> constexpr int kFwdRegCap = kRes ? 80 : 72;
-template <bool kRes> constexpr int kBwdRegCap = kRes ? 72 : 64;
+template <bool kRes>
+constexpr int kFwdRegCap = kRes ? 80 : 72;
+template <bool kRes>
+constexpr int kBwdRegCap = kRes ? 72 : 64;
 // Wide backward caps (V = kBwdWideVecs): the smallest multiples of 8 at which ptxas (nvcc 13,
-// sm_90a) spills nothing; a 16-bit vector thread keeps 4 x 8 fp32 dw partials, hence its higher cap.
-// fp32 D = 5120 with the residual: 320-thread blocks at 96 registers, two blocks resident per SM.
+// sm_90a) spills nothing; a 16-bit vector thread keeps 4 x 8 fp32 dw partials, hence its higher
+// cap. fp32 D = 5120 with the residual: 320-thread blocks at 96 registers, two blocks resident per
+// SM.
 template <typename T, int N, int V, bool kRes>
 constexpr int bwd_reg_cap() {
   if (V == kBwdVecs<N>) return kBwdRegCap<kRes>;
@@ -186,7 +191,8 @@ __device__ __forceinline__ void fwd_load_row(const T* __restrict__ x, const T* _
     const int i = L.lane + j * L.width;
     if (i < nvec) {
       xr[j] = vec::load_raw_hint<T, N, kStream>(x + off + static_cast<int64_t>(i) * N);
-      if constexpr (kRes) rr[j] = vec::load_raw_hint<T, N, kStream>(res + off + static_cast<int64_t>(i) * N);
+      if constexpr (kRes)
+        rr[j] = vec::load_raw_hint<T, N, kStream>(res + off + static_cast<int64_t>(i) * N);
     }
   }
 }
@@ -283,8 +289,8 @@ __global__ void __maxnreg__((fwd_reg_cap<T, kRes, R, kWReg, kPrefetch>()))
 template <typename T, int N, int V, bool kBlockRow, bool kRes, bool kStream>
 __global__ void __maxnreg__((bwd_reg_cap<T, N, V, kRes>()))
     bwd_reg_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
-                   const float* __restrict__ rstd, const T* __restrict__ dres,
-                   T* __restrict__ dx, float* __restrict__ ws, int64_t rows, int dim, int width) {
+                   const float* __restrict__ rstd, const T* __restrict__ dres, T* __restrict__ dx,
+                   float* __restrict__ ws, int64_t rows, int dim, int width) {
   extern __shared__ float smem[];
   __shared__ float red[kWarp + 1];
   const RowLoop L = row_loop<kBlockRow>(width);
@@ -500,8 +506,8 @@ struct Plan {
   bool block_row = false;  // a block per row (else warp-slice groups of `width` lanes)
   int width = kWarp;       // threads per row group
   int threads = 0;
-  int rows_per_block = 1;  // rows one block handles per iteration
-  size_t smem = 0;         // dynamic shared memory bytes
+  int rows_per_block = 1;     // rows one block handles per iteration
+  size_t smem = 0;            // dynamic shared memory bytes
   bool smem_partials = true;  // loop path backward only
   int blocks = 0;
 };
@@ -574,7 +580,7 @@ cudaError_t occupancy(Kernel kernel, int threads, size_t smem, int* per_sm, int*
   SUROGATE_TRY(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev));
   if (smem > 48 * 1024) {
     SUROGATE_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem)));
+                                      static_cast<int>(smem)));
   }
   SUROGATE_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, smem));
   cache[next] = {key, threads, dev, *per_sm, *sms, smem};
@@ -594,15 +600,16 @@ cudaError_t size_grid(Kernel kernel, int64_t rows, Plan& p) {
 }
 
 template <typename T, bool kRes>
-using FwdRegKernel = void (*)(const T*, const T*, const T*, T*, T*, float*, int64_t, int, int, float);
+using FwdRegKernel = void (*)(const T*, const T*, const T*, T*, T*, float*, int64_t, int, int,
+                              float);
 template <typename T, bool kRes>
 using BwdRegKernel = void (*)(const T*, const T*, const T*, const float*, const T*, T*, float*,
                               int64_t, int, int);
 template <typename T>
 using FwdLoopKernel = void (*)(const T*, const T*, T*, float*, int64_t, int, int, float);
 template <typename T>
-using BwdLoopKernel = void (*)(const T*, const T*, const T*, const float*, T*, float*, int64_t,
-                               int, int, bool);
+using BwdLoopKernel = void (*)(const T*, const T*, const T*, const float*, T*, float*, int64_t, int,
+                               int, bool);
 
 template <typename T, int R, bool kRes, bool kWReg, bool kPrefetch, bool kStream = true>
 FwdRegKernel<T, kRes> fwd_reg_variant(const Plan& p) {
@@ -626,11 +633,16 @@ constexpr int kBwdAlgos = 2;
 template <typename T, bool kRes>
 FwdRegKernel<T, kRes> fwd_reg(const Plan& p, int algo) {
   switch (algo) {
-    case 1: return fwd_reg_variant<T, 4, kRes, false, false>(p);
-    case 2: return fwd_reg_variant<T, 8, kRes, false, false>(p);
-    case 3: return fwd_reg_variant<T, 4, kRes, false, true>(p);
-    case 4: return fwd_reg_variant<T, 4, kRes, false, false, false>(p);
-    default: return fwd_reg_variant<T, kRegVecs, kRes, !kRes, false>(p);
+    case 1:
+      return fwd_reg_variant<T, 4, kRes, false, false>(p);
+    case 2:
+      return fwd_reg_variant<T, 8, kRes, false, false>(p);
+    case 3:
+      return fwd_reg_variant<T, 4, kRes, false, true>(p);
+    case 4:
+      return fwd_reg_variant<T, 4, kRes, false, false, false>(p);
+    default:
+      return fwd_reg_variant<T, kRegVecs, kRes, !kRes, false>(p);
   }
 }
 
@@ -651,7 +663,8 @@ BwdRegKernel<T, kRes> bwd_reg_variant(const Plan& p, bool wide) {
 
 template <typename T, bool kRes>
 BwdRegKernel<T, kRes> bwd_reg(const Plan& p, bool wide, int algo) {
-  return algo == 1 ? bwd_reg_variant<T, kRes, false>(p, wide) : bwd_reg_variant<T, kRes, true>(p, wide);
+  return algo == 1 ? bwd_reg_variant<T, kRes, false>(p, wide)
+                   : bwd_reg_variant<T, kRes, true>(p, wide);
 }
 
 template <typename T>
@@ -671,7 +684,8 @@ BwdLoopKernel<T> bwd_loop(const Plan& p) {
 template <typename T>
 cudaError_t launch_add(const T* a, const T* b, T* out, int64_t n, cudaStream_t stream) {
   const int64_t blocks = std::min<int64_t>((n + 255) / 256, 4096);
-  add_kernel<T><<<static_cast<unsigned>(std::max<int64_t>(blocks, 1)), 256, 0, stream>>>(a, b, out, n);
+  add_kernel<T>
+      <<<static_cast<unsigned>(std::max<int64_t>(blocks, 1)), 256, 0, stream>>>(a, b, out, n);
   return cudaGetLastError();
 }
 
@@ -711,9 +725,9 @@ cudaError_t norm_fwd(const T* x, const T* res, const T* w, T* y, T* res_out, flo
 }
 
 // Backward: x is the normalized input (s); kRes = false -> plain RMSNorm backward (dres
-// unused), else dx = norm backward + dres. `algo` in [0, kBwdAlgos) picks the load hint. `workspace`: fp32 scratch of workspace_bytes (16-byte
-// aligned), at least one row of dim floats; the grid uses at most workspace_bytes / (4 * dim)
-// blocks.
+// unused), else dx = norm backward + dres. `algo` in [0, kBwdAlgos) picks the load hint.
+// `workspace`: fp32 scratch of workspace_bytes (16-byte aligned), at least one row of dim floats;
+// the grid uses at most workspace_bytes / (4 * dim) blocks.
 template <typename T, bool kRes>
 cudaError_t norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, const T* dres, T* dx,
                      T* dw, int64_t rows, int64_t dim, void* workspace, size_t workspace_bytes,

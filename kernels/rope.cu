@@ -117,7 +117,9 @@ __device__ __forceinline__ Lane lane_of(const Layout& L) {
 }
 
 // Chunk (vector index within a half row) i of this lane.
-__device__ __forceinline__ int lane_chunk(int lane, int i, const Layout& L) { return lane + i * L.width; }
+__device__ __forceinline__ int lane_chunk(int lane, int i, const Layout& L) {
+  return lane + i * L.width;
+}
 
 __device__ __forceinline__ float group_sum(float v, unsigned mask, int width) {
   for (int o = width / 2; o > 0; o >>= 1) v += __shfl_xor_sync(mask, v, o);  // stays in group
@@ -296,12 +298,13 @@ __device__ __forceinline__ void rope_fwd_flat(const T* __restrict__ x, T* __rest
   const int groups = kWarp / L.width;
   const int lane = lw % L.width;
   const int group = lw / L.width;
-  const unsigned mask = L.width == kWarp ? 0xffffffffu : ((1u << L.width) - 1u) << (group * L.width);
+  const unsigned mask =
+      L.width == kWarp ? 0xffffffffu : ((1u << L.width) - 1u) << (group * L.width);
   const int upt = (heads + U - 1) / U;  // units per token
   const int64_t units = tokens * upt;
   const int64_t stride = nblocks * kWarpsPerBlock * groups;
-  for (int64_t unit = (block * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group;
-       unit < units; unit += stride) {  // uniform over a group: shuffles stay inside it
+  for (int64_t unit = (block * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group; unit < units;
+       unit += stride) {  // uniform over a group: shuffles stay inside it
     const int64_t tok = unit / upt;
     const int h0 = static_cast<int>(unit - tok * upt) * U;
     R a[U][PER], b[U][PER];
@@ -374,7 +377,8 @@ __global__ void __launch_bounds__(kThreads, (flat_min_blocks<PER, U>()))
     rope_fwd_flat_kernel(const T* __restrict__ x, T* __restrict__ y, RopeAngles ang,
                          const T* __restrict__ w, int64_t tokens, int heads, Layout L, float eps,
                          float sgn) {
-  rope_fwd_flat<T, V, PER, kNorm, U>(x, y, ang, w, tokens, heads, L, eps, sgn, blockIdx.x, gridDim.x);
+  rope_fwd_flat<T, V, PER, kNorm, U>(x, y, ang, w, tokens, heads, L, eps, sgn, blockIdx.x,
+                                     gridDim.x);
 }
 
 // q and k of a layer in one launch (same tokens, angles and head_dim; own heads and weights):
@@ -395,13 +399,15 @@ struct Pair {
 
 template <typename T, int V, int PER, bool kNorm, int U>
 __global__ void __launch_bounds__(kThreads, (flat_min_blocks<PER, U>()))
-    rope_fwd_flat_pair_kernel(Pair<T> p, RopeAngles ang, int64_t tokens, Layout L, float eps, float sgn) {
+    rope_fwd_flat_pair_kernel(Pair<T> p, RopeAngles ang, int64_t tokens, Layout L, float eps,
+                              float sgn) {
   const int64_t b = blockIdx.x;
   if (b < p.blocks0) {
-    rope_fwd_flat<T, V, PER, kNorm, U>(p.in0, p.out0, ang, p.w0, tokens, p.heads0, L, eps, sgn, b, p.blocks0);
+    rope_fwd_flat<T, V, PER, kNorm, U>(p.in0, p.out0, ang, p.w0, tokens, p.heads0, L, eps, sgn, b,
+                                       p.blocks0);
   } else {
-    rope_fwd_flat<T, V, PER, kNorm, U>(p.in1, p.out1, ang, p.w1, tokens, p.heads1, L, eps, sgn, b - p.blocks0,
-                                       static_cast<int64_t>(gridDim.x) - p.blocks0);
+    rope_fwd_flat<T, V, PER, kNorm, U>(p.in1, p.out1, ang, p.w1, tokens, p.heads1, L, eps, sgn,
+                                       b - p.blocks0, static_cast<int64_t>(gridDim.x) - p.blocks0);
   }
 }
 
@@ -547,20 +553,22 @@ constexpr int bwd_flat_min_blocks() {
 // after the forward's variants 1-3 made the forward 1.4x faster. On the H100 U = 2
 // was the fastest at 7 of 8 benchmarked shapes (55-69% of 3000 GB/s vs variant 0's 43-63%), so it
 // is the op's default (ops/rope.py BWD_ALGO). Why variant 0 is slow:
-// like the forward's variant 0 it strides over whole tokens per warp (1.55-3.1 uneven rounds for the
-// benchmarked shapes) and loads one head's dy and x at a time, unpacked to fp32, at 128
-// registers (4 blocks per SM). Here a lane group takes units of U heads of one token, strides over units with a grid
-// sized so every group gets the same number of units, issues all U heads' loads (held packed)
-// before any math, and re-reads w from L1; dy and x are unpacked twice (for the two reductions and
-// for the output) instead of holding fp32 copies. Same per-row math and reduction order as variant
-// 0, so dx matches it bitwise (up to FMA contraction); dw sums the same terms in another order.
-// The flat norm backward over one tensor as block `block` of `nblocks` (see rope_fwd_flat); its
-// dw partials go to row blockIdx.x of ws. `red`: the block's shared memory (block_dw_to_ws).
+// like the forward's variant 0 it strides over whole tokens per warp (1.55-3.1 uneven rounds for
+// the benchmarked shapes) and loads one head's dy and x at a time, unpacked to fp32, at 128
+// registers (4 blocks per SM). Here a lane group takes units of U heads of one token, strides over
+// units with a grid sized so every group gets the same number of units, issues all U heads' loads
+// (held packed) before any math, and re-reads w from L1; dy and x are unpacked twice (for the two
+// reductions and for the output) instead of holding fp32 copies. Same per-row math and reduction
+// order as variant 0, so dx matches it bitwise (up to FMA contraction); dw sums the same terms in
+// another order. The flat norm backward over one tensor as block `block` of `nblocks` (see
+// rope_fwd_flat); its dw partials go to row blockIdx.x of ws. `red`: the block's shared memory
+// (block_dw_to_ws).
 template <typename T, int V, int PER, int U, bool kStream>
-__device__ __forceinline__ void rope_norm_bwd_flat(const T* __restrict__ dy, const T* __restrict__ x,
-                                                   const RopeAngles& ang, const T* __restrict__ w,
-                                                   T* __restrict__ dx, float* __restrict__ ws,
-                                                   int64_t tokens, int heads, const Layout& L, float eps,
+__device__ __forceinline__ void rope_norm_bwd_flat(const T* __restrict__ dy,
+                                                   const T* __restrict__ x, const RopeAngles& ang,
+                                                   const T* __restrict__ w, T* __restrict__ dx,
+                                                   float* __restrict__ ws, int64_t tokens,
+                                                   int heads, const Layout& L, float eps,
                                                    int64_t block, int64_t nblocks, float* red) {
   using R = vec::Raw<T, V>;
   const int K = 2 * L.half;
@@ -568,7 +576,8 @@ __device__ __forceinline__ void rope_norm_bwd_flat(const T* __restrict__ dy, con
   const int groups = kWarp / L.width;
   const int lane = lw % L.width;
   const int group = lw / L.width;
-  const unsigned mask = L.width == kWarp ? 0xffffffffu : ((1u << L.width) - 1u) << (group * L.width);
+  const unsigned mask =
+      L.width == kWarp ? 0xffffffffu : ((1u << L.width) - 1u) << (group * L.width);
   float d1[PER][V], d2[PER][V];
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
@@ -578,8 +587,8 @@ __device__ __forceinline__ void rope_norm_bwd_flat(const T* __restrict__ dy, con
   const int upt = (heads + U - 1) / U;  // units per token
   const int64_t units = tokens * upt;
   const int64_t stride = nblocks * kWarpsPerBlock * groups;
-  for (int64_t unit = (block * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group;
-       unit < units; unit += stride) {  // uniform over a group: its shuffles stay inside it
+  for (int64_t unit = (block * kWarpsPerBlock + threadIdx.x / kWarp) * groups + group; unit < units;
+       unit += stride) {  // uniform over a group: its shuffles stay inside it
     const int64_t tok = unit / upt;
     const int h0 = static_cast<int>(unit - tok * upt) * U;
     R ga[U][PER], gb[U][PER], xa[U][PER], xb[U][PER];
@@ -610,7 +619,8 @@ __device__ __forceinline__ void rope_norm_bwd_flat(const T* __restrict__ dy, con
       for (int i = 0; i < PER; ++i) {
         const int ch = lane_chunk(lane, i, L);
         if (ch < L.nchunks) {
-          const R w1 = vec::load_raw<T, V>(w + ch * V), w2 = vec::load_raw<T, V>(w + L.half + ch * V);
+          const R w1 = vec::load_raw<T, V>(w + ch * V),
+                  w2 = vec::load_raw<T, V>(w + L.half + ch * V);
 #pragma unroll
           for (int k = 0; k < V; ++k) {
             const float a = elem(ga[u][i], k), b = elem(gb[u][i], k);
@@ -630,7 +640,8 @@ __device__ __forceinline__ void rope_norm_bwd_flat(const T* __restrict__ dy, con
       for (int i = 0; i < PER; ++i) {
         const int ch = lane_chunk(lane, i, L);
         if (ch < L.nchunks) {
-          const R w1 = vec::load_raw<T, V>(w + ch * V), w2 = vec::load_raw<T, V>(w + L.half + ch * V);
+          const R w1 = vec::load_raw<T, V>(w + ch * V),
+                  w2 = vec::load_raw<T, V>(w + L.half + ch * V);
           float o1[V], o2[V];
 #pragma unroll
           for (int k = 0; k < V; ++k) {
@@ -658,8 +669,8 @@ __global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
                               const T* __restrict__ w, T* __restrict__ dx, float* __restrict__ ws,
                               int64_t tokens, int heads, Layout L, float eps) {
   extern __shared__ float red[];
-  rope_norm_bwd_flat<T, V, PER, U, kStream>(dy, x, ang, w, dx, ws, tokens, heads, L, eps, blockIdx.x,
-                                            gridDim.x, red);
+  rope_norm_bwd_flat<T, V, PER, U, kStream>(dy, x, ang, w, dx, ws, tokens, heads, L, eps,
+                                            blockIdx.x, gridDim.x, red);
 }
 
 // q and k in one launch (rope_fwd_flat_pair_kernel): blocks [0, blocks0) tensor 0, the rest tensor
@@ -680,16 +691,17 @@ struct GradPair {
 
 template <typename T, int V, int PER, int U, bool kStream>
 __global__ void __launch_bounds__(kThreads, (bwd_flat_min_blocks<PER, U>()))
-    rope_norm_bwd_flat_pair_kernel(GradPair<T> p, RopeAngles ang, float* __restrict__ ws, int64_t tokens,
-                                   Layout L, float eps) {
+    rope_norm_bwd_flat_pair_kernel(GradPair<T> p, RopeAngles ang, float* __restrict__ ws,
+                                   int64_t tokens, Layout L, float eps) {
   extern __shared__ float red[];
   const int64_t b = blockIdx.x;
   if (b < p.blocks0) {
-    rope_norm_bwd_flat<T, V, PER, U, kStream>(p.dy0, p.x0, ang, p.w0, p.dx0, ws, tokens, p.heads0, L, eps, b,
-                                              p.blocks0, red);
+    rope_norm_bwd_flat<T, V, PER, U, kStream>(p.dy0, p.x0, ang, p.w0, p.dx0, ws, tokens, p.heads0,
+                                              L, eps, b, p.blocks0, red);
   } else {
-    rope_norm_bwd_flat<T, V, PER, U, kStream>(p.dy1, p.x1, ang, p.w1, p.dx1, ws, tokens, p.heads1, L, eps,
-                                              b - p.blocks0, static_cast<int64_t>(gridDim.x) - p.blocks0, red);
+    rope_norm_bwd_flat<T, V, PER, U, kStream>(p.dy1, p.x1, ang, p.w1, p.dx1, ws, tokens, p.heads1,
+                                              L, eps, b - p.blocks0,
+                                              static_cast<int64_t>(gridDim.x) - p.blocks0, red);
   }
 }
 
@@ -805,9 +817,12 @@ template <typename T, bool kNorm>
 FwdKernel<T> fwd_kernel(const Plan& p) {
   if (p.vec == 1) {
     switch (p.per) {
-      case 1: return rope_fwd_kernel<T, 1, 1, kNorm>;
-      case 4: return rope_fwd_kernel<T, 1, 4, kNorm>;
-      default: return rope_fwd_kernel<T, 1, kMaxPerScalar, kNorm>;
+      case 1:
+        return rope_fwd_kernel<T, 1, 1, kNorm>;
+      case 4:
+        return rope_fwd_kernel<T, 1, 4, kNorm>;
+      default:
+        return rope_fwd_kernel<T, 1, kMaxPerScalar, kNorm>;
     }
   }
   if (p.per == 1) return rope_fwd_kernel<T, kVec<T>, 1, kNorm>;
@@ -818,9 +833,12 @@ template <typename T, bool kNorm, int U>
 FwdKernel<T> flat_kernel_u(const Plan& p) {
   if (p.vec == 1) {
     switch (p.per) {
-      case 1: return rope_fwd_flat_kernel<T, 1, 1, kNorm, U>;
-      case 4: return rope_fwd_flat_kernel<T, 1, 4, kNorm, U>;
-      default: return rope_fwd_flat_kernel<T, 1, kMaxPerScalar, kNorm, U>;
+      case 1:
+        return rope_fwd_flat_kernel<T, 1, 1, kNorm, U>;
+      case 4:
+        return rope_fwd_flat_kernel<T, 1, 4, kNorm, U>;
+      default:
+        return rope_fwd_flat_kernel<T, 1, kMaxPerScalar, kNorm, U>;
     }
   }
   if (p.per == 1) return rope_fwd_flat_kernel<T, kVec<T>, 1, kNorm, U>;
@@ -833,9 +851,12 @@ constexpr int flat_heads(int algo) { return algo == 1 ? 1 : algo == 2 ? 2 : 4; }
 template <typename T, bool kNorm>
 FwdKernel<T> flat_kernel(const Plan& p, int algo) {
   switch (flat_heads(algo)) {
-    case 1: return flat_kernel_u<T, kNorm, 1>(p);
-    case 2: return flat_kernel_u<T, kNorm, 2>(p);
-    default: return flat_kernel_u<T, kNorm, 4>(p);
+    case 1:
+      return flat_kernel_u<T, kNorm, 1>(p);
+    case 2:
+      return flat_kernel_u<T, kNorm, 2>(p);
+    default:
+      return flat_kernel_u<T, kNorm, 4>(p);
   }
 }
 
@@ -843,9 +864,12 @@ template <typename T>
 BwdKernel<T> bwd_kernel(const Plan& p) {
   if (p.vec == 1) {
     switch (p.per) {
-      case 1: return rope_norm_bwd_kernel<T, 1, 1>;
-      case 4: return rope_norm_bwd_kernel<T, 1, 4>;
-      default: return rope_norm_bwd_kernel<T, 1, kMaxPerScalar>;
+      case 1:
+        return rope_norm_bwd_kernel<T, 1, 1>;
+      case 4:
+        return rope_norm_bwd_kernel<T, 1, 4>;
+      default:
+        return rope_norm_bwd_kernel<T, 1, kMaxPerScalar>;
     }
   }
   if (p.per == 1) return rope_norm_bwd_kernel<T, kVec<T>, 1>;
@@ -856,9 +880,12 @@ template <typename T, int U, bool kStream>
 BwdKernel<T> bwd_flat_kernel_u(const Plan& p) {
   if (p.vec == 1) {
     switch (p.per) {
-      case 1: return rope_norm_bwd_flat_kernel<T, 1, 1, U, kStream>;
-      case 4: return rope_norm_bwd_flat_kernel<T, 1, 4, U, kStream>;
-      default: return rope_norm_bwd_flat_kernel<T, 1, kMaxPerScalar, U, kStream>;
+      case 1:
+        return rope_norm_bwd_flat_kernel<T, 1, 1, U, kStream>;
+      case 4:
+        return rope_norm_bwd_flat_kernel<T, 1, 4, U, kStream>;
+      default:
+        return rope_norm_bwd_flat_kernel<T, 1, kMaxPerScalar, U, kStream>;
     }
   }
   if (p.per == 1) return rope_norm_bwd_flat_kernel<T, kVec<T>, 1, U, kStream>;
@@ -878,11 +905,16 @@ constexpr int bwd_flat_heads(int algo) { return algo == 1 ? 1 : algo == 3 ? 4 : 
 template <typename T>
 BwdKernel<T> bwd_kernel(const Plan& p, int algo) {
   switch (algo) {
-    case 0: return bwd_kernel<T>(p);
-    case 1: return bwd_flat_kernel_u<T, 1, true>(p);
-    case 2: return bwd_flat_kernel_u<T, 2, true>(p);
-    case 3: return bwd_flat_kernel_u<T, 4, true>(p);
-    default: return bwd_flat_kernel_u<T, 2, false>(p);
+    case 0:
+      return bwd_kernel<T>(p);
+    case 1:
+      return bwd_flat_kernel_u<T, 1, true>(p);
+    case 2:
+      return bwd_flat_kernel_u<T, 2, true>(p);
+    case 3:
+      return bwd_flat_kernel_u<T, 4, true>(p);
+    default:
+      return bwd_flat_kernel_u<T, 2, false>(p);
   }
 }
 
@@ -905,7 +937,8 @@ bool table_vec4(const RopeAngles& a) {
 }  // namespace
 
 int64_t rope_max_head_dim() { return 1024; }
-static_assert(kRopeFwdAlgos == kFwdAlgos && kRopeBwdAlgos == kBwdAlgos, "rope.h and the kernels disagree");
+static_assert(kRopeFwdAlgos == kFwdAlgos && kRopeBwdAlgos == kBwdAlgos,
+              "rope.h and the kernels disagree");
 
 template <typename T>
 cudaError_t rope_fwd(const T* x, T* y, const RopeAngles& ang, const T* w, int64_t tokens,
@@ -937,8 +970,8 @@ cudaError_t rope_fwd(const T* x, T* y, const RopeAngles& ang, const T* w, int64_
 }
 
 template <typename T>
-cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const T* w, T* dx,
-                          T* dw, int64_t tokens, int64_t heads, int64_t head_dim, float eps,
+cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const T* w, T* dx, T* dw,
+                          int64_t tokens, int64_t heads, int64_t head_dim, float eps,
                           void* workspace, size_t workspace_bytes, cudaStream_t stream, int algo) {
   SUROGATE_TRY(check_args(ang, tokens, heads, head_dim));
   if (w == nullptr || dw == nullptr) return cudaErrorInvalidValue;
@@ -968,7 +1001,8 @@ cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const 
     const int64_t per_block = static_cast<int64_t>(kWarpsPerBlock) * (kWarp / p.L.width);
     const int64_t need = (units + per_block - 1) / per_block;
     const int64_t cap = std::max<int64_t>(
-        1, std::min<int64_t>(static_cast<int64_t>(std::max(sms, 1)) * std::max(per_sm, 1), ws_rows));
+        1,
+        std::min<int64_t>(static_cast<int64_t>(std::max(sms, 1)) * std::max(per_sm, 1), ws_rows));
     const int64_t rounds = (need + cap - 1) / cap;
     p.blocks = static_cast<int>(std::max<int64_t>(1, (need + rounds - 1) / rounds));
   }
@@ -984,14 +1018,17 @@ cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const 
 
 template <typename T>
 cudaError_t rope_fwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1, const RopeAngles& ang,
-                          int64_t tokens, int64_t head_dim, float eps, bool inverse, cudaStream_t stream,
-                          int algo) {
+                          int64_t tokens, int64_t head_dim, float eps, bool inverse,
+                          cudaStream_t stream, int algo) {
   SUROGATE_TRY(check_args(ang, tokens, std::max<int64_t>(t0.heads, 1), head_dim));
   SUROGATE_TRY(check_args(ang, tokens, std::max<int64_t>(t1.heads, 1), head_dim));
-  if ((t0.w == nullptr) != (t1.w == nullptr) || t0.heads <= 0 || t1.heads <= 0) return cudaErrorInvalidValue;
+  if ((t0.w == nullptr) != (t1.w == nullptr) || t0.heads <= 0 || t1.heads <= 0)
+    return cudaErrorInvalidValue;
   auto each = [&]() -> cudaError_t {  // one launch per tensor
-    SUROGATE_TRY(rope_fwd<T>(t0.x, t0.out, ang, t0.w, tokens, t0.heads, head_dim, eps, inverse, stream, algo));
-    return rope_fwd<T>(t1.x, t1.out, ang, t1.w, tokens, t1.heads, head_dim, eps, inverse, stream, algo);
+    SUROGATE_TRY(rope_fwd<T>(t0.x, t0.out, ang, t0.w, tokens, t0.heads, head_dim, eps, inverse,
+                             stream, algo));
+    return rope_fwd<T>(t1.x, t1.out, ang, t1.w, tokens, t1.heads, head_dim, eps, inverse, stream,
+                       algo);
   };
   if (algo != kRopePairFwdAlgo) return each();
   if (tokens == 0) return cudaSuccess;
@@ -1016,33 +1053,45 @@ cudaError_t rope_fwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1, cons
   RopeAngles a = ang;
   if (a.positions != nullptr) a.cos = a.sin = nullptr;
   p.L.table_vec4 = table_vec4(a);
-  const Pair<T> pr{t0.x, t1.x, t0.out, t1.out, t0.w, t1.w, static_cast<int>(t0.heads), static_cast<int>(t1.heads),
+  const Pair<T> pr{t0.x,
+                   t1.x,
+                   t0.out,
+                   t1.out,
+                   t0.w,
+                   t1.w,
+                   static_cast<int>(t0.heads),
+                   static_cast<int>(t1.heads),
                    static_cast<int>(b0)};
-  kernel<<<static_cast<unsigned>(b0 + b1), kThreads, 0, stream>>>(pr, a, tokens, p.L, eps, inverse ? -1.f : 1.f);
+  kernel<<<static_cast<unsigned>(b0 + b1), kThreads, 0, stream>>>(pr, a, tokens, p.L, eps,
+                                                                  inverse ? -1.f : 1.f);
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t rope_norm_bwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1, const RopeAngles& ang,
-                               int64_t tokens, int64_t head_dim, float eps, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream, int algo) {
+cudaError_t rope_norm_bwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1,
+                               const RopeAngles& ang, int64_t tokens, int64_t head_dim, float eps,
+                               void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                               int algo) {
   SUROGATE_TRY(check_args(ang, tokens, std::max<int64_t>(t0.heads, 1), head_dim));
   SUROGATE_TRY(check_args(ang, tokens, std::max<int64_t>(t1.heads, 1), head_dim));
   if (t0.heads <= 0 || t1.heads <= 0) return cudaErrorInvalidValue;
   auto each = [&]() -> cudaError_t {  // one tensor after the other (stream order: they share ws)
-    SUROGATE_TRY(rope_norm_bwd<T>(t0.dy, t0.x, ang, t0.w, t0.out, t0.dw, tokens, t0.heads, head_dim, eps,
-                                  workspace, workspace_bytes, stream, algo));
-    return rope_norm_bwd<T>(t1.dy, t1.x, ang, t1.w, t1.out, t1.dw, tokens, t1.heads, head_dim, eps, workspace,
-                            workspace_bytes, stream, algo);
+    SUROGATE_TRY(rope_norm_bwd<T>(t0.dy, t0.x, ang, t0.w, t0.out, t0.dw, tokens, t0.heads, head_dim,
+                                  eps, workspace, workspace_bytes, stream, algo));
+    return rope_norm_bwd<T>(t1.dy, t1.x, ang, t1.w, t1.out, t1.dw, tokens, t1.heads, head_dim, eps,
+                            workspace, workspace_bytes, stream, algo);
   };
   const int64_t ws_rows =
       static_cast<int64_t>(workspace_bytes / (static_cast<size_t>(head_dim) * sizeof(float)));
   if (algo != kRopePairBwdAlgo || tokens == 0 || ws_rows < 2) return each();
-  if (t0.w == nullptr || t0.dw == nullptr || t1.w == nullptr || t1.dw == nullptr) return cudaErrorInvalidValue;
-  if (workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 16 != 0) return cudaErrorInvalidValue;
+  if (t0.w == nullptr || t0.dw == nullptr || t1.w == nullptr || t1.dw == nullptr)
+    return cudaErrorInvalidValue;
+  if (workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 16 != 0)
+    return cudaErrorInvalidValue;
   const int64_t half = head_dim / 2;
   Plan p;
-  if (!make_plan(1, half, pick_vec<T>(half, {t0.dy, t0.x, t0.w, t0.out, t1.dy, t1.x, t1.w, t1.out}), &p)) {
+  if (!make_plan(1, half, pick_vec<T>(half, {t0.dy, t0.x, t0.w, t0.out, t1.dy, t1.x, t1.w, t1.out}),
+                 &p)) {
     return cudaErrorInvalidValue;
   }
   if (p.per != 1) return each();  // long rows: see rope_fwd_pair
@@ -1069,12 +1118,21 @@ cudaError_t rope_norm_bwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1,
   if (a.positions != nullptr) a.cos = a.sin = nullptr;
   p.L.table_vec4 = table_vec4(a);
   float* ws = static_cast<float*>(workspace);
-  const GradPair<T> pr{t0.dy, t1.dy, t0.x, t1.x, t0.w, t1.w, t0.out, t1.out,
-                       static_cast<int>(t0.heads), static_cast<int>(t1.heads), static_cast<int>(b0)};
+  const GradPair<T> pr{t0.dy,
+                       t1.dy,
+                       t0.x,
+                       t1.x,
+                       t0.w,
+                       t1.w,
+                       t0.out,
+                       t1.out,
+                       static_cast<int>(t0.heads),
+                       static_cast<int>(t1.heads),
+                       static_cast<int>(b0)};
   kernel<<<static_cast<unsigned>(b0 + b1), kThreads, p.smem, stream>>>(pr, a, ws, tokens, p.L, eps);
   SUROGATE_TRY(cudaGetLastError());
-  return colsum::dw_col_sum<T>(ws, t0.dw, static_cast<int>(b0), static_cast<int>(head_dim), stream, t1.dw,
-                               static_cast<int>(b1));
+  return colsum::dw_col_sum<T>(ws, t0.dw, static_cast<int>(b0), static_cast<int>(head_dim), stream,
+                               t1.dw, static_cast<int>(b1));
 }
 
 #define SUROGATE_ROPE_INSTANTIATE(T)                                                             \
@@ -1083,11 +1141,12 @@ cudaError_t rope_norm_bwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1,
   template cudaError_t rope_norm_bwd<T>(const T*, const T*, const RopeAngles&, const T*, T*, T*, \
                                         int64_t, int64_t, int64_t, float, void*, size_t,         \
                                         cudaStream_t, int);                                      \
-  template cudaError_t rope_fwd_pair<T>(const RopeTensor<T>&, const RopeTensor<T>&, const RopeAngles&,   \
-                                        int64_t, int64_t, float, bool, cudaStream_t, int);               \
-  template cudaError_t rope_norm_bwd_pair<T>(const RopeTensor<T>&, const RopeTensor<T>&,                 \
-                                             const RopeAngles&, int64_t, int64_t, float, void*, size_t,  \
-                                             cudaStream_t, int);
+  template cudaError_t rope_fwd_pair<T>(const RopeTensor<T>&, const RopeTensor<T>&,              \
+                                        const RopeAngles&, int64_t, int64_t, float, bool,        \
+                                        cudaStream_t, int);                                      \
+  template cudaError_t rope_norm_bwd_pair<T>(const RopeTensor<T>&, const RopeTensor<T>&,         \
+                                             const RopeAngles&, int64_t, int64_t, float, void*,  \
+                                             size_t, cudaStream_t, int);
 
 SUROGATE_ROPE_INSTANTIATE(float)
 SUROGATE_ROPE_INSTANTIATE(__nv_bfloat16)

@@ -62,8 +62,8 @@ cudaError_t rope_fwd(const T* x, T* y, const RopeAngles& ang, const T* w, int64_
 // (16-byte aligned) for per-block dw partial sums, at least head_dim floats; the grid uses at
 // most workspace_bytes / (4 * head_dim) blocks.
 template <typename T>
-cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const T* w, T* dx,
-                          T* dw, int64_t tokens, int64_t heads, int64_t head_dim, float eps,
+cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const T* w, T* dx, T* dw,
+                          int64_t tokens, int64_t heads, int64_t head_dim, float eps,
                           void* workspace, size_t workspace_bytes, cudaStream_t stream,
                           int algo = 0);
 
@@ -87,13 +87,14 @@ inline constexpr int kRopePairBwdAlgo = 2;
 
 template <typename T>
 cudaError_t rope_fwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1, const RopeAngles& ang,
-                          int64_t tokens, int64_t head_dim, float eps, bool inverse, cudaStream_t stream,
-                          int algo = kRopePairFwdAlgo);
+                          int64_t tokens, int64_t head_dim, float eps, bool inverse,
+                          cudaStream_t stream, int algo = kRopePairFwdAlgo);
 
 // workspace as in rope_norm_bwd; the paired launch needs at least two rows of head_dim floats.
 template <typename T>
-cudaError_t rope_norm_bwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1, const RopeAngles& ang,
-                               int64_t tokens, int64_t head_dim, float eps, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream, int algo = kRopePairBwdAlgo);
+cudaError_t rope_norm_bwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1,
+                               const RopeAngles& ang, int64_t tokens, int64_t head_dim, float eps,
+                               void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                               int algo = kRopePairBwdAlgo);
 
 }  // namespace surogate

@@ -51,12 +51,16 @@ using vec::Raw;
 // kWalk (the launch variant's row walk): 0 a thread's rows interleaved across the grid, 1 a
 // block's rows adjacent, 2 one row per thread (XLA's loop-fusion shape: more, smaller blocks at
 // full occupancy instead of loads in flight per thread).
-template <int kWalk> constexpr int kFwdUnroll = kWalk == 2 ? 1 : 4;
-template <int kWalk> constexpr int kBwdUnroll = kWalk == 2 ? 1 : 2;
+template <int kWalk>
+constexpr int kFwdUnroll = kWalk == 2 ? 1 : 4;
+template <int kWalk>
+constexpr int kBwdUnroll = kWalk == 2 ? 1 : 2;
 // Resident 256-thread blocks asked of ptxas: walk 2 forward 8 (<= 32 registers, 2048 threads),
 // backward 6 (<= 40: at 32 the bf16 backward spilled 56 bytes).
-template <int kWalk> constexpr int kFwdMinBlocks = kWalk == 2 ? 8 : 4;
-template <int kWalk> constexpr int kBwdMinBlocks = kWalk == 2 ? 6 : 4;
+template <int kWalk>
+constexpr int kFwdMinBlocks = kWalk == 2 ? 8 : 4;
+template <int kWalk>
+constexpr int kBwdMinBlocks = kWalk == 2 ? 6 : 4;
 constexpr int kThreads = 256;
 constexpr int kMinBlocks = 4;  // <= 64 registers: 1024 resident threads per SM (walks 0, 1)
 
@@ -83,15 +87,17 @@ Grid2 plan(int64_t rows, int64_t nvec, int sms, int unroll, bool one_shot) {
   const int64_t row_groups = (rows + per_block - 1) / per_block;
   // Persistent: about two full waves of resident blocks, more rows loop in-kernel. One-shot: a
   // block per row group (the loop only runs past 65535 groups).
-  const int64_t want_y = one_shot ? row_groups
-                                  : std::max<int64_t>(1, (static_cast<int64_t>(sms) * 2 * kMinBlocks + gx - 1) / gx);
+  const int64_t want_y =
+      one_shot ? row_groups
+               : std::max<int64_t>(1, (static_cast<int64_t>(sms) * 2 * kMinBlocks + gx - 1) / gx);
   const int64_t gy = std::max<int64_t>(1, std::min<int64_t>({row_groups, want_y, 65535}));
   return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(bx, by)};
 }
 
 // Rows of one thread: r0, r0 + step, ... (kUnroll of them), then r0 += next. Grid-wide
-// interleave (kContig false): step = all the grid's rows, so a block's rows lie kUnroll bands apart;
-// contiguous (true): step = blockDim.y, a block's rows are adjacent (one band of DRAM pages).
+// interleave (kContig false): step = all the grid's rows, so a block's rows lie kUnroll bands
+// apart; contiguous (true): step = blockDim.y, a block's rows are adjacent (one band of DRAM
+// pages).
 template <bool kContig>
 struct RowWalk {
   int64_t r0, step, next;
@@ -211,15 +217,16 @@ template <typename T, int N, bool kStream, int kWalk>
 void launch_fwd(const T* gate, const T* up, T* h, int64_t rows, int64_t F, int64_t ld_in, int sms,
                 bool one_shot, cudaStream_t stream) {
   const Grid2 g = plan(rows, F / N, sms, kFwdUnroll<kWalk>, one_shot);
-  swiglu_fwd_kernel<T, N, kStream, kWalk><<<g.grid, g.block, 0, stream>>>(gate, up, h, rows, F / N, ld_in, F);
+  swiglu_fwd_kernel<T, N, kStream, kWalk>
+      <<<g.grid, g.block, 0, stream>>>(gate, up, h, rows, F / N, ld_in, F);
 }
 
 template <typename T, int N, bool kStream, int kWalk>
 void launch_bwd(const T* dh, const T* gate, const T* up, T* dgate, T* dup, int64_t rows, int64_t F,
                 int64_t ld_in, int sms, bool one_shot, cudaStream_t stream) {
   const Grid2 g = plan(rows, F / N, sms, kBwdUnroll<kWalk>, one_shot);
-  swiglu_bwd_kernel<T, N, kStream, kWalk><<<g.grid, g.block, 0, stream>>>(dh, gate, up, dgate, dup, rows,
-                                                                            F / N, ld_in, F);
+  swiglu_bwd_kernel<T, N, kStream, kWalk>
+      <<<g.grid, g.block, 0, stream>>>(dh, gate, up, dgate, dup, rows, F / N, ld_in, F);
 }
 
 // Variant `algo` (swiglu.h) as its three switches; calls f(one_shot, stream_tag, walk_tag).
@@ -231,13 +238,27 @@ void with_variant(int algo, Fn&& f) {
   using W1 = std::integral_constant<int, 1>;
   using W2 = std::integral_constant<int, 2>;
   switch (algo) {
-    case 0: f(false, S{}, W0{}); break;
-    case 1: f(true, S{}, W0{}); break;
-    case 2: f(true, P{}, W0{}); break;
-    case 3: f(false, P{}, W0{}); break;
-    case 4: f(true, P{}, W1{}); break;
-    case 5: f(true, S{}, W1{}); break;
-    default: f(true, P{}, W2{}); break;
+    case 0:
+      f(false, S{}, W0{});
+      break;
+    case 1:
+      f(true, S{}, W0{});
+      break;
+    case 2:
+      f(true, P{}, W0{});
+      break;
+    case 3:
+      f(false, P{}, W0{});
+      break;
+    case 4:
+      f(true, P{}, W1{});
+      break;
+    case 5:
+      f(true, S{}, W1{});
+      break;
+    default:
+      f(true, P{}, W2{});
+      break;
   }
 }
 
@@ -255,8 +276,8 @@ cudaError_t swiglu_fwd(const T* gate, const T* up, T* h, int64_t rows, int64_t F
   with_variant(algo, [&](bool one_shot, auto stream_tag, auto walk_tag) {
     constexpr bool kS = decltype(stream_tag)::value;
     constexpr int kC = decltype(walk_tag)::value;
-    (vector ? launch_fwd<T, kVec<T>, kS, kC> : launch_fwd<T, 1, kS, kC>)(gate, up, h, rows, F, ld_in, sms,
-                                                                        one_shot, stream);
+    (vector ? launch_fwd<T, kVec<T>, kS, kC>
+            : launch_fwd<T, 1, kS, kC>)(gate, up, h, rows, F, ld_in, sms, one_shot, stream);
   });
   return cudaGetLastError();
 }
@@ -273,8 +294,9 @@ cudaError_t swiglu_bwd(const T* dh, const T* gate, const T* up, T* dgate, T* dup
   with_variant(algo, [&](bool one_shot, auto stream_tag, auto walk_tag) {
     constexpr bool kS = decltype(stream_tag)::value;
     constexpr int kC = decltype(walk_tag)::value;
-    (vector ? launch_bwd<T, kVec<T>, kS, kC> : launch_bwd<T, 1, kS, kC>)(dh, gate, up, dgate, dup, rows, F,
-                                                                        ld_in, sms, one_shot, stream);
+    (vector ? launch_bwd<T, kVec<T>, kS, kC> : launch_bwd<T, 1, kS, kC>)(dh, gate, up, dgate, dup,
+                                                                         rows, F, ld_in, sms,
+                                                                         one_shot, stream);
   });
   return cudaGetLastError();
 }

@@ -8,8 +8,8 @@
 //
 // Floor (per element of h, T = bf16): forward reads gate_up (4 B), writes h (2 B): 6 B; backward
 // reads dh + gate_up (6 B), writes dgate_up (4 B): 10 B. xa and B add (2R / F + 2R / 32) elements
-// per element (a few %). [4096, 3072], R = 16: forward 75.5 MB -> 25 us, backward 126 MB -> 42 us at
-// ~3.0 TB/s. The products add 2R FMAs per element of each half: 0.4 G FMAs at R = 16, ~14 us at
+// per element (a few %). [4096, 3072], R = 16: forward 75.5 MB -> 25 us, backward 126 MB -> 42 us
+// at ~3.0 TB/s. The products add 2R FMAs per element of each half: 0.4 G FMAs at R = 16, ~14 us at
 // the H100's fp32 FMA rate, a few us on its tensor cores.
 //
 // Design:
@@ -95,7 +95,8 @@ __device__ __forceinline__ void unpack8(const Raw8<T>& r, float (&f)[kCols]) {
 // epilogue's stores into four 32-bit ones (st.global.u32 in the PTX): 4x the store instructions
 // and partial-sector writes.
 __device__ __forceinline__ void st_global_16(void* p, const uint4& v) {
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w));
 }
 
 template <typename T, bool kVec>
@@ -133,9 +134,9 @@ __device__ __forceinline__ void round8(float (&f)[kCols]) {
 
 // acc[half][i][j] = sum_k xa[row_i, half*R + k] * B[half, k, col_j] over the whole rank.
 template <typename T, bool kVec>
-__device__ __forceinline__ void lora_products(const T* __restrict__ xa, const T* __restrict__ lora_b,
-                                              int64_t rows, int64_t F, int64_t R, int64_t tile_row,
-                                              int64_t tile_col,
+__device__ __forceinline__ void lora_products(const T* __restrict__ xa,
+                                              const T* __restrict__ lora_b, int64_t rows, int64_t F,
+                                              int64_t R, int64_t tile_row, int64_t tile_col,
                                               float (&acc)[2][kRowsPerThread][kCols]) {
   // xa as fp32, [half][k][row]: a warp's 4 rows are one float4 (a broadcast load). B in storage
   // form, [half][k][lane]: a lane's 8 columns are one 16-byte word (bf16/f16; f32 uses two).
@@ -155,7 +156,8 @@ __device__ __forceinline__ void lora_products(const T* __restrict__ xa, const T*
 #pragma unroll
     for (int q = 0; q < 2 * kTileRows * kRankChunk / kThreads; ++q) {
       const int idx = tid + q * kThreads;
-      const int k = idx % kRankChunk, r = (idx / kRankChunk) % kTileRows, h = idx / (kRankChunk * kTileRows);
+      const int k = idx % kRankChunk, r = (idx / kRankChunk) % kTileRows,
+                h = idx / (kRankChunk * kTileRows);
       const int64_t row = tile_row + r, kk = k0 + k;
       xs[h][k][r] = (row < rows && kk < R) ? vec::to_float<T>(xa[row * 2 * R + h * R + kk]) : 0.f;
     }
@@ -203,14 +205,17 @@ constexpr int kXsStride = 24;   // xa tile row: 16 ranks + 8 pad (conflict-free 
 constexpr int kBsStride = 264;  // B tile row (one rank): 256 columns + 8 pad
 constexpr int kLoStride = 264;  // products tile row: 256 columns + 8 pad (conflict-free C stores)
 template <typename T>
-constexpr int kMmaSmem = (kTileRows * kXsStride + kRankChunk * kBsStride + 2 * kTileRows * kLoStride) *
-                         static_cast<int>(sizeof(T));
+constexpr int kMmaSmem =
+    (kTileRows * kXsStride + kRankChunk * kBsStride + 2 * kTileRows * kLoStride) *
+    static_cast<int>(sizeof(T));
 
 template <typename T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -232,12 +237,14 @@ __device__ __forceinline__ uint32_t pack2(uint16_t lo16, uint16_t hi16) {
 // overflow past bf16's 3.4e38). The products then come out scaled and rounded, and the epilogue
 // skips its multiply and its second rounding (5 of its 24 instructions an element).
 template <typename T, bool kVec, bool kFold>
-__device__ __forceinline__ const T* lora_products_mma(const T* __restrict__ xa, const T* __restrict__ lora_b,
-                                                      int64_t rows, int64_t F, int64_t R, int64_t tile_row,
-                                                      int64_t tile_col, float scale, unsigned char* smem) {
-  T* xs = reinterpret_cast<T*>(smem);     // [32][kXsStride]: one half's xa chunk
-  T* bs = xs + kTileRows * kXsStride;     // [16][kBsStride]: one half's B chunk
-  T* lo = bs + kRankChunk * kBsStride;    // [2][32][kLoStride]: the rounded products
+__device__ __forceinline__ const T* lora_products_mma(const T* __restrict__ xa,
+                                                      const T* __restrict__ lora_b, int64_t rows,
+                                                      int64_t F, int64_t R, int64_t tile_row,
+                                                      int64_t tile_col, float scale,
+                                                      unsigned char* smem) {
+  T* xs = reinterpret_cast<T*>(smem);   // [32][kXsStride]: one half's xa chunk
+  T* bs = xs + kTileRows * kXsStride;   // [16][kBsStride]: one half's B chunk
+  T* lo = bs + kRankChunk * kBsStride;  // [2][32][kLoStride]: the rounded products
   const uint16_t* bs16 = reinterpret_cast<const uint16_t*>(bs);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -288,7 +295,8 @@ __device__ __forceinline__ const T* lora_products_mma(const T* __restrict__ xa, 
       for (int n = 0; n < 8; ++n) {
         const int c = wc + n * 8 + g;  // B fragment: ranks 2t, 2t + 1 (and + 8) of column c
         const uint32_t b0 = pack2(bs16[(2 * t) * kBsStride + c], bs16[(2 * t + 1) * kBsStride + c]);
-        const uint32_t b1 = pack2(bs16[(2 * t + 8) * kBsStride + c], bs16[(2 * t + 9) * kBsStride + c]);
+        const uint32_t b1 =
+            pack2(bs16[(2 * t + 8) * kBsStride + c], bs16[(2 * t + 9) * kBsStride + c]);
         mma16816<T>(acc[n], a, b0, b1);
       }
     }
@@ -308,7 +316,8 @@ __device__ __forceinline__ const T* lora_products_mma(const T* __restrict__ xa, 
 // of the rank product itself, is already done: the MMA path stores the products as T, and the f32
 // path's rounding to T is the identity. kFold: acc is already round(acc * scale) (see above).
 template <typename T, bool kFold>
-__device__ __forceinline__ void with_lora(float (&v)[kCols], const float (&acc)[kCols], float scale) {
+__device__ __forceinline__ void with_lora(float (&v)[kCols], const float (&acc)[kCols],
+                                          float scale) {
   if constexpr (kFold) {
 #pragma unroll
     for (int j = 0; j < kCols; ++j) v[j] += acc[j];
@@ -328,8 +337,8 @@ __device__ __forceinline__ void with_lora(float (&v)[kCols], const float (&acc)[
 // the backward (four input rows a thread, not two) ran 10% faster without it, with 17% fewer DRAM
 // reads: prefetched lines were evicted before their loads came.
 template <typename T>
-__device__ __forceinline__ void prefetch_rows(const T* gate, const T* up, int64_t ld, int64_t rows, int64_t F,
-                                              int64_t row0, int64_t col) {
+__device__ __forceinline__ void prefetch_rows(const T* gate, const T* up, int64_t ld, int64_t rows,
+                                              int64_t F, int64_t row0, int64_t col) {
   if (col >= F) return;
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {
@@ -349,14 +358,19 @@ __device__ __forceinline__ void prefetch_rows(const T* gate, const T* up, int64_
 // time).
 template <typename T, bool kBwd, bool kVec, bool kFold, bool kMma>
 __device__ __forceinline__ void epilogue(const T* __restrict__ dh, const T* __restrict__ dh2,
-                                         const T* __restrict__ gate, const T* __restrict__ up, int64_t ld,
-                                         const T* lo, float (&acc)[2][kRowsPerThread][kCols],
-                                         T* __restrict__ out0, T* __restrict__ out1, int64_t ld_out, int64_t rows,
-                                         int64_t F, int64_t row0, int64_t col, float scale) {
-  constexpr int kGroup = sizeof(T) == 4 ? 1 : kBwd ? 2 : kRowsPerThread;  // f32: 128 registers already
+                                         const T* __restrict__ gate, const T* __restrict__ up,
+                                         int64_t ld, const T* lo,
+                                         float (&acc)[2][kRowsPerThread][kCols],
+                                         T* __restrict__ out0, T* __restrict__ out1, int64_t ld_out,
+                                         int64_t rows, int64_t F, int64_t row0, int64_t col,
+                                         float scale) {
+  constexpr int kGroup = sizeof(T) == 4 ? 1
+                         : kBwd         ? 2
+                                        : kRowsPerThread;  // f32: 128 registers already
   const bool col_ok = col < F;
   const int64_t n_ok = F - col;
-  const int lane = threadIdx.x & 31, r_lo = (threadIdx.x >> 5) * kRowsPerThread;  // row0's row in the tile
+  const int lane = threadIdx.x & 31,
+            r_lo = (threadIdx.x >> 5) * kRowsPerThread;  // row0's row in the tile
 #pragma unroll
   for (int i0 = 0; i0 < kRowsPerThread; i0 += kGroup) {
     Raw8<T> rg[kGroup], ru[kGroup], rd[kGroup], rd2[kGroup];
@@ -379,12 +393,13 @@ __device__ __forceinline__ void epilogue(const T* __restrict__ dh, const T* __re
       float g[kCols], u[kCols];
       unpack8<T>(rg[i], g);
       unpack8<T>(ru[i], u);
-      float(&pg)[kCols] = acc[0][i0 + i];
-      float(&pu)[kCols] = acc[1][i0 + i];
+      float (&pg)[kCols] = acc[0][i0 + i];
+      float (&pu)[kCols] = acc[1][i0 + i];
       if constexpr (kMma) {
         const int r = r_lo + i0 + i;
         unpack8<T>(*reinterpret_cast<const Raw8<T>*>(lo + r * kLoStride + lane * kCols), pg);
-        unpack8<T>(*reinterpret_cast<const Raw8<T>*>(lo + (kTileRows + r) * kLoStride + lane * kCols), pu);
+        unpack8<T>(
+            *reinterpret_cast<const Raw8<T>*>(lo + (kTileRows + r) * kLoStride + lane * kCols), pu);
       }
       with_lora<T, kFold>(g, pg, scale);
       with_lora<T, kFold>(u, pu, scale);
@@ -418,10 +433,11 @@ __device__ __forceinline__ void epilogue(const T* __restrict__ dh, const T* __re
 
 template <typename T, bool kBwd, bool kVec, bool kFold>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
-    swiglu_lora_kernel(const T* __restrict__ dh, const T* __restrict__ dh2, const T* __restrict__ gate,
-                       const T* __restrict__ up, int64_t ld, const T* __restrict__ xa,
-                       const T* __restrict__ lora_b, T* __restrict__ out0, T* __restrict__ out1,
-                       int64_t ld_out, int64_t rows, int64_t F, int64_t R, float scale) {
+    swiglu_lora_kernel(const T* __restrict__ dh, const T* __restrict__ dh2,
+                       const T* __restrict__ gate, const T* __restrict__ up, int64_t ld,
+                       const T* __restrict__ xa, const T* __restrict__ lora_b, T* __restrict__ out0,
+                       T* __restrict__ out1, int64_t ld_out, int64_t rows, int64_t F, int64_t R,
+                       float scale) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t tile_row = static_cast<int64_t>(blockIdx.x) * kTileRows;
   const int64_t tile_col = static_cast<int64_t>(blockIdx.y) * kTileCols;
@@ -437,59 +453,66 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
   } else {
     lora_products<T, kVec>(xa, lora_b, rows, F, R, tile_row, tile_col, acc);
   }
-  epilogue<T, kBwd, kVec, kFold, kMma>(dh, dh2, gate, up, ld, lo, acc, out0, out1, ld_out, rows, F, row0, col,
-                                       scale);
+  epilogue<T, kBwd, kVec, kFold, kMma>(dh, dh2, gate, up, ld, lo, acc, out0, out1, ld_out, rows, F,
+                                       row0, col, scale);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 template <typename T, bool kBwd>
 cudaError_t launch(const T* dh, const T* dh2, const T* gate, const T* up, int64_t ld, const T* xa,
-                   const T* lora_b, T* out0, T* out1, int64_t ld_out, int64_t rows, int64_t F, int64_t R,
-                   float scale, cudaStream_t stream) {
+                   const T* lora_b, T* out0, T* out1, int64_t ld_out, int64_t rows, int64_t F,
+                   int64_t R, float scale, cudaStream_t stream) {
   if (rows <= 0 || F <= 0) return cudaSuccess;
   if (R <= 0 || ld < F || ld_out < F) return cudaErrorInvalidValue;
   const int64_t gx = (rows + kTileRows - 1) / kTileRows, gy = (F + kTileCols - 1) / kTileCols;
   if (gx > 0x7fffffff || gy > 65535) return cudaErrorInvalidValue;
   const bool vec = F % kCols == 0 && ld % kCols == 0 && ld_out % kCols == 0 && aligned16(gate) &&
-                   aligned16(up) && aligned16(lora_b) && aligned16(out0) && (!kBwd || aligned16(out1)) &&
-                   (!kBwd || aligned16(dh)) && (dh2 == nullptr || aligned16(dh2));
+                   aligned16(up) && aligned16(lora_b) && aligned16(out0) &&
+                   (!kBwd || aligned16(out1)) && (!kBwd || aligned16(dh)) &&
+                   (dh2 == nullptr || aligned16(dh2));
   const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
   auto go = [&](auto kernel) {
-    kernel<<<grid, kThreads, 0, stream>>>(dh, dh2, gate, up, ld, xa, lora_b, out0, out1, ld_out, rows, F, R, scale);
+    kernel<<<grid, kThreads, 0, stream>>>(dh, dh2, gate, up, ld, xa, lora_b, out0, out1, ld_out,
+                                          rows, F, R, scale);
   };
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     int e = 0;
     if (std::frexp(scale, &e) == 0.5f && e >= 1) {  // scale = 2^(e-1) >= 1: fold it into xa
-      vec ? go(swiglu_lora_kernel<T, kBwd, true, true>) : go(swiglu_lora_kernel<T, kBwd, false, true>);
+      vec ? go(swiglu_lora_kernel<T, kBwd, true, true>)
+          : go(swiglu_lora_kernel<T, kBwd, false, true>);
       return cudaGetLastError();
     }
   }
-  vec ? go(swiglu_lora_kernel<T, kBwd, true, false>) : go(swiglu_lora_kernel<T, kBwd, false, false>);
+  vec ? go(swiglu_lora_kernel<T, kBwd, true, false>)
+      : go(swiglu_lora_kernel<T, kBwd, false, false>);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 template <typename T>
-cudaError_t swiglu_lora_fwd(const T* gate, const T* up, int64_t ld, const T* xa, const T* lora_b, T* h,
-                            int64_t rows, int64_t F, int64_t R, float scale, cudaStream_t stream) {
-  return launch<T, false>(nullptr, nullptr, gate, up, ld, xa, lora_b, h, nullptr, F, rows, F, R, scale, stream);
+cudaError_t swiglu_lora_fwd(const T* gate, const T* up, int64_t ld, const T* xa, const T* lora_b,
+                            T* h, int64_t rows, int64_t F, int64_t R, float scale,
+                            cudaStream_t stream) {
+  return launch<T, false>(nullptr, nullptr, gate, up, ld, xa, lora_b, h, nullptr, F, rows, F, R,
+                          scale, stream);
 }
 
 template <typename T>
-cudaError_t swiglu_lora_bwd(const T* dh, const T* dh2, const T* gate, const T* up, int64_t ld, const T* xa,
-                            const T* lora_b, T* dgate, T* dup, int64_t ld_out, int64_t rows, int64_t F,
-                            int64_t R, float scale, cudaStream_t stream) {
-  return launch<T, true>(dh, dh2, gate, up, ld, xa, lora_b, dgate, dup, ld_out, rows, F, R, scale, stream);
+cudaError_t swiglu_lora_bwd(const T* dh, const T* dh2, const T* gate, const T* up, int64_t ld,
+                            const T* xa, const T* lora_b, T* dgate, T* dup, int64_t ld_out,
+                            int64_t rows, int64_t F, int64_t R, float scale, cudaStream_t stream) {
+  return launch<T, true>(dh, dh2, gate, up, ld, xa, lora_b, dgate, dup, ld_out, rows, F, R, scale,
+                         stream);
 }
 
-#define SUROGATE_SWIGLU_LORA_INSTANTIATE(T)                                                        \
-  template cudaError_t swiglu_lora_fwd<T>(const T*, const T*, int64_t, const T*, const T*, T*,     \
-                                          int64_t, int64_t, int64_t, float, cudaStream_t);         \
-  template cudaError_t swiglu_lora_bwd<T>(const T*, const T*, const T*, const T*, int64_t, const T*, \
-                                          const T*, T*, T*, int64_t, int64_t, int64_t, int64_t,    \
-                                          float, cudaStream_t);
+#define SUROGATE_SWIGLU_LORA_INSTANTIATE(T)                                                      \
+  template cudaError_t swiglu_lora_fwd<T>(const T*, const T*, int64_t, const T*, const T*, T*,   \
+                                          int64_t, int64_t, int64_t, float, cudaStream_t);       \
+  template cudaError_t swiglu_lora_bwd<T>(const T*, const T*, const T*, const T*, int64_t,       \
+                                          const T*, const T*, T*, T*, int64_t, int64_t, int64_t, \
+                                          int64_t, float, cudaStream_t);
 SUROGATE_SWIGLU_LORA_INSTANTIATE(float)
 SUROGATE_SWIGLU_LORA_INSTANTIATE(__nv_bfloat16)
 SUROGATE_SWIGLU_LORA_INSTANTIATE(__half)
