@@ -1,7 +1,7 @@
 """Benchmark SwiGLU on GPU: our FFI kernels vs XLA's fusion of `swiglu_ref`, forward and backward,
 against the memory-bandwidth floor.
 
-    python benchmarks/bench_swiglu.py [--out results.jsonl] [--steps 10] [--repeats 20] [--algos 0,1,2,3]
+    python benchmarks/bench_swiglu.py [--out results.jsonl] [--steps 40] [--repeats 20]
 
 Timing and passes: see benchmarks/_opbench.py. Bytes counted (useful traffic): forward reads gate
 and up and writes h (3 x F elements per row); backward reads dh, gate and up and writes dgate and
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from surogate_jax.ops import ffi_available, swiglu_ref
-from surogate_jax.ops.swiglu import ALGO, _bwd_ffi, _fwd_ffi, _packed_bwd_ffi
+from surogate_jax.ops.swiglu import _bwd_ffi, _fwd_ffi, _packed_bwd_ffi
 
 SHAPES = [(16384, 3072), (8192, 17408)]  # Qwen3-0.6B and -14B MLP widths at 16k / 8k tokens
 DTYPES = [jnp.bfloat16, jnp.float32]
@@ -27,21 +27,21 @@ def _ref_bwd(dh, g, u):
     return jax.vjp(swiglu_ref, g, u)[1](dh)
 
 
-def _steps(packed: bool, algo: int):
+def _steps(packed: bool):
     """(ours_fwd, xla_fwd, ours_bwd, xla_bwd) chain steps over carries (g, u) / (g, u, dh)."""
     if packed:
         F = lambda gu: gu.shape[-1] // 2  # noqa: E731
         xla_f = lambda gu: swiglu_ref(gu[..., : F(gu)], gu[..., F(gu):])  # noqa: E731
         # h [rows, F] cannot feed the next step's [rows, 2F] input, and a chain whose step drops
-        # the previous h lets XLA skip all but the last one (the 2026-11-23 run showed 193% of copy
+        # the previous h lets XLA skip all but the last one (it then shows ~2x the copy
         # bandwidth), so the packed forward is not timed; its backward chains through dgu.
         ours_fwd = xla_fwd = None
-        ours_bwd = lambda gu, dh: (_packed_bwd_ffi(dh, gu, algo), dh)  # noqa: E731
+        ours_bwd = lambda gu, dh: (_packed_bwd_ffi(dh, gu), dh)  # noqa: E731
         xla_bwd = lambda gu, dh: (jax.vjp(xla_f, gu)[1](dh)[0], dh)  # noqa: E731
         return ours_fwd, xla_fwd, ours_bwd, xla_bwd
-    ours_fwd = lambda g, u: (_fwd_ffi(g, u, algo), u)  # noqa: E731
+    ours_fwd = lambda g, u: (_fwd_ffi(g, u), u)  # noqa: E731
     xla_fwd = lambda g, u: (swiglu_ref(g, u), u)  # noqa: E731
-    ours_bwd = lambda g, u, dh: (*_bwd_ffi(dh, g, u, algo), dh)  # noqa: E731
+    ours_bwd = lambda g, u, dh: (*_bwd_ffi(dh, g, u), dh)  # noqa: E731
     xla_bwd = lambda g, u, dh: (*_ref_bwd(dh, g, u), dh)  # noqa: E731
     return ours_fwd, xla_fwd, ours_bwd, xla_bwd
 
@@ -52,9 +52,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40,
                     help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--algos", default=str(ALGO), help="launch variants to time (kernels/swiglu.h), e.g. 0,1,2,3")
     args = ap.parse_args()
-    algos = [int(a) for a in args.algos.split(",")]
     _opbench.require_gpu(ffi_available)
     table = _opbench.Table("swiglu", args.steps, args.repeats)
     key = jax.random.key(0)
@@ -71,20 +69,16 @@ def main() -> None:
         else:
             fwd_carry, bwd_carry = (g, u), (g, u, dh)
         nbytes = {"fwd": 3 * rows * F * es, "bwd": 5 * rows * F * es}
-        xla = {}
-        for a in algos:
-            ours_fwd, xla_fwd, ours_bwd, xla_bwd = _steps(packed, a)
-            if not xla:  # XLA's side does not depend on the variant
-                xla["bwd"] = _opbench.time_chain(xla_bwd, bwd_carry, args.steps, args.repeats)
-                if not packed:
-                    xla["fwd"] = _opbench.time_chain(xla_fwd, fwd_carry, args.steps, args.repeats)
-            bwd = (_opbench.time_chain(ours_bwd, bwd_carry, args.steps, args.repeats), xla["bwd"])
-            tag = "" if a == ALGO and len(algos) == 1 else f" algo {a}"
-            if packed:
-                table.add(f"[{rows}, {2 * F}] packed{tag}", jnp.dtype(dtype).name, "bwd", *bwd, nbytes["bwd"])
-            else:
-                fwd = (_opbench.time_chain(ours_fwd, fwd_carry, args.steps, args.repeats), xla["fwd"])
-                table.add_passes(f"[{rows}, {F}]{tag}", jnp.dtype(dtype).name, {"fwd": fwd, "bwd": bwd}, nbytes)
+        ours_fwd, xla_fwd, ours_bwd, xla_bwd = _steps(packed)
+        xla = {"bwd": _opbench.time_chain(xla_bwd, bwd_carry, args.steps, args.repeats)}
+        if not packed:
+            xla["fwd"] = _opbench.time_chain(xla_fwd, fwd_carry, args.steps, args.repeats)
+        bwd = (_opbench.time_chain(ours_bwd, bwd_carry, args.steps, args.repeats), xla["bwd"])
+        if packed:
+            table.add(f"[{rows}, {2 * F}] packed", jnp.dtype(dtype).name, "bwd", *bwd, nbytes["bwd"])
+        else:
+            fwd = (_opbench.time_chain(ours_fwd, fwd_carry, args.steps, args.repeats), xla["fwd"])
+            table.add_passes(f"[{rows}, {F}]", jnp.dtype(dtype).name, {"fwd": fwd, "bwd": bwd}, nbytes)
         del g, u, dh
     table.write(args.out)
 

@@ -8,9 +8,8 @@
 // All operands share one dtype (f32, bf16 or f16). The op is element-wise, so any leading shape
 // (including the batch axes vmap's broadcast_all adds) is just more rows.
 // Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launchers only
-// read device attributes (host-side, legal while XLA captures the stream) and enqueue kernels and
-// async memsets; measured inside jitted train steps (benchmarks/kernels_in_model.py,
-// tests/gpu/test_models_gpu.py).
+// enqueue kernels on XLA's stream; measured inside jitted train steps
+// (benchmarks/kernels_in_model.py, tests/gpu/test_models_gpu.py).
 #include <initializer_list>
 #include <string>
 #include <string_view>
@@ -54,17 +53,8 @@ ffi::Error HalfOf(std::string_view op, const char* name, const ffi::AnyBuffer& h
                             " with the last dimension halved");
 }
 
-ffi::Error CheckAlgo(std::string_view op, int32_t algo) {
-  if (algo < 0 || algo >= kSwigluAlgos) {
-    return InvalidArg(op, "algo must be in [0, " + std::to_string(kSwigluAlgos) + "), got " +
-                              std::to_string(algo));
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error SwigluFwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+ffi::Error SwigluFwd(cudaStream_t stream, ffi::AnyBuffer gate, ffi::AnyBuffer up,
                      ffi::Result<ffi::AnyBuffer> h) {
-  if (auto e = CheckAlgo(kFwd, algo); e.failure()) return e;
   int64_t rows = 0, F = 0;
   if (auto e = RowsAndDim(kFwd, "gate", gate, &rows, &F); e.failure()) return e;
   if (auto e = SameShape(kFwd, "up", up, gate, "gate"); e.failure()) return e;
@@ -72,15 +62,12 @@ ffi::Error SwigluFwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer gate, ffi
   if (auto e = SameDtypes(kFwd, gate, {{"up", &up}, {"h", &*h}}); e.failure()) return e;
   return DispatchFloat(kFwd, gate.element_type(), [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
-    return CudaError(kFwd,
-                     swiglu_fwd<T>(In<T>(gate), In<T>(up), Out<T>(h), rows, F, F, stream, algo));
+    return CudaError(kFwd, swiglu_fwd<T>(In<T>(gate), In<T>(up), Out<T>(h), rows, F, F, stream));
   });
 }
 
-ffi::Error SwigluBwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer dh, ffi::AnyBuffer gate,
-                     ffi::AnyBuffer up, ffi::Result<ffi::AnyBuffer> dgate,
-                     ffi::Result<ffi::AnyBuffer> dup) {
-  if (auto e = CheckAlgo(kBwd, algo); e.failure()) return e;
+ffi::Error SwigluBwd(cudaStream_t stream, ffi::AnyBuffer dh, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                     ffi::Result<ffi::AnyBuffer> dgate, ffi::Result<ffi::AnyBuffer> dup) {
   int64_t rows = 0, F = 0;
   if (auto e = RowsAndDim(kBwd, "gate", gate, &rows, &F); e.failure()) return e;
   for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"dh", &dh},
@@ -97,13 +84,12 @@ ffi::Error SwigluBwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer dh, ffi::
   return DispatchFloat(kBwd, gate.element_type(), [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
     return CudaError(kBwd, swiglu_bwd<T>(In<T>(dh), In<T>(gate), In<T>(up), Out<T>(dgate),
-                                         Out<T>(dup), rows, F, F, stream, algo));
+                                         Out<T>(dup), rows, F, F, stream));
   });
 }
 
-ffi::Error SwigluPackedFwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer gate_up,
+ffi::Error SwigluPackedFwd(cudaStream_t stream, ffi::AnyBuffer gate_up,
                            ffi::Result<ffi::AnyBuffer> h) {
-  if (auto e = CheckAlgo(kPackedFwd, algo); e.failure()) return e;
   int64_t rows = 0, F2 = 0;
   if (auto e = RowsAndDim(kPackedFwd, "gate_up", gate_up, &rows, &F2); e.failure()) return e;
   if (F2 % 2 != 0) {
@@ -116,13 +102,12 @@ ffi::Error SwigluPackedFwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer gat
   return DispatchFloat(kPackedFwd, gate_up.element_type(), [&](auto tag) -> ffi::Error {
     using T = decltype(tag);
     const T* gu = In<T>(gate_up);
-    return CudaError(kPackedFwd, swiglu_fwd<T>(gu, gu + F, Out<T>(h), rows, F, F2, stream, algo));
+    return CudaError(kPackedFwd, swiglu_fwd<T>(gu, gu + F, Out<T>(h), rows, F, F2, stream));
   });
 }
 
-ffi::Error SwigluPackedBwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer dh,
-                           ffi::AnyBuffer gate_up, ffi::Result<ffi::AnyBuffer> dgate_up) {
-  if (auto e = CheckAlgo(kPackedBwd, algo); e.failure()) return e;
+ffi::Error SwigluPackedBwd(cudaStream_t stream, ffi::AnyBuffer dh, ffi::AnyBuffer gate_up,
+                           ffi::Result<ffi::AnyBuffer> dgate_up) {
   int64_t rows = 0, F2 = 0;
   if (auto e = RowsAndDim(kPackedBwd, "gate_up", gate_up, &rows, &F2); e.failure()) return e;
   if (F2 % 2 != 0) {
@@ -143,7 +128,7 @@ ffi::Error SwigluPackedBwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer dh,
     const T* gu = In<T>(gate_up);
     T* dgu = Out<T>(dgate_up);
     return CudaError(kPackedBwd,
-                     swiglu_bwd<T>(In<T>(dh), gu, gu + F, dgu, dgu + F, rows, F, F2, stream, algo));
+                     swiglu_bwd<T>(In<T>(dh), gu, gu + F, dgu, dgu + F, rows, F, F2, stream));
   });
 }
 
@@ -152,7 +137,6 @@ ffi::Error SwigluPackedBwd(cudaStream_t stream, int32_t algo, ffi::AnyBuffer dh,
 SUROGATE_DEFINE_HANDLER(kSwigluFwdHandler, SwigluFwd,
                         ffi::Ffi::Bind()
                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                            .Attr<int32_t>("algo")    // launch variant (kernels/swiglu.h)
                             .Arg<ffi::AnyBuffer>()    // gate
                             .Arg<ffi::AnyBuffer>()    // up
                             .Ret<ffi::AnyBuffer>());  // h
@@ -160,7 +144,6 @@ SUROGATE_DEFINE_HANDLER(kSwigluFwdHandler, SwigluFwd,
 SUROGATE_DEFINE_HANDLER(kSwigluBwdHandler, SwigluBwd,
                         ffi::Ffi::Bind()
                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                            .Attr<int32_t>("algo")    // launch variant (kernels/swiglu.h)
                             .Arg<ffi::AnyBuffer>()    // dh
                             .Arg<ffi::AnyBuffer>()    // gate
                             .Arg<ffi::AnyBuffer>()    // up
@@ -170,14 +153,12 @@ SUROGATE_DEFINE_HANDLER(kSwigluBwdHandler, SwigluBwd,
 SUROGATE_DEFINE_HANDLER(kSwigluPackedFwdHandler, SwigluPackedFwd,
                         ffi::Ffi::Bind()
                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                            .Attr<int32_t>("algo")    // launch variant (kernels/swiglu.h)
                             .Arg<ffi::AnyBuffer>()    // gate_up
                             .Ret<ffi::AnyBuffer>());  // h
 
 SUROGATE_DEFINE_HANDLER(kSwigluPackedBwdHandler, SwigluPackedBwd,
                         ffi::Ffi::Bind()
                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                            .Attr<int32_t>("algo")    // launch variant (kernels/swiglu.h)
                             .Arg<ffi::AnyBuffer>()    // dh
                             .Arg<ffi::AnyBuffer>()    // gate_up
                             .Ret<ffi::AnyBuffer>());  // dgate_up

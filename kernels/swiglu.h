@@ -10,13 +10,6 @@
 // same ld_in for up, dgate and dup), so one packed gate_up [rows, 2F] buffer is gate = base,
 // up = base + F, ld_in = 2F. h is dense (row stride F). Contiguous separate tensors: ld_in = F.
 //
-// algo picks the launch variant (same math, same results): 0 persistent grid of about two waves
-// with streaming loads, 1 one-shot grid (one block per row group) with streaming loads, 2 one-shot
-// with plain loads, 3 persistent with plain loads; 0-3 give a thread rows that lie a quarter (half)
-// of the grid's rows apart. 4 and 5: one-shot with a block's rows adjacent, plain (4) or streaming
-// (5) loads; 6: one-shot, one row (a 16-byte vector) per thread at full occupancy, plain loads
-// (the shape of XLA's loop fusion). ops/swiglu.py chooses (ALGO) from an H100 sweep.
-//
 // T is float, __nv_bfloat16 or __half. Every launcher enqueues on `stream`, never synchronizes,
 // and returns the first CUDA error it sees (cudaSuccess otherwise).
 #pragma once
@@ -30,14 +23,12 @@
 
 namespace surogate {
 
-inline constexpr int kSwigluAlgos = 7;  // launch variants: algo in [0, kSwigluAlgos)
-
 template <typename T>
 cudaError_t swiglu_fwd(const T* gate, const T* up, T* h, int64_t rows, int64_t F, int64_t ld_in,
-                       cudaStream_t stream, int algo = 0);
+                       cudaStream_t stream);
 
 template <typename T>
 cudaError_t swiglu_bwd(const T* dh, const T* gate, const T* up, T* dgate, T* dup, int64_t rows,
-                       int64_t F, int64_t ld_in, cudaStream_t stream, int algo = 0);
+                       int64_t F, int64_t ld_in, cudaStream_t stream);
 
 }  // namespace surogate

@@ -22,7 +22,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from surogate_jax.ops._loader import pick, resolve_impl
@@ -33,13 +32,6 @@ FWD_TARGET = "surogate_swiglu_fwd"
 BWD_TARGET = "surogate_swiglu_bwd"
 PACKED_FWD_TARGET = "surogate_swiglu_packed_fwd"
 PACKED_BWD_TARGET = "surogate_swiglu_packed_bwd"
-# Launch variant (the FFI attribute `algo`, kernels/swiglu.h): 0 persistent grid + streaming loads,
-# 1 one-shot grid + streaming loads, 2 one-shot + plain loads, 3 persistent + plain loads (a
-# thread's rows a quarter of the grid apart); 4, 5 one-shot with a block's rows adjacent, plain /
-# streaming loads; 6 one-shot, one row per thread at full occupancy (XLA's loop-fusion shape).
-# Same math and results; benchmarks/bench_swiglu.py --algos sweeps them.
-ALGOS = (0, 1, 2, 3, 4, 5, 6)
-ALGO = 6  # one row per thread at full occupancy: XLA's speed kernel-only on the H100
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -81,33 +73,29 @@ def _packed_bwd_ref(dh, gate_up):
 # front) is exact: the handler sees more rows.
 
 
-def _algo(algo):
-    return np.int32(ALGO if algo is None else algo)
-
-
-def _fwd_ffi(gate, up, algo=None):
+def _fwd_ffi(gate, up):
     call = jax.ffi.ffi_call(FWD_TARGET, jax.ShapeDtypeStruct(gate.shape, gate.dtype),
                             vmap_method="broadcast_all")
-    return call(gate, up, algo=_algo(algo))
+    return call(gate, up)
 
 
-def _bwd_ffi(dh, gate, up, algo=None):
+def _bwd_ffi(dh, gate, up):
     out = (jax.ShapeDtypeStruct(gate.shape, gate.dtype),) * 2
     call = jax.ffi.ffi_call(BWD_TARGET, out, vmap_method="broadcast_all")
-    return tuple(call(dh.astype(gate.dtype), gate, up, algo=_algo(algo)))
+    return tuple(call(dh.astype(gate.dtype), gate, up))
 
 
-def _packed_fwd_ffi(gate_up, algo=None):
+def _packed_fwd_ffi(gate_up):
     shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
     call = jax.ffi.ffi_call(PACKED_FWD_TARGET, jax.ShapeDtypeStruct(shape, gate_up.dtype),
                             vmap_method="broadcast_all")
-    return call(gate_up, algo=_algo(algo))
+    return call(gate_up)
 
 
-def _packed_bwd_ffi(dh, gate_up, algo=None):
+def _packed_bwd_ffi(dh, gate_up):
     call = jax.ffi.ffi_call(PACKED_BWD_TARGET, jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),
                             vmap_method="broadcast_all")
-    return call(dh.astype(gate_up.dtype), gate_up, algo=_algo(algo))
+    return call(dh.astype(gate_up.dtype), gate_up)
 
 
 def _run(impl, ffi, ref, *args, n_out, phase):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from surogate_jax.ops import ffi_available, swiglu, swiglu_packed, swiglu_ref
-from surogate_jax.ops.swiglu import ALGOS, _bwd_ffi, _fwd_ffi, _packed_bwd_ffi, _packed_fwd_ffi
+from surogate_jax.ops.swiglu import _bwd_ffi, _fwd_ffi, _packed_bwd_ffi, _packed_fwd_ffi
 
 pytestmark = pytest.mark.gpu
 
@@ -73,24 +73,23 @@ def test_ffi_matches_reference(shape, dtype, assert_close):
     _check((("h", h, h_ref), ("dgate", dg, dg_ref), ("dup", du, du_ref)), assert_close, dtype)
 
 
-@pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", [(31, 1001), (4099, 1024), (70001, 64)], ids=str)
-def test_launch_variants_match_reference(shape, dtype, algo, assert_close):
-    """Every launch variant (grid shape, load hint) writes the same values as the reference,
-    plain and packed; (70001, 64) takes more row groups than one wave, (31, 1001) the scalar path."""
+@pytest.mark.parametrize("shape", [(31, 1001), (4099, 1024), (70001, 64), (65601, 2048)], ids=str)
+def test_ffi_targets_match_reference(shape, dtype, assert_close):
+    """Each FFI target, plain and packed, writes the reference's values: (31, 1001) takes the scalar
+    path, (65601, 2048) more row groups than the grid's 65535 (the kernels' row loop)."""
     gate, up, kp = _inputs(shape, dtype)
     dh = jax.random.normal(kp, shape, jnp.float32).astype(dtype)
     h_ref = swiglu_ref(gate, up)
     dg_ref, du_ref = jax.vjp(swiglu_ref, gate, up)[1](dh)
     _poison_allocator()
-    h = jax.jit(lambda g, u: _fwd_ffi(g, u, algo))(gate, up)
-    dg, du = jax.jit(lambda d, g, u: _bwd_ffi(d, g, u, algo))(dh, gate, up)
+    h = jax.jit(_fwd_ffi)(gate, up)
+    dg, du = jax.jit(_bwd_ffi)(dh, gate, up)
     _check((("h", h, h_ref), ("dgate", dg, dg_ref), ("dup", du, du_ref)), assert_close, dtype)
     gu = jnp.concatenate([gate, up], -1)
     _poison_allocator()
-    hp = jax.jit(lambda x: _packed_fwd_ffi(x, algo))(gu)
-    dgu = jax.jit(lambda d, x: _packed_bwd_ffi(d, x, algo))(dh, gu)
+    hp = jax.jit(_packed_fwd_ffi)(gu)
+    dgu = jax.jit(_packed_bwd_ffi)(dh, gu)
     _check((("packed h", hp, h_ref), ("packed dgate_up", dgu, jnp.concatenate([dg_ref, du_ref], -1))),
            assert_close, dtype)
 
