@@ -11,13 +11,14 @@ Implementations (all return (loss sum, count) and are differentiated with jax.va
                computes dW in the backward over vocab blocks (logits block recomputed: 4 GEMMs,
                no [D, V] accumulator) (default chunk, and chunk / vocab-block sweeps)
   fused_tokacc head_grad="token_accum" (full-ft only): dW accumulated across token chunks in an
-               fp32 [D, V] accumulator in the forward rule (3 GEMMs, the previous default)
+               fp32 [D, V] accumulator in the forward rule (3 GEMMs)
   fused_bf16   the same with bf16 logits (kernel works in place over the GEMM output)
-  fused_2pass  fused with the two-pass row kernel instead of the single-read cluster kernel
+  fused_2pass  fused with kernel="two_pass": the row kernel pre-Hopper GPUs run, instead of the
+               single-read cluster kernel
   fused_bf16acc  fused_bf16 + token_accum with the head gradient accumulated in bf16 (full-ft)
   fused_twin   lm_head_ce(impl="ref"): the same chunked algorithm with the kernel's jnp twin (XLA
                fusions instead of our kernel)
-  chunked_jax  lm_head_ce_ref: the previous loss (lax.scan + jax.checkpoint per chunk of 2048,
+  chunked_jax  lm_head_ce_ref: the plain chunked loss (lax.scan + jax.checkpoint per chunk of 2048,
                XLA autodiff: recomputes each chunk's logits GEMM in the backward)
   unfused      full [N, V] fp32 logits, log_softmax, XLA autodiff
 Modes: "full-ft" (gradients for hidden and the head: 3 GEMMs of 2 N D V FLOPs each are needed;

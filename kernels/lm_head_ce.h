@@ -29,8 +29,8 @@ cudaError_t lm_head_ce_loss(const TIn* logits, const int32_t* targets, const flo
 
 // Which gradient kernel runs. kAuto: on compute capability >= 9.0, rows of >= 512 vectors that
 // fit 8 x 100 KB of shared memory use the single-read cluster kernel (each logit read once from
-// DRAM); everything else the two-pass kernel (the row is read twice). kTwoPass forces the latter
-// (tests and benchmarks compare them).
+// DRAM); everything else the two-pass kernel (the row is read twice). kTwoPass forces the latter:
+// the op's kernel="two_pass", what pre-Hopper GPUs run (tests and benchmarks compare them).
 enum class LmHeadCeAlgo : int { kAuto = 0, kTwoPass = 1 };
 
 // loss, lse and dlogits.
