@@ -4,16 +4,9 @@ computed in the kernel / in XLA's fusion) or from HF-style fp32 [B, T, K] cos/si
 the model passes), forward and backward, at Qwen3-0.6B and -8B q/k shapes.
 
     python benchmarks/bench_rope.py [--out results.jsonl] [--steps 40] [--repeats 20] [--dtype bfloat16]
-                                    [--algos 0,1,2,3] [--fwd-only] [--bwd-algos 0,1,2,3]
 
-Forward variants (fwd_algo, kernels/rope.cu): every configuration's forward is timed for each
-variant in --algos; the main table shows the op's default (ops/rope.py FWD_ALGO, which the
-rotation-only backward also uses), the sweep table at the end every variant (see
-bench_rms_norm.py). Norm backward variants (bwd_algo): the norm+rope backward is timed for each
-variant in --bwd-algos (default: the op's BWD_ALGO), the main table uses BWD_ALGO when listed (else
-the first), and a backward sweep table follows the forward one. The k shapes move ~10 MB (a few us
-of DRAM time), so per-call overheads weigh there; --steps 50 amortizes the program launch over more
-steps.
+The k shapes move ~10 MB (a few us of DRAM time), so per-call overheads weigh there; --steps 50
+amortizes the program launch over more steps.
 
 Last rows: `rope_qk` (a layer's q and k through one paired launch per direction, what the models
 call) vs XLA's fusion of the two rope_ref calls, norm + table mode (84-126 MB a pass, where the
@@ -36,10 +29,9 @@ import _opbench
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_rms_norm import sweep_report
 
 from surogate_jax.ops import ffi_available, rope_ref
-from surogate_jax.ops.rope import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi, _qk_bwd_ffi, _qk_fwd_ffi
+from surogate_jax.ops.rope import _bwd_ffi, _fwd_ffi, _qk_bwd_ffi, _qk_fwd_ffi
 
 # name -> (B, T, H, K)
 SHAPES = {
@@ -113,14 +105,7 @@ def main() -> None:
                     help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    ap.add_argument("--algos", default="0,1,2,3", help="forward variants to time (fwd_algo)")
-    ap.add_argument("--fwd-only", action="store_true", help="skip the backward (sweep only)")
-    ap.add_argument("--bwd-algos", default=str(BWD_ALGO), help="norm backward variants to time (bwd_algo)")
     args = ap.parse_args()
-    algos = [int(a) for a in args.algos.split(",")]
-    bwd_algos = [int(a) for a in args.bwd_algos.split(",")]
-    main_bwd = BWD_ALGO if BWD_ALGO in bwd_algos else bwd_algos[0]
-    sweep, bwd_sweep = [], []
     _opbench.require_gpu(ffi_available)
     dtype = jnp.dtype(args.dtype)
     table = _opbench.Table("rope", args.steps, args.repeats)
@@ -144,16 +129,15 @@ def main() -> None:
             for source, (a, b) in (("positions", (pos, inv)), ("table", tab)):
                 angle_bytes = B * T * (4 if source == "positions" else 2 * 4 * (K // 2))
                 wn = w if norm else no_w
-                ours_fwds = {
-                    k: (lambda x, a, b, k=k, wn=wn, norm=norm:
-                        (_fwd_ffi(x, a, b, wn, eps=EPS, norm=norm, inverse=False, algo=k), a, b))
-                    for k in algos
-                }
+
+                def ours_fwd(x, a, b, wn=wn, norm=norm):
+                    return _fwd_ffi(x, a, b, wn, eps=EPS, norm=norm, inverse=False), a, b
+
                 if norm:
                     xla_fwd = lambda x, a, b: (_ref(x, a, b, w), a, b)  # noqa: B023
 
-                    def ours_bwd(dy, x, a, b, acc, k=main_bwd):
-                        dx, dw = _bwd_ffi(dy, x, a, b, w, eps=EPS, algo=k)  # noqa: B023
+                    def ours_bwd(dy, x, a, b, acc):
+                        dx, dw = _bwd_ffi(dy, x, a, b, w, eps=EPS)  # noqa: B023
                         return dx, x, a, b, acc + dw.astype(jnp.float32)
 
                     def xla_bwd(dy, x, a, b, acc):
@@ -167,34 +151,18 @@ def main() -> None:
                         _fwd_ffi(dy, a, b, no_w, eps=EPS, norm=False, inverse=True), a, b)  # noqa: B023
                     xla_bwd = lambda dy, a, b: (jax.vjp(lambda v: _ref(v, a, b, None), dy)[1](dy)[0], a, b)
                     bwd_carry = (dy, a, b)
-                xla_s = _opbench.time_chain(xla_fwd, (x, a, b), args.steps, args.repeats)
-                fwd_s = {k: _opbench.time_chain(f, (x, a, b), args.steps, args.repeats)
-                         for k, f in ours_fwds.items()}
+                t = {
+                    "fwd": (_opbench.time_chain(ours_fwd, (x, a, b), args.steps, args.repeats),
+                            _opbench.time_chain(xla_fwd, (x, a, b), args.steps, args.repeats)),
+                    "bwd": (_opbench.time_chain(ours_bwd, bwd_carry, args.steps, args.repeats),
+                            _opbench.time_chain(xla_bwd, bwd_carry, args.steps, args.repeats)),
+                }
                 nbytes = {"fwd": 2 * elem + angle_bytes, "bwd": (3 if norm else 2) * elem + angle_bytes}
                 name = f"{label} {B}x{T}x{H}x{K} {'norm+rope' if norm else 'rope'} {source}"
-                sweep.append({"shape": name, "dtype": dtype.name, "xla_s": xla_s,
-                              "bytes": nbytes["fwd"], "algos": fwd_s})
-                if not args.fwd_only:
-                    xla_bwd_s = _opbench.time_chain(xla_bwd, bwd_carry, args.steps, args.repeats)
-                    if norm:
-                        bwd_s = {k: _opbench.time_chain(lambda *c, k=k: ours_bwd(*c, k=k),  # noqa: B023
-                                                        bwd_carry, args.steps, args.repeats)
-                                 for k in bwd_algos}
-                        bwd_sweep.append({"shape": name, "dtype": dtype.name, "xla_s": xla_bwd_s,
-                                          "bytes": nbytes["bwd"], "algos": bwd_s})
-                        ours_bwd_s = bwd_s[main_bwd]
-                    else:
-                        ours_bwd_s = _opbench.time_chain(ours_bwd, bwd_carry, args.steps, args.repeats)
-                    if FWD_ALGO in fwd_s:
-                        t = {"fwd": (fwd_s[FWD_ALGO], xla_s), "bwd": (ours_bwd_s, xla_bwd_s)}
-                        table.add_passes(name, dtype.name, t, nbytes)
+                table.add_passes(name, dtype.name, t, nbytes)
         del x, dy, tab
-    if not args.fwd_only:
-        _pairs(table, dtype, args.steps, args.repeats)
+    _pairs(table, dtype, args.steps, args.repeats)
     table.write(args.out)
-    _opbench.append_jsonl(args.out, sweep_report("rope", sweep, table.meta))
-    if bwd_sweep:
-        _opbench.append_jsonl(args.out, sweep_report("rope", bwd_sweep, table.meta, "bwd"))
 
 
 if __name__ == "__main__":

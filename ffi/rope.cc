@@ -2,12 +2,11 @@
 // shapes/dtypes, pick the element type, call the launchers in kernels/rope.h on XLA's stream.
 // Python side: surogate_jax/ops/rope.py.
 //
-//   surogate_rope_fwd(x [..., H, K], a, b, w; eps: f32, norm: i32, inverse: i32, fwd_algo: i32)
-//       -> y [..., H, K]   (fwd_algo picks a forward kernel variant, 0 = default: kernels/rope.h)
-//   surogate_rope_bwd(dy [..., H, K], x [..., H, K], a, b, w; eps: f32, bwd_algo: i32)
-//       -> dx [..., H, K], dw [G.., K], ws [P, K] (f32)   (bwd_algo: the norm backward's variant)
-//   surogate_rope_qk_fwd(q, k, a, b, wq, wk; eps, norm, inverse, fwd_algo) -> yq, yk
-//   surogate_rope_qk_bwd(dyq, dyk, q, k, a, b, wq, wk; eps, bwd_algo) -> dq, dk, dwq, dwk, ws
+//   surogate_rope_fwd(x [..., H, K], a, b, w; eps: f32, norm: i32, inverse: i32) -> y [..., H, K]
+//   surogate_rope_bwd(dy [..., H, K], x [..., H, K], a, b, w; eps: f32)
+//       -> dx [..., H, K], dw [G.., K], ws [P, K] (f32)
+//   surogate_rope_qk_fwd(q, k, a, b, wq, wk; eps, norm, inverse) -> yq, yk
+//   surogate_rope_qk_bwd(dyq, dyk, q, k, a, b, wq, wk; eps) -> dq, dk, dwq, dwk, ws
 //       the same for q [..., Hq, K] and k [..., Hk, K] of a layer (same leading dims, angles and
 //       K), in one launch each way (kernels/rope.h rope_fwd_pair / rope_norm_bwd_pair).
 // The angle source is told by a's dtype:
@@ -19,7 +18,7 @@
 // surogate_rope_bwd is the backward of the fused norm + rope (the rotation-only backward is
 // surogate_rope_fwd with inverse = 1). ws holds the per-block dw partial sums; it is an output
 // the caller discards rather than XLA FFI scratch (jax 0.11's GPU runtime refused
-// ScratchAllocator requests). Its P (rows of K floats) caps the backward's persistent grid.
+// ScratchAllocator requests). Its P (rows of K floats) caps the backward's grid.
 //
 // Leading group dims G on inv_freq / w appear under jax.vmap (vmap_method="broadcast_all"): the
 // tokens then split into G equal consecutive groups, group g using inv_freq[g] / w[g] and summing
@@ -164,13 +163,9 @@ ffi::Error CheckSameShape(std::string_view op, const char* name, const ffi::AnyB
                             " has shape " + ShapeStr(like));
 }
 
-ffi::Error RopeFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inverse, int32_t fwd_algo,
-                   ffi::AnyBuffer x, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer w,
+ffi::Error RopeFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inverse, ffi::AnyBuffer x,
+                   ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer w,
                    ffi::Result<ffi::AnyBuffer> y) {
-  if (fwd_algo < 0 || fwd_algo >= kRopeFwdAlgos) {
-    return InvalidArg(kFwd, "fwd_algo " + std::to_string(fwd_algo) + " is not in [0, " +
-                                std::to_string(kRopeFwdAlgos) + ")");
-  }
   RopeCall c;
   if (auto e = Inspect(kFwd, x, a, b, norm ? &w : nullptr, &c); e.failure()) return e;
   if (auto e = ExpectDtype(kFwd, "y", *y, x.element_type()); e.failure()) return e;
@@ -185,21 +180,17 @@ ffi::Error RopeFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inverse
       const cudaError_t err =
           rope_fwd<T>(xp + g * per * row, yp + g * per * row, AnglesOf(c, a, b, g),
                       wp == nullptr ? nullptr : wp + (c.w_groups > 1 ? g * c.dim : 0), per, c.heads,
-                      c.dim, eps, inverse != 0, stream, fwd_algo);
+                      c.dim, eps, inverse != 0, stream);
       if (err != cudaSuccess) return CudaError(kFwd, err);
     }
     return ffi::Error::Success();
   });
 }
 
-ffi::Error RopeBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyBuffer dy,
-                   ffi::AnyBuffer x, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer w,
+ffi::Error RopeBwd(cudaStream_t stream, float eps, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                   ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer w,
                    ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw,
                    ffi::Result<ffi::AnyBuffer> ws) {
-  if (bwd_algo < 0 || bwd_algo >= kRopeBwdAlgos) {
-    return InvalidArg(kBwd, "bwd_algo " + std::to_string(bwd_algo) + " is not in [0, " +
-                                std::to_string(kRopeBwdAlgos) + ")");
-  }
   RopeCall c;
   if (auto e = Inspect(kBwd, x, a, b, &w, &c); e.failure()) return e;
   const ffi::DataType t = x.element_type();
@@ -232,7 +223,7 @@ ffi::Error RopeBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyBuf
       const int64_t o = g * per * row;
       const cudaError_t err = rope_norm_bwd<T>(
           dyp + o, xp + o, AnglesOf(c, a, b, g), wp + g * c.dim, dxp + o, dwp + g * c.dim, per,
-          c.heads, c.dim, eps, ws->untyped_data(), ws_bytes, stream, bwd_algo);
+          c.heads, c.dim, eps, ws->untyped_data(), ws_bytes, stream);
       if (err != cudaSuccess) return CudaError(kBwd, err);
     }
     return ffi::Error::Success();
@@ -263,13 +254,9 @@ ffi::Error InspectPair(std::string_view op, const ffi::AnyBuffer& q, const ffi::
 }
 
 ffi::Error RopeQkFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inverse,
-                     int32_t fwd_algo, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer a,
-                     ffi::AnyBuffer b, ffi::AnyBuffer wq, ffi::AnyBuffer wk,
-                     ffi::Result<ffi::AnyBuffer> yq, ffi::Result<ffi::AnyBuffer> yk) {
-  if (fwd_algo < 0 || fwd_algo >= kRopeFwdAlgos) {
-    return InvalidArg(kQkFwd, "fwd_algo " + std::to_string(fwd_algo) + " is not in [0, " +
-                                  std::to_string(kRopeFwdAlgos) + ")");
-  }
+                     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                     ffi::AnyBuffer wq, ffi::AnyBuffer wk, ffi::Result<ffi::AnyBuffer> yq,
+                     ffi::Result<ffi::AnyBuffer> yk) {
   RopeCall cq, ck;
   if (auto e =
           InspectPair(kQkFwd, q, k, a, b, norm ? &wq : nullptr, norm ? &wk : nullptr, &cq, &ck);
@@ -297,24 +284,19 @@ ffi::Error RopeQkFwd(cudaStream_t stream, float eps, int32_t norm, int32_t inver
       t1.out = static_cast<T*>(yk->untyped_data()) + g * per * rk;
       t1.w = norm ? static_cast<const T*>(wk.untyped_data()) + wo : nullptr;
       t1.heads = ck.heads;
-      const cudaError_t err = rope_fwd_pair<T>(t0, t1, AnglesOf(cq, a, b, g), per, cq.dim, eps,
-                                               inverse != 0, stream, fwd_algo);
+      const cudaError_t err =
+          rope_fwd_pair<T>(t0, t1, AnglesOf(cq, a, b, g), per, cq.dim, eps, inverse != 0, stream);
       if (err != cudaSuccess) return CudaError(kQkFwd, err);
     }
     return ffi::Error::Success();
   });
 }
 
-ffi::Error RopeQkBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyBuffer dyq,
-                     ffi::AnyBuffer dyk, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer a,
-                     ffi::AnyBuffer b, ffi::AnyBuffer wq, ffi::AnyBuffer wk,
-                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                     ffi::Result<ffi::AnyBuffer> dwq, ffi::Result<ffi::AnyBuffer> dwk,
-                     ffi::Result<ffi::AnyBuffer> ws) {
-  if (bwd_algo < 0 || bwd_algo >= kRopeBwdAlgos) {
-    return InvalidArg(kQkBwd, "bwd_algo " + std::to_string(bwd_algo) + " is not in [0, " +
-                                  std::to_string(kRopeBwdAlgos) + ")");
-  }
+ffi::Error RopeQkBwd(cudaStream_t stream, float eps, ffi::AnyBuffer dyq, ffi::AnyBuffer dyk,
+                     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                     ffi::AnyBuffer wq, ffi::AnyBuffer wk, ffi::Result<ffi::AnyBuffer> dq,
+                     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dwq,
+                     ffi::Result<ffi::AnyBuffer> dwk, ffi::Result<ffi::AnyBuffer> ws) {
   RopeCall cq, ck;
   if (auto e = InspectPair(kQkBwd, q, k, a, b, &wq, &wk, &cq, &ck); e.failure()) return e;
   if (cq.w_groups != cq.groups) {
@@ -354,7 +336,7 @@ ffi::Error RopeQkBwd(cudaStream_t stream, float eps, int32_t bwd_algo, ffi::AnyB
       t1.dw = static_cast<T*>(dwk->untyped_data()) + g * cq.dim;
       t1.heads = ck.heads;
       const cudaError_t err = rope_norm_bwd_pair<T>(t0, t1, AnglesOf(cq, a, b, g), per, cq.dim, eps,
-                                                    ws->untyped_data(), ws_bytes, stream, bwd_algo);
+                                                    ws->untyped_data(), ws_bytes, stream);
       if (err != cudaSuccess) return CudaError(kQkBwd, err);
     }
     return ffi::Error::Success();
@@ -369,7 +351,6 @@ SUROGATE_DEFINE_HANDLER(kRopeFwdHandler, RopeFwd,
                             .Attr<float>("eps")
                             .Attr<int32_t>("norm")
                             .Attr<int32_t>("inverse")
-                            .Attr<int32_t>("fwd_algo")
                             .Arg<ffi::AnyBuffer>()    // x
                             .Arg<ffi::AnyBuffer>()    // positions | cos
                             .Arg<ffi::AnyBuffer>()    // inv_freq | sin
@@ -380,7 +361,6 @@ SUROGATE_DEFINE_HANDLER(kRopeBwdHandler, RopeBwd,
                         ffi::Ffi::Bind()
                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
                             .Attr<float>("eps")
-                            .Attr<int32_t>("bwd_algo")
                             .Arg<ffi::AnyBuffer>()    // dy
                             .Arg<ffi::AnyBuffer>()    // x
                             .Arg<ffi::AnyBuffer>()    // positions | cos
@@ -396,7 +376,6 @@ SUROGATE_DEFINE_HANDLER(kRopeQkFwdHandler, RopeQkFwd,
                             .Attr<float>("eps")
                             .Attr<int32_t>("norm")
                             .Attr<int32_t>("inverse")
-                            .Attr<int32_t>("fwd_algo")
                             .Arg<ffi::AnyBuffer>()    // q
                             .Arg<ffi::AnyBuffer>()    // k
                             .Arg<ffi::AnyBuffer>()    // positions | cos
@@ -410,7 +389,6 @@ SUROGATE_DEFINE_HANDLER(kRopeQkBwdHandler, RopeQkBwd,
                         ffi::Ffi::Bind()
                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
                             .Attr<float>("eps")
-                            .Attr<int32_t>("bwd_algo")
                             .Arg<ffi::AnyBuffer>()    // dyq
                             .Arg<ffi::AnyBuffer>()    // dyk
                             .Arg<ffi::AnyBuffer>()    // q

@@ -1,5 +1,6 @@
 // RoPE (HF "rotate half" convention) CUDA launchers, optionally fused with a per-head RMSNorm
-// (Qwen3's q_norm / k_norm) in front. Framework-free: ffi/rope.cc binds them to XLA.
+// (Qwen3's q_norm / k_norm) in front. Framework-free: ffi/rope.cc binds them to XLA. Forward in
+// kernels/rope_fwd.cu, norm backward in rope_bwd.cu (two translation units: compiled in parallel).
 //
 // Layout: x [tokens, heads, K] (row = one head of one token), K = 2F even; pair j < F is the
 // element pair (j, j + F). Every token t has angles ang[t, j] whose cos/sin come either from
@@ -43,20 +44,10 @@ struct RopeAngles {
 // Largest head_dim the kernels take (1024 for any T): rows are held in registers.
 int64_t rope_max_head_dim();
 
-// Forward algorithms (`algo`, 0 = default): 0 persistent grid, a warp per token; 1, 2, 3 one-shot
-// grid, a lane group per 1, 2, 4 heads of a token (kernels/rope.cu). Same math; the benchmark
-// picks the default.
-inline constexpr int kRopeFwdAlgos = 4;
-// Norm backward algorithms (`algo`): 0 per-token persistent grid, 1-4 "flat" units of 1, 2 or 4
-// heads, streaming or plain loads (kernels/rope.cu bwd_kernel). Same math; ops/rope.py BWD_ALGO
-// picks the default from the H100 sweep.
-inline constexpr int kRopeBwdAlgos = 5;
-
 // w == nullptr: rotation only (eps unused).
 template <typename T>
 cudaError_t rope_fwd(const T* x, T* y, const RopeAngles& ang, const T* w, int64_t tokens,
-                     int64_t heads, int64_t head_dim, float eps, bool inverse, cudaStream_t stream,
-                     int algo = 0);
+                     int64_t heads, int64_t head_dim, float eps, bool inverse, cudaStream_t stream);
 
 // Backward of the fused norm + rotation. `workspace`: float32 scratch of `workspace_bytes`
 // (16-byte aligned) for per-block dw partial sums, at least head_dim floats; the grid uses at
@@ -64,8 +55,7 @@ cudaError_t rope_fwd(const T* x, T* y, const RopeAngles& ang, const T* w, int64_
 template <typename T>
 cudaError_t rope_norm_bwd(const T* dy, const T* x, const RopeAngles& ang, const T* w, T* dx, T* dw,
                           int64_t tokens, int64_t heads, int64_t head_dim, float eps,
-                          void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                          int algo = 0);
+                          void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // One tensor of a pair (q and k of a layer: same tokens, angles and head_dim; own rows, heads and
 // norm weight). Forward: x -> out (y), w as in rope_fwd. Norm backward: dy, x, w -> out (dx), dw.
@@ -80,21 +70,18 @@ struct RopeTensor {
 };
 
 // The pair's forward / norm backward: rope_fwd / rope_norm_bwd of both tensors (both with or both
-// without w). With the variants below both run in one launch (and the backward's two dw column
-// sums in one more); other variants run the two tensors one after another.
-inline constexpr int kRopePairFwdAlgo = 3;
-inline constexpr int kRopePairBwdAlgo = 2;
-
+// without w), in one launch (and the backward's two dw column sums in one more); rows of more
+// than one chunk per lane (long head_dim) and grids beyond one launch run the two tensors one
+// after another.
 template <typename T>
 cudaError_t rope_fwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1, const RopeAngles& ang,
                           int64_t tokens, int64_t head_dim, float eps, bool inverse,
-                          cudaStream_t stream, int algo = kRopePairFwdAlgo);
+                          cudaStream_t stream);
 
 // workspace as in rope_norm_bwd; the paired launch needs at least two rows of head_dim floats.
 template <typename T>
 cudaError_t rope_norm_bwd_pair(const RopeTensor<T>& t0, const RopeTensor<T>& t1,
                                const RopeAngles& ang, int64_t tokens, int64_t head_dim, float eps,
-                               void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                               int algo = kRopePairBwdAlgo);
+                               void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace surogate

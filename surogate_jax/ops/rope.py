@@ -27,7 +27,7 @@ Backward (fp32), with R(a) the rotation above (R(a)^T = R(-a)):
   positions, inv_freq and the tables get no gradient (treated as constants).
 
 Implementations: `rope_ref` (pure jnp, autodiff-able; the reference tests compare against), the
-FFI kernels `surogate_rope_fwd/bwd` (kernels/rope.cu via ffi/rope.cc), and the public `rope`, a
+FFI kernels `surogate_rope_fwd/bwd` (kernels/rope_fwd.cu, rope_bwd.cu via ffi/rope.cc), and the public `rope`, a
 `jax.custom_vjp` picking one of them (see ops/_loader.py for `impl`), run per data shard through
 `on_shards` (x, positions and tables split along axis 0; inv_freq and norm_w replicated; the
 weight gradient summed). The output is tagged `checkpoint_name(y, "rope")`.
@@ -57,20 +57,8 @@ BWD_TARGET = "surogate_rope_bwd"
 QK_FWD_TARGET = "surogate_rope_qk_fwd"  # rope_qk: q and k of a layer in one launch each way
 QK_BWD_TARGET = "surogate_rope_qk_bwd"
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-MAX_HEAD_DIM = 1024  # kernels/rope.cu keeps a row in registers
+MAX_HEAD_DIM = 1024  # the kernels keep a row in registers (kernels/rope.h rope_max_head_dim)
 WS_BLOCKS = 1024
-# Forward kernel variant (the FFI attribute `fwd_algo`; kernels/rope.cu), also used by the
-# rotation-only backward: 0 persistent grid, a warp per token; 1, 2, 3 one-shot grid, a lane
-# group per 1, 2, 4 heads of a token. Same math. Benchmarks and GPU tests pass `algo=` to
-# `_fwd_ffi`; the op uses FWD_ALGO.
-FWD_ALGOS = (0, 1, 2, 3)
-# 3: the fastest on the H100 for 12 of the 16 swept shapes, every q/k-norm one
-FWD_ALGO = 3
-# Norm backward variant (FFI attribute `bwd_algo`): 0 persistent grid over tokens; 1, 2, 3 "flat"
-# units of 1, 2, 4 heads on a balanced grid; 4: U = 2 with plain loads (kernels/rope.cu). Same
-# math. 2: the fastest on the H100 at 6 of the 8 benchmarked q/k shapes (4 at the two 8B k ones).
-BWD_ALGOS = (0, 1, 2, 3, 4)
-BWD_ALGO = 2
 
 
 # --- shared formulas (fp32) ---
@@ -147,41 +135,37 @@ def _bwd_ref(dy, x, a, b, w, *, eps):
 # (and sums dw per batch element), which is exactly the batched semantics.
 
 
-def _fwd_ffi(x, a, b, w, *, eps, norm, inverse, algo=None):
+def _fwd_ffi(x, a, b, w, *, eps, norm, inverse):
     call = jax.ffi.ffi_call(FWD_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="broadcast_all")
-    return call(x, a, b, w, eps=np.float32(eps), norm=np.int32(norm), inverse=np.int32(inverse),
-                fwd_algo=np.int32(FWD_ALGO if algo is None else algo))
+    return call(x, a, b, w, eps=np.float32(eps), norm=np.int32(norm), inverse=np.int32(inverse))
 
 
-def _bwd_ffi(dy, x, a, b, w, *, eps, algo=None):
-    # Third output: fp32 dw partial sums, one row per block of the kernel's persistent grid (at
-    # most WS_BLOCKS blocks); XLA frees it right after the call.
+def _bwd_ffi(dy, x, a, b, w, *, eps):
+    # Third output: fp32 dw partial sums, one row per block of the kernel's grid (at most
+    # WS_BLOCKS blocks); XLA frees it right after the call.
     tokens = int(np.prod(x.shape[:-2]))
     ws = jax.ShapeDtypeStruct((max(1, min(tokens, WS_BLOCKS)), x.shape[-1]), jnp.float32)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype), ws)
     call = jax.ffi.ffi_call(BWD_TARGET, out, vmap_method="broadcast_all")
-    dx, dw, _ = call(dy.astype(x.dtype), x, a, b, w, eps=np.float32(eps),
-                     bwd_algo=np.int32(BWD_ALGO if algo is None else algo))
+    dx, dw, _ = call(dy.astype(x.dtype), x, a, b, w, eps=np.float32(eps))
     return dx, dw
 
 
 
-def _qk_fwd_ffi(q, k, a, b, wq, wk, *, eps, norm, inverse, algo=None):
+def _qk_fwd_ffi(q, k, a, b, wq, wk, *, eps, norm, inverse):
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype))
     call = jax.ffi.ffi_call(QK_FWD_TARGET, out, vmap_method="broadcast_all")
-    return tuple(call(q, k, a, b, wq, wk, eps=np.float32(eps), norm=np.int32(norm), inverse=np.int32(inverse),
-                      fwd_algo=np.int32(FWD_ALGO if algo is None else algo)))
+    return tuple(call(q, k, a, b, wq, wk, eps=np.float32(eps), norm=np.int32(norm), inverse=np.int32(inverse)))
 
 
-def _qk_bwd_ffi(dyq, dyk, q, k, a, b, wq, wk, *, eps, algo=None):
+def _qk_bwd_ffi(dyq, dyk, q, k, a, b, wq, wk, *, eps):
     # ws: both tensors' per-block dw partial sums (rows follow the paired launch's blocks).
     tokens = int(np.prod(q.shape[:-2]))
     ws = jax.ShapeDtypeStruct((max(2, min(2 * tokens, WS_BLOCKS)), q.shape[-1]), jnp.float32)
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
            jax.ShapeDtypeStruct(wq.shape, wq.dtype), jax.ShapeDtypeStruct(wk.shape, wk.dtype), ws)
     call = jax.ffi.ffi_call(QK_BWD_TARGET, out, vmap_method="broadcast_all")
-    dq, dk, dwq, dwk, _ = call(dyq.astype(q.dtype), dyk.astype(k.dtype), q, k, a, b, wq, wk, eps=np.float32(eps),
-                               bwd_algo=np.int32(BWD_ALGO if algo is None else algo))
+    dq, dk, dwq, dwk, _ = call(dyq.astype(q.dtype), dyk.astype(k.dtype), q, k, a, b, wq, wk, eps=np.float32(eps))
     return dq, dk, dwq, dwk
 
 

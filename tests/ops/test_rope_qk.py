@@ -2,7 +2,7 @@
 op (impl="ref") equals two `rope` calls, forward and gradients, both angle sources, with and
 without the norm weights; argument checks; the checkpoint tag; that the model's Attention
 keeps its q_norm / k_norm parameters and output; sharding over a 4-device CPU mesh; and that
-the FFI wrappers carry the variant attributes and the workspace shape (lowering only)."""
+the FFI wrappers carry their attributes and the workspace shape (lowering only)."""
 
 from __future__ import annotations
 
@@ -144,19 +144,18 @@ def test_per_shard_matches_unsharded():
     run_on_4_cpu_devices(SHARD_SCRIPT)
 
 
-def test_ffi_wrappers_carry_attributes_and_workspace(monkeypatch):
-    """Lowering only: the paired calls name their targets, carry fwd_algo / bwd_algo, and the
+def test_ffi_wrappers_carry_attributes_and_workspace():
+    """Lowering only: the paired calls name their targets and carry eps / norm / inverse, and the
     backward's workspace has room for both tensors' block partials (>= 2 rows, <= WS_BLOCKS)."""
     import importlib
 
     mod = importlib.import_module("surogate_jax.ops.rope")
     q, k = jnp.zeros((2, 3, 4, 8), jnp.bfloat16), jnp.zeros((2, 3, 2, 8), jnp.bfloat16)
     pos, inv, w = jnp.zeros((2, 3), jnp.int32), jnp.ones((4,), jnp.float32), jnp.ones((8,), jnp.bfloat16)
-    fwd = jax.jit(lambda q, k: mod._qk_fwd_ffi(q, k, pos, inv, w, w, eps=EPS, norm=True, inverse=False, algo=2))
+    fwd = jax.jit(lambda q, k: mod._qk_fwd_ffi(q, k, pos, inv, w, w, eps=EPS, norm=True, inverse=False))
     text = fwd.lower(q, k).as_text()
-    assert mod.QK_FWD_TARGET in text and "fwd_algo = 2 : i32" in text
-    monkeypatch.setattr(mod, "BWD_ALGO", 4)
+    assert mod.QK_FWD_TARGET in text and "norm = 1 : i32" in text and "inverse = 0 : i32" in text
     bwd = jax.jit(lambda q, k: mod._qk_bwd_ffi(q, k, q, k, pos, inv, w, w, eps=EPS))
     text = bwd.lower(q, k).as_text()
-    assert mod.QK_BWD_TARGET in text and "bwd_algo = 4 : i32" in text
+    assert mod.QK_BWD_TARGET in text
     assert "tensor<12x8xf32>" in text  # ws: 2 * 6 tokens rows of K floats
