@@ -3,8 +3,8 @@
 # suites), then the benchmarks; full logs land in $OUT (at most 8 files come back).
 #   run: [SKIP_TESTS=1] bash benchmarks/gpu_session.sh [bench ...]
 #   benches (default: rms_norm forward; 'none' for tests only; benchmarks/README.md says what each measures):
-#     op benchmarks: rms_norm, add_rms_norm, rope, swiglu, lm_head_ce, fp8_matmul, nvfp4_quantize,
-#       nvfp4_matmul, adamw_8bit, normuon; fwd_sweep (norm/rope forward variants only)
+#     op benchmarks: rms_norm, add_rms_norm, rope, swiglu, swiglu_lora, lm_head_ce, fp8_matmul,
+#       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon; fwd_sweep (norm/rope forward variants only)
 #     model: forward, sft:<size>[,<size>...] (one fresh process per size)
 #     profilers: calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the
 #       RoPE kernels), ncu_ops (kernel-only ours / XLA / same-bytes copy for rope_qk, swiglu, the
@@ -47,6 +47,7 @@ for b in "${benches[@]}"; do
     add_rms_norm) op_bench add_rms_norm 32 ;;  # ends with the fwd_algo sweep
     rope) op_bench rope 70 ;;  # ends with the fwd_algo sweep
     swiglu) op_bench swiglu 20 ;;
+    swiglu_lora) op_bench swiglu_lora 20 ;;
     lm_head_ce) op_bench lm_head_ce 80 ;;
     fp8_matmul) op_bench fp8_matmul 40 ;;
     nvfp4_quantize) op_bench nvfp4_quantize 16 ;;
