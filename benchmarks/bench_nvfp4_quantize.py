@@ -13,7 +13,7 @@ Columns: "full" = amax pass + quantize pass (what quantize(x) costs when amax is
 jitted reference (full). Bytes counted: full reads x twice and writes codes (0.5 B/elt) + scales
 (1 B per block) + 4 B; quant reads x once and writes the same; amax reads x once.
 GB/s = bytes / time; "% of 3000" is of the H100's measured device copy bandwidth. Note the
-reference keeps float32 operation order with optimization barriers (see nvfp4.py), which also
+reference keeps float32 operation order with optimization barriers (see ops/nvfp4_quantize.py), which also
 limits XLA's fusion, so "xla" is the bit-exact reference's speed, not the best XLA could do.
 """
 

@@ -1,5 +1,5 @@
-// cuBLASLt, dlopen()ed once per process and shared by the GEMM handlers (ffi/fp8_matmul.cc,
-// ffi/nvfp4_matmul.cc).
+// cuBLASLt, dlopen()ed once per process: the API table, the per-device handles and the pointer
+// alignments; the GEMM setup the FP8 and NVFP4 handlers share builds on it (ffi/cublaslt_matmul.h).
 //
 // cuBLASLt is not linked: the first call dlopen()s libcublasLt.so.<major of the header>, which
 // finds the copy jax's CUDA plugin already loaded into the process (the environment variable

@@ -108,6 +108,14 @@ inline ffi::Error ExpectDtype(std::string_view op, const char* name, const ffi::
                             ", expected " + DtypeName(want));
 }
 
+// InvalidArg unless p is 16-byte aligned; `needs` names what requires it (vector loads, cuBLASLt).
+inline ffi::Error ExpectAligned16(std::string_view op, const char* name, const void* p,
+                                  const char* needs) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 == 0) return ffi::Error::Success();
+  return InvalidArg(op,
+                    std::string(name) + " is not 16-byte aligned, which " + needs + " requires");
+}
+
 inline std::string ShapeStr(const ffi::AnyBuffer& b) {
   std::string s = "[";
   for (size_t i = 0; i < b.dimensions().size(); ++i) {

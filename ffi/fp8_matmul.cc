@@ -1,4 +1,16 @@
-// XLA FFI handler for FP8 GEMMs through cuBLASLt (Python side: surogate_jax/ops/fp8_matmul.py).
+// XLA FFI handlers of the FP8 GEMM op (Python side: surogate_jax/ops/fp8_matmul.py): the
+// delayed-scaling operand quantizers of kernels/fp8_matmul.h and the cuBLASLt FP8 GEMM.
+//
+//   surogate_fp8_quantize(x [..., C], scale f32[]) -> q [..., C] (f8e4m3fn | f8e5m2), amax f32[]
+//   surogate_fp8_quantize_t(x [..., C], scale f32[]) -> q [..., C], qt [.., C, L] (same fp8 type),
+//                                                        amax f32[]
+// with R = the product of x's leading dims, qt viewed as [C, L] (L = its last dim, L >= R):
+// qt[c, r] = q[r, c] and qt[c, r] = 0 for R <= r < L. The fp8 format is the dtype of q (and qt).
+// x is float32, bfloat16 or float16; scale is the quantization scale (q = x * scale, saturated).
+//
+//   surogate_fp8_transpose(x [..., C] (f8e4m3fn | f8e5m2)) -> qt [C, L] (x's dtype), L >= R:
+// qt[c, r] = x[r, c], 0 for R <= r < L; a byte copy (the transposed operand of an fp8 tensor that
+// is already quantized, e.g. a frozen E4M3 weight; see ops/fp8_matmul.py "Frozen weights").
 //
 //   surogate_fp8_gemm(a [.., M, K] f8, b [.., N, K] f8, a_scale f32[], b_scale f32[];
 //                     fast_accum: i32) -> d [M, N] (float32 | bfloat16 | float16), ws u8[W]
@@ -12,54 +24,127 @@
 // E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3 are supported (cuBLASLt has no E5M2 x E5M2).
 // Requirements (cuBLASLt FP8): K and N multiples of 16, operands 16-byte aligned; M is free.
 // ws is cuBLASLt's workspace, an output the caller discards (jax 0.11's GPU runtime refused FFI
-// ScratchAllocator requests, see ffi/rms_norm.cc).
-//
-// Mapping to column-major cuBLASLt: D_cm [N, M] (= our row-major d) = op(A) B with A := b viewed
-// col-major [K, N] (transa = T) and B := a viewed col-major [K, M] (transb = N), lda = ldb = K,
-// ldd = N. So cuBLASLt's A scale is our b_scale and its B scale our a_scale.
-//
-// cuBLASLt is not linked: it is dlopen()ed at first use (ffi/cublaslt_api.h, shared with the
-// NVFP4 GEMM in ffi/nvfp4_matmul.cc; SUROGATE_JAX_CUBLASLT may name the file). Descriptors, layouts
-// and the heuristic's algorithm are cached per (device, shape, dtypes, fast_accum, alignments,
-// workspace size); only the scale pointers change per call (under the plan's mutex).
-#include <map>
-#include <memory>
-#include <mutex>
-#include <tuple>
+// ScratchAllocator requests, see ffi/rms_norm.cc). cuBLASLt is dlopen()ed at first use
+// (ffi/cublaslt_api.h; SUROGATE_JAX_CUBLASLT may name the file); the descriptor, layouts, plan
+// cache and the mapping of our row-major GEMM onto column-major cuBLASLt are shared with the NVFP4
+// GEMM in ffi/cublaslt_matmul.h.
+#include <utility>
 
-#include "ffi/cublaslt_api.h"
+#include "ffi/cublaslt_matmul.h"
 #include "ffi/ffi_common.h"
+#include "kernels/fp8_matmul.h"
 
 namespace surogate::ffi_bind {
 namespace {
 
+// ----------------------------------------------------------------------------------------------
+// The operand quantizers
+
+constexpr std::string_view kQuant = "surogate_fp8_quantize";
+constexpr std::string_view kQuantT = "surogate_fp8_quantize_t";
+constexpr std::string_view kTranspose = "surogate_fp8_transpose";
 constexpr std::string_view kGemm = "surogate_fp8_gemm";
+
+ffi::Error Fp8FormatOf(std::string_view op, const char* name, const ffi::AnyBuffer& b,
+                       Fp8Format* fmt) {
+  switch (b.element_type()) {
+    case ffi::DataType::F8E4M3FN:
+      *fmt = Fp8Format::kE4M3;
+      return ffi::Error::Success();
+    case ffi::DataType::F8E5M2:
+      *fmt = Fp8Format::kE5M2;
+      return ffi::Error::Success();
+    default:
+      return InvalidArg(op, std::string(name) + " has dtype " + DtypeName(b.element_type()) +
+                                ", expected float8_e4m3fn or float8_e5m2");
+  }
+}
+
+ffi::Error CheckScalarF32(std::string_view op, const char* name, const ffi::AnyBuffer& b) {
+  if (auto e = ExpectDtype(op, name, b, ffi::DataType::F32); e.failure()) return e;
+  if (b.element_count() != 1) {
+    return InvalidArg(op,
+                      std::string(name) + " has shape " + ShapeStr(b) + ", expected one element");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Quantize(std::string_view op, cudaStream_t stream, const ffi::AnyBuffer& x,
+                    const ffi::AnyBuffer& scale, ffi::AnyBuffer* q, ffi::AnyBuffer* qt,
+                    ffi::AnyBuffer* amax) {
+  int64_t rows = 0, cols = 0;
+  if (auto e = RowsAndDim(op, "x", x, &rows, &cols); e.failure()) return e;
+  if (auto e = CheckScalarF32(op, "scale", scale); e.failure()) return e;
+  if (auto e = CheckScalarF32(op, "amax", *amax); e.failure()) return e;
+  Fp8Format fmt;
+  if (auto e = Fp8FormatOf(op, "q", *q, &fmt); e.failure()) return e;
+  if (!(q->dimensions() == x.dimensions())) {
+    return InvalidArg(op, "q has shape " + ShapeStr(*q) + " but x has shape " + ShapeStr(x));
+  }
+  int64_t ld_t = 0;
+  if (qt != nullptr) {
+    if (qt->element_type() != q->element_type()) {
+      return InvalidArg(op, "qt has dtype " + DtypeName(qt->element_type()) + " but q has " +
+                                DtypeName(q->element_type()));
+    }
+    const auto d = qt->dimensions();
+    ld_t = d.size() == 0 ? 0 : d.back();
+    if (d.size() < 2 || ld_t < rows || static_cast<int64_t>(qt->element_count()) != cols * ld_t) {
+      return InvalidArg(op, "qt has shape " + ShapeStr(*qt) + ", expected [.., " +
+                                std::to_string(cols) + ", L] with L >= " + std::to_string(rows) +
+                                " for x of shape " + ShapeStr(x));
+    }
+  }
+  auto* qp = static_cast<uint8_t*>(q->untyped_data());
+  auto* qtp = qt != nullptr ? static_cast<uint8_t*>(qt->untyped_data()) : nullptr;
+  auto* ap = static_cast<float*>(amax->untyped_data());
+  const auto* sp = static_cast<const float*>(scale.untyped_data());
+  return DispatchFloat(op, x.element_type(), [&](auto tag) -> ffi::Error {
+    using T = decltype(tag);
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    return CudaError(op, fp8_quantize<T>(xp, sp, rows, cols, fmt, qp, qtp, ld_t, ap, stream));
+  });
+}
+
+ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale,
+                        ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> amax) {
+  return Quantize(kQuant, stream, x, scale, &*q, nullptr, &*amax);
+}
+
+ffi::Error QuantizeTImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale,
+                         ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
+                         ffi::Result<ffi::AnyBuffer> amax) {
+  return Quantize(kQuantT, stream, x, scale, &*q, &*qt, &*amax);
+}
+
+ffi::Error TransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> qt) {
+  const std::string_view op = kTranspose;
+  int64_t rows = 0, cols = 0;
+  if (auto e = RowsAndDim(op, "x", x, &rows, &cols); e.failure()) return e;
+  Fp8Format fmt;
+  if (auto e = Fp8FormatOf(op, "x", x, &fmt); e.failure()) return e;
+  if (qt->element_type() != x.element_type()) {
+    return InvalidArg(op, "qt has dtype " + DtypeName(qt->element_type()) + " but x has " +
+                              DtypeName(x.element_type()) + "; the transpose keeps the fp8 type");
+  }
+  const auto d = qt->dimensions();
+  if (d.size() != 2 || d[0] != cols || d[1] < rows) {
+    return InvalidArg(op, "qt has shape " + ShapeStr(*qt) + ", expected [" + std::to_string(cols) +
+                              ", L] with L >= " + std::to_string(rows) + " for x of shape " +
+                              ShapeStr(x));
+  }
+  return CudaError(op, fp8_transpose(static_cast<const uint8_t*>(x.untyped_data()), rows, cols,
+                                     static_cast<uint8_t*>(qt->untyped_data()), d[1], stream));
+}
+
+// ----------------------------------------------------------------------------------------------
+// The GEMM
 
 std::string Dims(int64_t m, int64_t n, int64_t k) {
   return "M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k);
 }
 
 #if SUROGATE_HAVE_CUBLASLT
-
-const lt::Api& Lt() { return lt::Get(); }
-
-#define SUROGATE_LT_TRY(what, expr)                                       \
-  do {                                                                    \
-    const cublasStatus_t st_ = (expr);                                    \
-    if (st_ != CUBLAS_STATUS_SUCCESS) return lt::Error(kGemm, what, st_); \
-  } while (0)
-
-// One cached GEMM configuration. Never destroyed (a handful per model, for the process lifetime).
-struct Plan {
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // cuBLASLt's A, B, C = D
-  cublasLtMatmulAlgo_t algo{};
-  std::mutex mu;  // the scale pointers are set on the shared descriptor per call
-};
-
-using PlanKey =
-    std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, int, size_t>;
-
 cudaDataType_t LtType(ffi::DataType t) {
   switch (t) {
     case ffi::DataType::F8E4M3FN:
@@ -74,82 +159,7 @@ cudaDataType_t LtType(ffi::DataType t) {
       return CUDA_R_32F;
   }
 }
-
-// Builds the plan for key (under the caller's lock): descriptors + the heuristic's best algorithm.
-ffi::Error MakePlan(cublasLtHandle_t handle, const PlanKey& key, Plan* p) {
-  const auto [device, m, n, k, ta, tb, td, fast, al_a, al_b, al_d, ws_bytes] = key;
-  (void)device;
-  const auto& lt = Lt();
-  SUROGATE_LT_TRY("cublasLtMatmulDescCreate",
-                  lt.DescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
-  const int8_t fast_accum = static_cast<int8_t>(fast);
-  SUROGATE_LT_TRY("set TRANSA",
-                  lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
-  SUROGATE_LT_TRY("set TRANSB",
-                  lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
-  SUROGATE_LT_TRY("set FAST_ACCUM", lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
-                                                        &fast_accum, sizeof(fast_accum)));
-  // cuBLASLt A = our b ([N, K] row-major = col-major K x N), B = our a (col-major K x M).
-  const auto ta_lt = static_cast<cudaDataType_t>(tb), tb_lt = static_cast<cudaDataType_t>(ta);
-  const auto td_lt = static_cast<cudaDataType_t>(td);
-  SUROGATE_LT_TRY("layout A", lt.LayoutCreate(&p->a, ta_lt, k, n, k));
-  SUROGATE_LT_TRY("layout B", lt.LayoutCreate(&p->b, tb_lt, k, m, k));
-  SUROGATE_LT_TRY("layout D", lt.LayoutCreate(&p->d, td_lt, n, m, n));
-
-  cublasLtMatmulPreference_t pref = nullptr;
-  SUROGATE_LT_TRY("cublasLtMatmulPreferenceCreate", lt.PrefCreate(&pref));
-  std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>, decltype(lt.PrefDestroy)>
-      guard(pref, lt.PrefDestroy);
-  const uint64_t ws = ws_bytes;
-  const uint32_t align_a = static_cast<uint32_t>(al_b), align_b = static_cast<uint32_t>(al_a),
-                 align_d = static_cast<uint32_t>(al_d);
-  SUROGATE_LT_TRY(
-      "set workspace",
-      lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  SUROGATE_LT_TRY("set align A",
-                  lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
-                                      sizeof(align_a)));
-  SUROGATE_LT_TRY("set align B",
-                  lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
-                                      sizeof(align_b)));
-  SUROGATE_LT_TRY("set align C",
-                  lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
-                                      sizeof(align_d)));
-  SUROGATE_LT_TRY("set align D",
-                  lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
-                                      sizeof(align_d)));
-
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  SUROGATE_LT_TRY(
-      "cublasLtMatmulAlgoGetHeuristic",
-      lt.AlgoGetHeuristic(handle, p->desc, p->a, p->b, p->d, p->d, pref, 1, &result, &found));
-  if (found == 0) {
-    return ffi::Error::Internal(std::string(kGemm) + ": cuBLASLt has no FP8 algorithm for " +
-                                Dims(m, n, k) + " (workspace " + std::to_string(ws_bytes) +
-                                " bytes, alignments " + std::to_string(al_a) + "/" +
-                                std::to_string(al_b) + "/" + std::to_string(al_d) + ")");
-  }
-  p->algo = result.algo;
-  return ffi::Error::Success();
-}
-
-ffi::Error GetPlan(cublasLtHandle_t handle, const PlanKey& key, Plan** out) {
-  static std::mutex mu;
-  static std::map<PlanKey, std::unique_ptr<Plan>> plans;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = plans.find(key);
-  if (it == plans.end()) {
-    auto p = std::make_unique<Plan>();
-    if (auto e = MakePlan(handle, key, p.get()); e.failure()) return e;  // leaks the partial descs
-    it = plans.emplace(key, std::move(p)).first;
-  }
-  *out = it->second.get();
-  return ffi::Error::Success();
-}
-
-#endif  // SUROGATE_HAVE_CUBLASLT
+#endif
 
 bool IsFp8(ffi::DataType t) { return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2; }
 
@@ -204,49 +214,32 @@ ffi::Error Fp8Gemm(cudaStream_t stream, int32_t fast_accum, ffi::AnyBuffer a, ff
   for (auto [name, p] : {std::pair<const char*, const void*>{"a", a.untyped_data()},
                          {"b", b.untyped_data()},
                          {"d", d->untyped_data()}}) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
-      return InvalidArg(kGemm,
-                        std::string(name) + " is not 16-byte aligned, which FP8 cuBLASLt requires");
-    }
+    if (auto e = ExpectAligned16(kGemm, name, p, "FP8 cuBLASLt"); e.failure()) return e;
   }
 #if SUROGATE_HAVE_CUBLASLT
-  const auto& lt = Lt();
+  const auto& lt = lt::Get();
   if (!lt.error.empty()) return ffi::Error::Internal(std::string(kGemm) + ": " + lt.error);
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return CudaError(kGemm, err);
   cublasLtHandle_t handle = nullptr;
   if (auto e = lt::Handle(kGemm, device, &handle); e.failure()) return e;
-  const size_t ws_bytes = ws->size_bytes();
-  const PlanKey key{device,
-                    m,
-                    n,
-                    k,
-                    static_cast<int>(LtType(a.element_type())),
-                    static_cast<int>(LtType(b.element_type())),
-                    static_cast<int>(LtType(td)),
-                    fast_accum != 0 ? 1 : 0,
-                    lt::Alignment(a.untyped_data()),
-                    lt::Alignment(b.untyped_data()),
-                    lt::Alignment(d->untyped_data()),
-                    ws_bytes};
-  Plan* plan = nullptr;
-  if (auto e = GetPlan(handle, key, &plan); e.failure()) return e;
-  std::lock_guard<std::mutex> lock(plan->mu);
-  const void* lt_a_scale = b_scale.untyped_data();  // cuBLASLt's A is our b
-  const void* lt_b_scale = a_scale.untyped_data();
-  SUROGATE_LT_TRY("set A_SCALE_POINTER",
-                  lt.DescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &lt_a_scale,
-                                      sizeof(lt_a_scale)));
-  SUROGATE_LT_TRY("set B_SCALE_POINTER",
-                  lt.DescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &lt_b_scale,
-                                      sizeof(lt_b_scale)));
+  lt::MatmulSpec spec;
+  spec.device = device;
+  spec.m = m;
+  spec.n = n;
+  spec.k = k;
+  spec.a_type = LtType(a.element_type());
+  spec.b_type = LtType(b.element_type());
+  spec.d_type = LtType(td);
+  spec.align_a = lt::Alignment(a.untyped_data());
+  spec.align_b = lt::Alignment(b.untyped_data());
+  spec.align_d = lt::Alignment(d->untyped_data());
+  spec.ws_bytes = ws->size_bytes();
+  spec.fast_accum = fast_accum != 0 ? 1 : 0;
   const float alpha = 1.0f, beta = 0.0f;
-  void* dp = d->untyped_data();
-  SUROGATE_LT_TRY("cublasLtMatmul",
-                  lt.Matmul(handle, plan->desc, &alpha, b.untyped_data(), plan->a, a.untyped_data(),
-                            plan->b, &beta, dp, plan->d, dp, plan->d, &plan->algo,
-                            ws_bytes ? ws->untyped_data() : nullptr, ws_bytes, stream));
-  return ffi::Error::Success();
+  return lt::Matmul(kGemm, handle, spec, a.untyped_data(), b.untyped_data(), a_scale.untyped_data(),
+                    b_scale.untyped_data(), &alpha, &beta, d->untyped_data(), ws->untyped_data(),
+                    stream);
 #else
   (void)stream;
   (void)fast_accum;
@@ -260,6 +253,29 @@ ffi::Error Fp8Gemm(cudaStream_t stream, int32_t fast_accum, ffi::AnyBuffer a, ff
 
 }  // namespace
 
+SUROGATE_DEFINE_HANDLER(kFp8QuantizeHandler, QuantizeImpl,
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Arg<ffi::AnyBuffer>()    // x
+                            .Arg<ffi::AnyBuffer>()    // scale
+                            .Ret<ffi::AnyBuffer>()    // q
+                            .Ret<ffi::AnyBuffer>());  // amax
+
+SUROGATE_DEFINE_HANDLER(kFp8QuantizeTHandler, QuantizeTImpl,
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Arg<ffi::AnyBuffer>()    // x
+                            .Arg<ffi::AnyBuffer>()    // scale
+                            .Ret<ffi::AnyBuffer>()    // q
+                            .Ret<ffi::AnyBuffer>()    // qt
+                            .Ret<ffi::AnyBuffer>());  // amax
+
+SUROGATE_DEFINE_HANDLER(kFp8TransposeHandler, TransposeImpl,
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Arg<ffi::AnyBuffer>()    // x
+                            .Ret<ffi::AnyBuffer>());  // qt
+
 SUROGATE_DEFINE_HANDLER(kFp8GemmHandler, Fp8Gemm,
                         ffi::Ffi::Bind()
                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -271,6 +287,11 @@ SUROGATE_DEFINE_HANDLER(kFp8GemmHandler, Fp8Gemm,
                             .Ret<ffi::AnyBuffer>()    // d
                             .Ret<ffi::AnyBuffer>());  // ws (cuBLASLt workspace, discarded)
 
-Targets Fp8GemmTargets() { return {SUROGATE_TARGET(kGemm.data(), kFp8GemmHandler)}; }
+Targets Fp8MatmulTargets() {
+  return {SUROGATE_TARGET(kQuant.data(), kFp8QuantizeHandler),
+          SUROGATE_TARGET(kQuantT.data(), kFp8QuantizeTHandler),
+          SUROGATE_TARGET(kTranspose.data(), kFp8TransposeHandler),
+          SUROGATE_TARGET(kGemm.data(), kFp8GemmHandler)};
+}
 
 }  // namespace surogate::ffi_bind

@@ -15,8 +15,7 @@ Targets SwigluLoraTargets();
 Targets AddRmsNormTargets();
 Targets LmHeadCeTargets();
 Targets RopeTargets();
-Targets Fp8QuantizeTargets();
-Targets Fp8GemmTargets();
+Targets Fp8MatmulTargets();
 Targets Nvfp4QuantizeTargets();
 Targets Nvfp4MatmulTargets();
 Targets Adamw8bitTargets();
@@ -26,12 +25,11 @@ namespace {
 
 using surogate::ffi_bind::Targets;
 constexpr Targets (*kOps[])() = {
-    &surogate::ffi_bind::RmsNormTargets,       &surogate::ffi_bind::SwigluTargets,
-    &surogate::ffi_bind::SwigluLoraTargets,    &surogate::ffi_bind::AddRmsNormTargets,
-    &surogate::ffi_bind::LmHeadCeTargets,      &surogate::ffi_bind::RopeTargets,
-    &surogate::ffi_bind::Fp8QuantizeTargets,   &surogate::ffi_bind::Fp8GemmTargets,
-    &surogate::ffi_bind::Nvfp4QuantizeTargets, &surogate::ffi_bind::Nvfp4MatmulTargets,
-    &surogate::ffi_bind::Adamw8bitTargets};
+    &surogate::ffi_bind::RmsNormTargets,     &surogate::ffi_bind::SwigluTargets,
+    &surogate::ffi_bind::SwigluLoraTargets,  &surogate::ffi_bind::AddRmsNormTargets,
+    &surogate::ffi_bind::LmHeadCeTargets,    &surogate::ffi_bind::RopeTargets,
+    &surogate::ffi_bind::Fp8MatmulTargets,   &surogate::ffi_bind::Nvfp4QuantizeTargets,
+    &surogate::ffi_bind::Nvfp4MatmulTargets, &surogate::ffi_bind::Adamw8bitTargets};
 
 }  // namespace
 

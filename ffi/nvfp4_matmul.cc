@@ -1,6 +1,10 @@
 // XLA FFI handlers for the native NVFP4 GEMM (cuBLASLt block-scaled FP4, SM100+) and its operand
 // preparation (Python side: surogate_jax/ops/nvfp4_matmul.py).
 //
+// NOT YET RUN ON HARDWARE: the GEMM compiles (sm_100a) but has never run on an SM100 GPU in this
+// project (ours are H100s, where it refuses and the caller emulates); only the operand preparation
+// (swizzle, transpose) has run, against pure-JAX references on Hopper.
+//
 //   surogate_nvfp4_swizzle_scales(scales [S, C] u8|f8e4m3fn; rows: i64, row_div: i32)
 //       -> u8 [ceil(rows/128)*128 * ceil(C/4)*4]           (kernels/nvfp4_matmul.h has the layout)
 //   surogate_nvfp4_transpose_codes(codes [R, C/2] u8) -> u8 [C, R/2]
@@ -22,20 +26,18 @@
 // leave the GPU and the call stays capturable. The rest of ws (from the first 256-byte boundary
 // after alpha/beta) is cuBLASLt's workspace.
 //
-// Mapping to column-major cuBLASLt (as ffi/fp8_matmul.cc): D_cm [N, M] = op(A) B with A := b viewed
-// col-major [K, N] (transa = T), B := a viewed col-major [K, M] (transb = N), lda = ldb = K (in
-// elements), ldd = N. So cuBLASLt's A scales are our b_scales (N rows) and its B scales our
-// a_scales. Requirements checked here: K % 32 == 0 (rows of K/2 bytes stay 16-byte aligned), N % 16
-// == 0, a, b, d, scale buffers 16-byte aligned; M is free. At run time a device below compute
-// capability 10.0 or a cuBLASLt older than 12.8 gets an error naming the GPU / the version. Not
-// marked command-buffer compatible (the handlers query the device, as rms_norm.cc).
-#include <map>
-#include <memory>
-#include <mutex>
+// The descriptor, layouts, plan cache and the mapping of our row-major a b^T onto column-major
+// cuBLASLt (its A is our b, so its A scales are our b_scales) are shared with the FP8 GEMM in
+// ffi/cublaslt_matmul.h. Requirements checked here: K % 32 == 0 (rows of K/2 bytes stay 16-byte
+// aligned), N % 16 == 0, a, b, d, scale buffers 16-byte aligned; M is free. At run time a device
+// below compute capability 10.0 or a cuBLASLt older than 12.8 gets an error naming the GPU / the
+// version. Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): they only
+// read device attributes and enqueue work.
 #include <string>
 #include <tuple>
+#include <utility>
 
-#include "ffi/cublaslt_api.h"
+#include "ffi/cublaslt_matmul.h"
 #include "ffi/ffi_common.h"
 #include "kernels/nvfp4_matmul.h"
 
@@ -79,11 +81,6 @@ ffi::Error Check2d(std::string_view op, const char* name, const ffi::AnyBuffer& 
   *r = dims[0];
   *c = dims[1];
   return ffi::Error::Success();
-}
-
-ffi::Error Aligned16(std::string_view op, const char* name, const void* p) {
-  if (reinterpret_cast<uintptr_t>(p) % 16 == 0) return ffi::Error::Success();
-  return InvalidArg(op, std::string(name) + " is not 16-byte aligned, which the FP4 GEMM requires");
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -156,23 +153,6 @@ std::string DeviceName(int device) {
 }
 
 #if SUROGATE_HAVE_FP4_GEMM
-
-#define SUROGATE_FP4_TRY(what, expr)                                      \
-  do {                                                                    \
-    const cublasStatus_t st_ = (expr);                                    \
-    if (st_ != CUBLAS_STATUS_SUCCESS) return lt::Error(kGemm, what, st_); \
-  } while (0)
-
-struct Plan {
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // cuBLASLt's A, B, C = D
-  cublasLtMatmulAlgo_t algo{};
-  std::mutex mu;  // the scale pointers are set on the shared descriptor per call
-};
-
-// (device, m, n, k, D type, alignments of a, b, d, workspace bytes)
-using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, size_t>;
-
 cudaDataType_t OutType(ffi::DataType t) {
   switch (t) {
     case ffi::DataType::BF16:
@@ -183,87 +163,7 @@ cudaDataType_t OutType(ffi::DataType t) {
       return CUDA_R_32F;
   }
 }
-
-ffi::Error MakePlan(cublasLtHandle_t handle, const PlanKey& key, Plan* p) {
-  const auto [device, m, n, k, td, al_a, al_b, al_d, ws_bytes] = key;
-  (void)device;
-  const auto& lt = lt::Get();
-  SUROGATE_FP4_TRY("cublasLtMatmulDescCreate",
-                   lt.DescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
-  SUROGATE_FP4_TRY("set TRANSA",
-                   lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
-  SUROGATE_FP4_TRY("set TRANSB",
-                   lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
-  const cublasLtPointerMode_t pm = CUBLASLT_POINTER_MODE_DEVICE;
-  SUROGATE_FP4_TRY(
-      "set POINTER_MODE",
-      lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pm, sizeof(pm)));
-  const cublasLtMatmulMatrixScale_t vec16 = CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3;
-  SUROGATE_FP4_TRY(
-      "set A_SCALE_MODE",
-      lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vec16, sizeof(vec16)));
-  SUROGATE_FP4_TRY(
-      "set B_SCALE_MODE",
-      lt.DescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec16, sizeof(vec16)));
-  // cuBLASLt A = our b ([N, K] row-major = col-major K x N), B = our a (col-major K x M); the
-  // leading dimensions count FP4 elements.
-  SUROGATE_FP4_TRY("layout A", lt.LayoutCreate(&p->a, CUDA_R_4F_E2M1, k, n, k));
-  SUROGATE_FP4_TRY("layout B", lt.LayoutCreate(&p->b, CUDA_R_4F_E2M1, k, m, k));
-  SUROGATE_FP4_TRY("layout D", lt.LayoutCreate(&p->d, static_cast<cudaDataType_t>(td), n, m, n));
-
-  cublasLtMatmulPreference_t pref = nullptr;
-  SUROGATE_FP4_TRY("cublasLtMatmulPreferenceCreate", lt.PrefCreate(&pref));
-  std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>, decltype(lt.PrefDestroy)>
-      guard(pref, lt.PrefDestroy);
-  const uint64_t ws = ws_bytes;
-  const uint32_t align_a = static_cast<uint32_t>(al_b), align_b = static_cast<uint32_t>(al_a),
-                 align_d = static_cast<uint32_t>(al_d);
-  SUROGATE_FP4_TRY(
-      "set workspace",
-      lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  SUROGATE_FP4_TRY("set align A",
-                   lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
-                                       sizeof(align_a)));
-  SUROGATE_FP4_TRY("set align B",
-                   lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
-                                       sizeof(align_b)));
-  SUROGATE_FP4_TRY("set align C",
-                   lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
-                                       sizeof(align_d)));
-  SUROGATE_FP4_TRY("set align D",
-                   lt.PrefSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
-                                       sizeof(align_d)));
-
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  SUROGATE_FP4_TRY(
-      "cublasLtMatmulAlgoGetHeuristic",
-      lt.AlgoGetHeuristic(handle, p->desc, p->a, p->b, p->d, p->d, pref, 1, &result, &found));
-  if (found == 0) {
-    return ffi::Error::Internal(
-        std::string(kGemm) + ": cuBLASLt has no block-scaled FP4 algorithm for " + Dims(m, n, k) +
-        " (workspace " + std::to_string(ws_bytes) + " bytes)");
-  }
-  p->algo = result.algo;
-  return ffi::Error::Success();
-}
-
-ffi::Error GetPlan(cublasLtHandle_t handle, const PlanKey& key, Plan** out) {
-  static std::mutex mu;
-  static std::map<PlanKey, std::unique_ptr<Plan>> plans;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = plans.find(key);
-  if (it == plans.end()) {
-    auto p = std::make_unique<Plan>();
-    if (auto e = MakePlan(handle, key, p.get()); e.failure()) return e;  // leaks the partial descs
-    it = plans.emplace(key, std::move(p)).first;
-  }
-  *out = it->second.get();
-  return ffi::Error::Success();
-}
-
-#endif  // SUROGATE_HAVE_FP4_GEMM
+#endif
 
 ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scales,
                      ffi::AnyBuffer b, ffi::AnyBuffer b_scales, ffi::AnyBuffer a_gs,
@@ -329,7 +229,7 @@ ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_sca
                          {"b_scales", b_scales.untyped_data()},
                          {"d", d->untyped_data()},
                          {"ws", ws->untyped_data()}}) {
-    if (auto e = Aligned16(kGemm, name, p); e.failure()) return e;
+    if (auto e = ExpectAligned16(kGemm, name, p, "the FP4 GEMM"); e.failure()) return e;
   }
   // The device check comes before the empty-shape shortcuts, so a wrong GPU always says so.
   int device = 0, major = 0;
@@ -346,6 +246,7 @@ ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_sca
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
 #if SUROGATE_HAVE_FP4_GEMM
+  // From here on: not yet run on hardware (see the top of this file).
   const auto& lt = lt::Get();
   if (!lt.error.empty()) return ffi::Error::Internal(std::string(kGemm) + ": " + lt.error);
   if (lt.GetVersion() < 120800) {
@@ -366,34 +267,23 @@ ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_sca
   // cuBLASLt's workspace: the first 256-byte boundary at or after byte 8 (TE aligns it to 256 too).
   const auto base = reinterpret_cast<uintptr_t>(ws->untyped_data());
   const uintptr_t start = (base + 2 * sizeof(float) + 255) & ~static_cast<uintptr_t>(255);
-  void* work = reinterpret_cast<void*>(start);
-  const size_t ws_bytes = ws->size_bytes() - static_cast<size_t>(start - base);
-  const PlanKey key{device,
-                    m,
-                    n,
-                    k,
-                    static_cast<int>(OutType(td)),
-                    lt::Alignment(a.untyped_data()),
-                    lt::Alignment(b.untyped_data()),
-                    lt::Alignment(d->untyped_data()),
-                    ws_bytes};
-  Plan* plan = nullptr;
-  if (auto e = GetPlan(handle, key, &plan); e.failure()) return e;
-  std::lock_guard<std::mutex> lock(plan->mu);
-  const void* lt_a_scale = b_scales.untyped_data();  // cuBLASLt's A is our b
-  const void* lt_b_scale = a_scales.untyped_data();
-  SUROGATE_FP4_TRY("set A_SCALE_POINTER",
-                   lt.DescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                       &lt_a_scale, sizeof(lt_a_scale)));
-  SUROGATE_FP4_TRY("set B_SCALE_POINTER",
-                   lt.DescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                       &lt_b_scale, sizeof(lt_b_scale)));
-  void* dp = d->untyped_data();
-  SUROGATE_FP4_TRY("cublasLtMatmul",
-                   lt.Matmul(handle, plan->desc, head, b.untyped_data(), plan->a, a.untyped_data(),
-                             plan->b, head + 1, dp, plan->d, dp, plan->d, &plan->algo,
-                             ws_bytes ? work : nullptr, ws_bytes, stream));
-  return ffi::Error::Success();
+  lt::MatmulSpec spec;
+  spec.device = device;
+  spec.m = m;
+  spec.n = n;
+  spec.k = k;
+  spec.a_type = CUDA_R_4F_E2M1;
+  spec.b_type = CUDA_R_4F_E2M1;
+  spec.d_type = OutType(td);
+  spec.align_a = lt::Alignment(a.untyped_data());
+  spec.align_b = lt::Alignment(b.untyped_data());
+  spec.align_d = lt::Alignment(d->untyped_data());
+  spec.ws_bytes = ws->size_bytes() - static_cast<size_t>(start - base);
+  spec.vec16_scales = true;
+  spec.device_alpha = true;
+  return lt::Matmul(kGemm, handle, spec, a.untyped_data(), b.untyped_data(),
+                    a_scales.untyped_data(), b_scales.untyped_data(), head, head + 1,
+                    d->untyped_data(), reinterpret_cast<void*>(start), stream);
 #else
   (void)stream;
   return ffi::Error(

@@ -7,10 +7,11 @@
 //                           tile_2d, four_over_six, stochastic, rht_sign_mask: i32)
 //       -> codes [..., K/2] u8, scales f8e4m3fn [..., K/16] (1x16) or [..., ceil(M/16), K/16]
 //          (tile_2d, x [..., M, K]), global_scale [] f32
-// K must be a positive multiple of 16; x is float32, bfloat16 or float16. rht_sign_mask = -1
-// means no Hadamard transform. The Python wrapper uses vmap_method="sequential": every vmapped
-// slice is a separate tensor with its own global scale.
-// Not marked command-buffer compatible: the launchers query the device (as rms_norm.cc).
+// K must be a positive multiple of 16; x is float32, bfloat16 or float16, 16-byte aligned (XLA's
+// buffers are; the kernels only vector-load). rht_sign_mask = -1 means no Hadamard transform. The
+// Python wrapper uses vmap_method="sequential": every vmapped slice is a separate tensor with its
+// own global scale. Handlers are command-buffer compatible (SUROGATE_GRAPH_SAFE, ffi_common.h):
+// the launchers only read device attributes and enqueue kernels and async memsets.
 #include <string>
 
 #include "ffi/ffi_common.h"
@@ -29,7 +30,7 @@ ffi::Error CheckBlockAxis(std::string_view op, const ffi::AnyBuffer& x, int64_t*
         op,
         "the last (block) axis of x must be a positive multiple of 16, got shape " + ShapeStr(x));
   }
-  return ffi::Error::Success();
+  return ExpectAligned16(op, "x", x.untyped_data(), "the quantizer's vector loads");
 }
 
 ffi::Error CheckMask(std::string_view op, int32_t mask) {

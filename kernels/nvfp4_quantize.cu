@@ -19,8 +19,8 @@
 //    with xor shuffles, whose butterfly order equals the reference's halving tree).
 //  * All float arithmetic that the reference rounds uses __f*_rn intrinsics, so nvcc never
 //    contracts a multiply and an add into an FMA (that would change bits vs the reference).
-//  * 16-byte vector loads when x is 16-byte aligned (cols % 16 == 0 guarantees row alignment);
-//    a scalar path otherwise. Codes go out as one 8-byte store per block.
+//  * 16-byte vector loads only: x must be 16-byte aligned, as every XLA buffer is (and, with
+//    cols % 16 == 0, every row). Codes go out as one 8-byte store per block.
 //  * amax: an integer atomicMax over float bits (|x| bits order like the floats, NaN above inf),
 //    so the result does not depend on the order: deterministic.
 #include "kernels/nvfp4_quantize.h"
@@ -38,22 +38,17 @@ namespace {
 constexpr int kThreads = 256;
 constexpr float kFltMax = 3.402823466e+38f;
 
-// 16 consecutive elements as float32.
-template <typename T, bool kVec>
+// 16 consecutive elements as float32 (p 16-byte aligned).
+template <typename T>
 __device__ __forceinline__ void load16(const T* __restrict__ p, float (&v)[16]) {
-  if constexpr (kVec) {
-    constexpr int kPer = 16 / sizeof(T);  // elements per 16-byte load
+  constexpr int kPer = 16 / sizeof(T);  // elements per 16-byte load
 #pragma unroll
-    for (int q = 0; q < 16 / kPer; ++q) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + q);
-      T e[kPer];
-      memcpy(e, &raw, sizeof(raw));
+  for (int q = 0; q < 16 / kPer; ++q) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + q);
+    T e[kPer];
+    memcpy(e, &raw, sizeof(raw));
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) v[q * kPer + k] = to_float(e[k]);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < 16; ++k) v[k] = to_float(p[k]);
+    for (int k = 0; k < kPer; ++k) v[q * kPer + k] = to_float(e[k]);
   }
 }
 
@@ -220,14 +215,14 @@ __device__ __forceinline__ void scales_of(const float* amax, bool four_over_six,
 
 // ---------------------------------------------------------------------------------------------
 
-template <typename T, bool kVec>
+template <typename T>
 __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x, int64_t nblocks,
                                                         int mask, unsigned int* __restrict__ out) {
   unsigned int m = 0;
   for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < nblocks;
        b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float v[16];
-    load16<T, kVec>(x + b * 16, v);
+    load16<T>(x + b * 16, v);
     if (mask >= 0) rht16(v, mask);
 #pragma unroll
     for (int k = 0; k < 16; ++k) m = max(m, __float_as_uint(v[k]) & 0x7fffffffu);
@@ -243,7 +238,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x,
   }
 }
 
-template <typename T, bool kVec>
+template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quant_1x16_kernel(const T* __restrict__ x, int64_t nblocks, const float* __restrict__ amax,
                       const uint32_t* __restrict__ seed, Params p, uint8_t* __restrict__ codes,
@@ -254,7 +249,7 @@ __global__ void __launch_bounds__(kThreads)
   if (first == 0) global_scale[0] = s_dec;
   for (int64_t b = first; b < nblocks; b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float v[16];
-    load16<T, kVec>(x + b * 16, v);
+    load16<T>(x + b * 16, v);
     if (p.rht_sign_mask >= 0) rht16(v, p.rht_sign_mask);
     float bmax = 0.0f;
 #pragma unroll
@@ -274,7 +269,7 @@ __global__ void __launch_bounds__(kThreads)
 // 16x16 tiles. A block of 256 threads covers one row tile (16 rows) x 16 column blocks: the
 // half-warp h (0..15) owns column block blockIdx.x % col_groups * 16 + h, its lane l (0..15)
 // row l of the tile. Grid: row_tiles_total * col_groups blocks.
-template <typename T, bool kVec>
+template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quant_16x16_kernel(const T* __restrict__ x, int64_t rows, int64_t kb, int64_t row_tiles,
                        int64_t col_groups, const float* __restrict__ amax,
@@ -293,7 +288,7 @@ __global__ void __launch_bounds__(kThreads)
 
   float v[16];
   if (active) {
-    load16<T, kVec>(x + block * 16, v);
+    load16<T>(x + block * 16, v);
     if (p.rht_sign_mask >= 0) rht16(v, p.rht_sign_mask);
   } else {
 #pragma unroll
@@ -349,12 +344,9 @@ cudaError_t nvfp4_amax(const T* x, int64_t n, int rht_sign_mask, float* amax, cu
   if (nblocks == 0) return cudaSuccess;
   const int64_t want = (nblocks + kThreads - 1) / kThreads;
   const int grid = static_cast<int>(std::min<int64_t>(want, grid_cap()));
-  unsigned int* out = reinterpret_cast<unsigned int*>(amax);
-  if (aligned16(x)) {
-    amax_kernel<T, true><<<grid, kThreads, 0, stream>>>(x, nblocks, rht_sign_mask, out);
-  } else {
-    amax_kernel<T, false><<<grid, kThreads, 0, stream>>>(x, nblocks, rht_sign_mask, out);
-  }
+  if (!aligned16(x)) return cudaErrorMisalignedAddress;
+  amax_kernel<T><<<grid, kThreads, 0, stream>>>(x, nblocks, rht_sign_mask,
+                                                reinterpret_cast<unsigned int*>(amax));
   return cudaGetLastError();
 }
 
@@ -365,23 +357,22 @@ cudaError_t nvfp4_quantize(const T* x, int64_t batch, int64_t rows, int64_t cols
   if (batch < 0 || rows < 0 || cols <= 0 || cols % 16 != 0 || opt.rht_sign_mask >= (1 << 16)) {
     return cudaErrorInvalidValue;
   }
+  if (!aligned16(x)) return cudaErrorMisalignedAddress;
   const Params p{opt.four_over_six, opt.stochastic, opt.rht_sign_mask};
   const int64_t kb = cols / 16;
-  const bool vec = aligned16(x);
   if (!opt.tile_2d) {
     const int64_t nblocks = batch * rows * kb;
     const int64_t want = std::max<int64_t>(1, (nblocks + kThreads - 1) / kThreads);
     const int grid = static_cast<int>(std::min<int64_t>(want, INT_MAX));
-    auto kernel = vec ? quant_1x16_kernel<T, true> : quant_1x16_kernel<T, false>;
-    kernel<<<grid, kThreads, 0, stream>>>(x, nblocks, amax, seed, p, codes, scales, global_scale);
+    quant_1x16_kernel<T>
+        <<<grid, kThreads, 0, stream>>>(x, nblocks, amax, seed, p, codes, scales, global_scale);
     return cudaGetLastError();
   }
   const int64_t row_tiles = (rows + 15) / 16;
   const int64_t col_groups = (kb + 15) / 16;
   const int64_t blocks = std::max<int64_t>(1, batch * row_tiles * col_groups);
   if (blocks > INT_MAX) return cudaErrorInvalidValue;
-  auto kernel = vec ? quant_16x16_kernel<T, true> : quant_16x16_kernel<T, false>;
-  kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(
+  quant_16x16_kernel<T><<<static_cast<int>(blocks), kThreads, 0, stream>>>(
       x, rows, kb, std::max<int64_t>(row_tiles, 1), std::max<int64_t>(col_groups, 1), amax, seed, p,
       codes, scales, global_scale);
   return cudaGetLastError();

@@ -16,7 +16,8 @@
 //                      global_scale [1] float32 = s_dec = 1 / s_enc
 //                   For 1x16 blocks `batch` may be 1 with rows = all leading dims.
 //
-// T is float, __nv_bfloat16 or __half. rht_sign_mask: -1 = no transform, else the 16-bit sign
+// T is float, __nv_bfloat16 or __half; x must be 16-byte aligned (cudaErrorMisalignedAddress
+// otherwise: the kernels only vector-load). rht_sign_mask: -1 = no transform, else the 16-bit sign
 // mask of surogate_jax/ops/hadamard.py. Stochastic rounding draws Philox4x32-10 bits keyed
 // by seed[0..1] with counter (16-element block index, sub-block j in 0..3): different bits from
 // the JAX reference's jax.random stream (equal in distribution only).

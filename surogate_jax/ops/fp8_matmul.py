@@ -22,7 +22,7 @@ Implementations (`impl`):
          custom call (`__cublas$lt$matmul$f8`) on SM89+; XLA pads odd shapes itself. The scale it
          multiplies by is rounded to bf16 (a relative error <= 2^-9 per operand, far below E4M3's
          2^-4 step);
-  "ffi"  our kernels: fused cast(+transpose)+amax (kernels/fp8_quantize.cu) feeding cuBLASLt FP8
+  "ffi"  our kernels: fused cast(+transpose)+amax (kernels/fp8_matmul.cu) feeding cuBLASLt FP8
          GEMMs with device-pointer scales (ffi/fp8_matmul.cc): forward with fast accumulation,
          dgrad and wgrad with split (fp32-promoted) accumulation, as Transformer Engine does.
          Needs K and N to be multiples of 16 (cuBLASLt FP8); M (rows) is free: the transposed

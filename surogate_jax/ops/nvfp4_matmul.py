@@ -8,7 +8,8 @@ Backends ("auto" picks native where `native_available()`, else emulated):
   * native   (SM100+ only): cuBLASLt's block-scaled FP4 GEMM (ffi/nvfp4_matmul.cc): E2M1 x E2M1
     products with per-16-element E4M3 scales, fp32 accumulation, alpha = the product of the two
     FP32 global decode scales. It approximates `nvfp4_gemm_ref` up to the accumulation order.
-    Written, compiled for sm_100a, and NOT run on hardware in this project (our GPUs are H100s).
+    NOT YET RUN ON HARDWARE: written and compiled for sm_100a, never run on an SM100 GPU in this
+    project (our GPUs are H100s).
   * emulated (everywhere): dequantize both operands to bfloat16, bf16 GEMM with fp32
     accumulation (`nvfp4_gemm_emulated`; what the recipe always did on Hopper and CPU).
   `nvfp4_gemm_ref` is the exact target: both operands dequantized in float32, fp32 matmul.

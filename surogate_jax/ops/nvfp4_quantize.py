@@ -55,13 +55,13 @@ opaque array (`_exact_div`) and materializes products before they feed a subtrac
 
 Entry points: `quantize` / `dequantize` / `fake_quantize` (impl=None/"auto": CUDA kernels on GPU
 when the extension is built, the pure-JAX reference elsewhere; SUROGATE_JAX_OPS=ref or ref:nvfp4_quantize
-forces the reference), `quantize_ref` / `fake_quantize_ref` (always the reference), `global_amax`,
-`nvfp4_matmul_emulated` (quantize both GEMM operands, dequantize to bf16, bf16 GEMM; forward
-only) and `nvfp4_linear_emulated` (the same with the recipe's custom backward: stochastically
-rounded dY for dgrad, RHT + NVFP4 operands along tokens for wgrad). Despite its name,
-`nvfp4_linear_emulated` (and `nvfp4_linear_frozen`) run their three GEMMs natively on SM100+ GPUs
-(cuBLASLt block-scaled FP4, ops/nvfp4_matmul.py; written, not run on hardware in this project)
-and emulated everywhere else; the emulated path's numbers are unchanged by that option.
+forces the reference), `quantize_ref` / `fake_quantize_ref` (always the reference), `global_amax`.
+The GEMMs built on them live in ops/nvfp4_matmul.py: `nvfp4_matmul_emulated` (quantize both GEMM
+operands, dequantize to bf16, bf16 GEMM; forward only) and `nvfp4_linear_emulated` (the same with the
+recipe's custom backward: stochastically rounded dY for dgrad, RHT + NVFP4 operands along tokens for
+wgrad). Despite its name, `nvfp4_linear_emulated` (and `nvfp4_linear_frozen`) run their three GEMMs
+natively on SM100+ GPUs (cuBLASLt block-scaled FP4; not yet run on hardware in this project) and
+emulated everywhere else; the emulated path's numbers are unchanged by that option.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""GPU tests of the native NVFP4 GEMM path (surogate_jax/precision/g.py, kernels/g.cu,
-ffi/g.cc).
+"""GPU tests of the native NVFP4 GEMM path (surogate_jax/ops/nvfp4_matmul.py, kernels/nvfp4_matmul.cu,
+ffi/nvfp4_matmul.cc).
 
 Run on any CUDA GPU (H100 included): the scale-swizzle kernel against `swizzle_scales_ref` byte for
 byte (padding zeros included, outputs on poisoned memory), the code-transpose kernel and the W^T
 operand against the references, and the GEMM handler's argument checks (bad shapes, dtypes, and a
 pre-SM100 GPU named in the error).
-Run only on SM100+ (skipped with the reason on Hopper; NOT run in this project so far): the
+Run only on SM100+ (skipped with the reason on Hopper; not yet run on hardware in this project): the
 cuBLASLt block-scaled FP4 GEMM against `nvfp4_gemm_ref` within an fp32-accumulation bound, and
 the native linear against the emulated one."""
 

@@ -1,4 +1,5 @@
-// FP8 quantization launchers for delayed scaling (framework-free; ffi/fp8_quantize.cc binds them).
+// Operand preparation for the FP8 GEMM (framework-free launchers; ffi/fp8_matmul.cc binds them):
+// the delayed-scaling cast (+ transpose) + amax, and the byte transpose of data already in fp8.
 //
 //   x [rows, cols] (T = float / __nv_bfloat16 / __half), scale: device pointer to one float.
 //   q  [rows, cols]  q[r, c]  = fp8(x[r, c] * scale)       (row-major copy; may be null)

@@ -1,4 +1,4 @@
-// FP8 cast (+ transpose) + amax kernels (see fp8_quantize.h for the math and the contract).
+// FP8 cast (+ transpose) + amax kernels (see fp8_matmul.h for the math and the contract).
 //
 // Floor: memory bound. Bytes per element: sizeof(T) read + 1 written per fp8 copy. For the
 // Qwen3-8B activations (4096 tokens x 4096, bf16) cast+transpose moves 16.8M x (2 + 1 + 1) = 67 MB,
@@ -12,8 +12,9 @@
 // 4096 tokens (2 x 2 x 4096 x 193M FLOP at the 1979 TFLOP/s FP8 dense peak): <10% at worst.
 //
 // Design:
-//  * cast only: a persistent grid-stride loop over the flat tensor, 16-byte vector loads when the
-//    element count and pointers allow it, scalar otherwise.
+//  * cast only: a persistent grid-stride loop over the flat tensor with 16-byte vector loads. Every
+//    cast the FP8 GEMM asks for allows them (K and N are multiples of 16, XLA's buffers 16-byte
+//    aligned); any other shape goes through the tile kernel below without its transpose.
 //  * cast + transpose: 64 x 64 tiles through shared memory (256 threads). Phase 1 reads rows
 //    (16-byte loads when aligned), converts, writes the row-major copy and the tile; phase 2 writes
 //    16-byte chunks of the transposed rows. The smem row stride of 66 bytes keeps the column reads
@@ -22,7 +23,7 @@
 //    no amax.
 //  * amax: per-thread max of the |x| bit patterns (monotone for non-negative floats, and NaN's bits
 //    are above +inf's, so NaN wins), a block reduction, one atomicMax per block.
-#include "kernels/fp8_quantize.h"
+#include "kernels/fp8_matmul.h"
 #include "kernels/device_common.cuh"
 
 #include <algorithm>
@@ -60,7 +61,7 @@ __device__ __forceinline__ void block_amax(unsigned bits, float* amax) {
   }
 }
 
-// N consecutive elements of x as floats (one or two 16-byte loads when N > 1).
+// N consecutive elements of x as floats (one or two 16-byte loads).
 template <typename T, int N>
 __device__ __forceinline__ void load_vec(const T* p, float (&out)[N]) {
   static_assert((N * sizeof(T)) % 16 == 0, "whole 16-byte vectors");
@@ -76,7 +77,7 @@ __device__ __forceinline__ void load_vec(const T* p, float (&out)[N]) {
   }
 }
 
-// ---- cast only: q = fp8(x * scale) over the flat tensor ----
+// ---- cast only: q = fp8(x * scale) over the flat tensor, N = 16 / sizeof(T) per step ----
 template <typename T, Fp8Format F, int N>
 __global__ void __launch_bounds__(kFlatThreads)
     quantize_flat_kernel(const T* __restrict__ x, const float* __restrict__ scale,
@@ -88,20 +89,14 @@ __global__ void __launch_bounds__(kFlatThreads)
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < nvec;
        i += stride) {
     float v[N];
-    if constexpr (N == 1) {
-      v[0] = to_float(x[i]);
-    } else {
-      load_vec<T, N>(x + i * N, v);
-    }
+    load_vec<T, N>(x + i * N, v);
     uint8_t o[N];
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       bits = max(bits, abs_bits(v[k]));
       o[k] = to_fp8<F>(v[k] * s);
     }
-    if constexpr (N == 1) {
-      q[i] = o[0];
-    } else if constexpr (N == 4) {
+    if constexpr (N == 4) {
       uint32_t w;
       memcpy(&w, o, 4);
       reinterpret_cast<uint32_t*>(q)[i] = w;
@@ -230,26 +225,20 @@ template <typename T, Fp8Format F>
 cudaError_t launch(const T* x, const float* scale, int64_t rows, int64_t cols, uint8_t* q,
                    uint8_t* qt, int64_t ld_t, float* amax, cudaStream_t stream) {
   const int64_t n = rows * cols;
-  if (qt == nullptr) {
-    if (n == 0) return cudaSuccess;
-    int dev = 0, sms = 0;
-    SUROGATE_TRY(cudaGetDevice(&dev));
-    SUROGATE_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    constexpr int kN = 16 / sizeof(T);
-    const bool vec = n % kN == 0 && aligned(x, 16) && aligned(q, kN);
-    const int64_t work = vec ? n / kN : n;
-    const int64_t blocks = std::max<int64_t>(
-        1, std::min<int64_t>((work + kFlatThreads - 1) / kFlatThreads, int64_t{sms} * 8));
-    if (vec) {
-      quantize_flat_kernel<T, F, kN>
-          <<<static_cast<unsigned>(blocks), kFlatThreads, 0, stream>>>(x, scale, q, n, amax);
-    } else {
-      quantize_flat_kernel<T, F, 1>
-          <<<static_cast<unsigned>(blocks), kFlatThreads, 0, stream>>>(x, scale, q, n, amax);
-    }
-    return cudaGetLastError();
+  constexpr int kN = 16 / sizeof(T);
+  if (qt != nullptr || n % kN != 0 || !aligned(x, 16) || !aligned(q, kN)) {
+    // The tile kernel writes the same bytes (qt == nullptr skips its transposed half).
+    return launch_tiles<T, F, false>(x, scale, rows, cols, q, qt, qt ? ld_t : 0, amax, stream);
   }
-  return launch_tiles<T, F, false>(x, scale, rows, cols, q, qt, ld_t, amax, stream);
+  if (n == 0) return cudaSuccess;
+  int dev = 0, sms = 0;
+  SUROGATE_TRY(cudaGetDevice(&dev));
+  SUROGATE_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int64_t blocks = std::max<int64_t>(
+      1, std::min<int64_t>((n / kN + kFlatThreads - 1) / kFlatThreads, int64_t{sms} * 8));
+  quantize_flat_kernel<T, F, kN>
+      <<<static_cast<unsigned>(blocks), kFlatThreads, 0, stream>>>(x, scale, q, n, amax);
+  return cudaGetLastError();
 }
 
 }  // namespace
