@@ -12,7 +12,7 @@
 // qt[c, r] = x[r, c], 0 for R <= r < L; a byte copy (the transposed operand of an fp8 tensor that
 // is already quantized, e.g. a frozen E4M3 weight; see ops/fp8_matmul.py "Frozen weights").
 //
-//   surogate_fp8_gemm(a [.., M, K] f8, b [.., N, K] f8, a_scale f32[], b_scale f32[];
+//   surogate_fp8_matmul(a [.., M, K] f8, b [.., N, K] f8, a_scale f32[], b_scale f32[];
 //                     fast_accum: i32) -> d [M, N] (float32 | bfloat16 | float16), ws u8[W]
 //   d[m, n] = a_scale * b_scale * sum_k f32(a[m, k]) * f32(b[n, k])     (fp32 accumulation)
 // a's and b's leading dims are flattened into M and N (row-major, K contiguous: the "TN" layout
@@ -43,7 +43,7 @@ namespace {
 constexpr std::string_view kQuant = "surogate_fp8_quantize";
 constexpr std::string_view kQuantT = "surogate_fp8_quantize_t";
 constexpr std::string_view kTranspose = "surogate_fp8_transpose";
-constexpr std::string_view kGemm = "surogate_fp8_gemm";
+constexpr std::string_view kGemm = "surogate_fp8_matmul";
 
 ffi::Error Fp8FormatOf(std::string_view op, const char* name, const ffi::AnyBuffer& b,
                        Fp8Format* fmt) {

@@ -84,7 +84,7 @@ from surogate_jax.ops.fp8_formats import (
 QUANT_TARGET = "surogate_fp8_quantize"
 QUANT_T_TARGET = "surogate_fp8_quantize_t"
 TRANSPOSE_TARGET = "surogate_fp8_transpose"
-GEMM_TARGET = "surogate_fp8_gemm"
+GEMM_TARGET = "surogate_fp8_matmul"
 IMPLS = ("auto", "ffi", "xla", "ref")
 DEFAULT_GPU_IMPL = "ffi"  # the faster backend on H100 (benchmarks/bench_fp8_matmul.py decides)
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

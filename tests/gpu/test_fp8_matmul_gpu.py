@@ -325,7 +325,7 @@ def test_xla_backend_is_rewritten_to_fp8_gemms():
 
 def test_ffi_backend_hlo_has_our_calls():
     hlo = _compiled_hlo("ffi")
-    assert hlo.count("surogate_fp8_gemm") >= 3 and "surogate_fp8_quantize_t" in hlo, _gemm_lines(hlo)
+    assert hlo.count("surogate_fp8_matmul") >= 3 and "surogate_fp8_quantize_t" in hlo, _gemm_lines(hlo)
     assert "__cublas$lt$matmul$f8" not in hlo
 
 

@@ -30,7 +30,7 @@ def test_extension_exports_both_flavours():
     _ffi = pytest.importorskip("surogate_jax._ffi", reason="CUDA extension not built here")
     graph, plain = _ffi.registrations(graph_safe=True), _ffi.registrations(graph_safe=False)
     assert set(graph) == set(plain) == set(_ffi.registrations())
-    assert {"surogate_rms_norm_fwd", "surogate_fp8_gemm", "surogate_adamw_8bit_update"} <= set(graph)
+    assert {"surogate_rms_norm_fwd", "surogate_fp8_matmul", "surogate_adamw_8bit_update"} <= set(graph)
     # Different handler functions behind the same names; the same ones on every call.
     ptr = _capsule_pointer
     assert all(ptr(graph[n]) != ptr(plain[n]) for n in graph)
