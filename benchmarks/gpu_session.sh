@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
-# One device-machine call: build the CUDA extension, run the GPU tests (plus the op and model
-# suites), then the benchmarks; full logs land in $OUT (at most 8 files come back).
-#   run: [SKIP_TESTS=1] bash benchmarks/gpu_session.sh [bench ...]
-#   benches (default: rms_norm forward; 'none' for tests only; benchmarks/README.md says what each measures):
+# One device-machine call: build the CUDA extension, run a GPU test suite, then the benchmarks; full
+# logs land in $OUT (at most 8 files come back).
+#   run: [SUITE=quick|full|none] bash benchmarks/gpu_session.sh [bench ...]
+#   SUITE=quick (default): the first cases of every GPU test (each kernel's forward and gradients against its
+#     reference; pytest --quick), <= 5 min on one H100.  SUITE=full: tests/gpu, tests/ops and tests/models on
+#     the GPU, every case, <= 15 min.  Both run as 4 pytest workers (pytest-xdist) sharing the GPU.
+#   benches (default: none; benchmarks/README.md says what each measures):
 #     op benchmarks: rms_norm, add_rms_norm, rope, swiglu, swiglu_lora, lm_head_ce, fp8_matmul,
-#       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon; fwd_sweep (norm/rope forward variants only)
+#       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon
 #     model: forward, sft:<size>[,<size>...] (one fresh process per size)
 #     profilers: calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the
 #       RoPE kernels), ncu_ops (kernel-only ours / XLA / same-bytes copy for rope_qk, swiglu, the
 #       norms), ncu_swiglu_lora (the same for swiglu_lora, both forms)
-# The GPU image has jax + CUDA 13, nanobind, scikit-build-core, cmake and nvcc, and no network:
-# we install with --no-deps --no-build-isolation into its python3 and build only sm_90a (Hopper).
+# The GPU image has jax + CUDA 13, nanobind, scikit-build-core, cmake, ninja, nvcc and pytest-xdist, and no
+# network: we install with --no-deps --no-build-isolation into its python3 and build only sm_90a (Hopper).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 B=benchmarks; P=benchmarks/profile
-benches=("${@:-rms_norm forward}"); benches=(${benches[*]}); [[ "${benches[0]}" == none ]] && benches=()
+SUITE="${SUITE:-quick}"
+benches=("$@")
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   echo "commit ${SUROGATE_COMMIT:-unknown} (set SUROGATE_COMMIT=\$(git rev-parse HEAD) when calling)"; date -u
   python3 -c 'import jax, jaxlib; print("jax", jax.__version__, jax.devices())'; } 2>&1 | tee "$OUT/env.txt"
@@ -29,9 +33,17 @@ python3 -c 'import surogate_jax._ffi as m; print("extension:", m.__file__, sorte
   | tee -a "$OUT/env.txt"
 
 tests_rc=0
-if [[ -z "${SKIP_TESTS:-}" ]]; then
-  python3 -m pytest -q -rs tests/gpu tests/ops tests/models -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25
+case "$SUITE" in
+  quick) suite_args=(--quick tests/gpu) ;;
+  full) suite_args=(tests/gpu tests/ops tests/models) ;;
+  none) suite_args=() ;;
+  *) echo "SUITE=$SUITE: use quick, full or none"; exit 2 ;;
+esac
+if (( ${#suite_args[@]} )); then
+  t0=$SECONDS
+  python3 -m pytest -q -rs -n 4 -p no:cacheprovider "${suite_args[@]}" 2>&1 | tee "$OUT/tests.log" | tail -25
   tests_rc=${PIPESTATUS[0]}
+  echo "suite $SUITE: $((SECONDS - t0)) s" | tee -a "$OUT/env.txt"
 fi
 
 op_bench() {  # op_bench OP TAIL: bench_<op>.py's json and log in $OUT, the last TAIL lines shown
@@ -43,9 +55,9 @@ NCU="ncu --profile-from-start off --clock-control none --print-units base --csv 
 
 for b in "${benches[@]}"; do
   case "$b" in
-    rms_norm) op_bench rms_norm 40 ;;  # ends with the fwd_algo sweep
-    add_rms_norm) op_bench add_rms_norm 32 ;;  # ends with the fwd_algo sweep
-    rope) op_bench rope 70 ;;  # ends with the fwd_algo sweep
+    rms_norm) op_bench rms_norm 40 ;;
+    add_rms_norm) op_bench add_rms_norm 32 ;;
+    rope) op_bench rope 40 ;;
     swiglu) op_bench swiglu 20 ;;
     swiglu_lora) op_bench swiglu_lora 20 ;;
     lm_head_ce) op_bench lm_head_ce 80 ;;
@@ -54,10 +66,6 @@ for b in "${benches[@]}"; do
     nvfp4_matmul) op_bench nvfp4_matmul 20 ;;
     adamw_8bit) op_bench adamw_8bit 48 ;;
     normuon) op_bench normuon 16 ;;
-    fwd_sweep) for o in rms_norm add_rms_norm rope; do  # forward variants only, --steps 50
-                 python3 "$B/bench_$o.py" --fwd-only --steps 50 --out "$OUT/fwd_sweep.json" 2>&1 \
-                   | tee "$OUT/fwd_sweep_$o.log" | grep -A30 "forward variants"
-               done ;;
     ncu_rope) for c in "0.6b q|bwd|positions" "0.6b q|bwd|table" "0.6b k|bwd|positions" "8b k|bwd|table" \
                        "0.6b q|fwd|positions"; do
                 IFS='|' read -r shp pas src <<< "$c"   # kernel-only durations, DRAM throughput, stall reasons

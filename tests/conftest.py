@@ -1,4 +1,4 @@
-"""Shared test settings: the one dtype-based tolerance rule, and the `gpu` marker's auto-skip.
+"""Shared test settings: the one dtype-based tolerance rule, the `gpu` marker's auto-skip, and `--quick`.
 
 Tolerances come only from `tolerance(dtype)`; a test that needs more must say why in a comment.
 Tests get the helpers as fixtures (`tolerance`, `assert_close`, `benchmark_module`) so they work whatever pytest's
@@ -90,7 +90,34 @@ def _benchmark_module_fixture():
     return benchmark_module
 
 
+QUICK_CASES = 2  # parametrized cases kept per GPU test function under --quick
+
+
+def pytest_addoption(parser):
+    parser.addoption("--quick", action="store_true",
+                     help=f"GPU quick suite: the first {QUICK_CASES} parametrized cases of each GPU test function "
+                          "(every kernel's forward and gradients against its reference, not every shape)")
+
+
+def _quick_selection(config, items):
+    """--quick: deselects all but the first QUICK_CASES cases of each `gpu`-marked test function."""
+    seen: dict[tuple[str, str], int] = {}
+    keep, drop = [], []
+    for item in items:
+        if item.get_closest_marker("gpu") is None:
+            keep.append(item)
+            continue
+        key = (item.nodeid.split("::")[0], getattr(item, "originalname", item.name))
+        seen[key] = seen.get(key, 0) + 1
+        (keep if seen[key] <= QUICK_CASES else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--quick"):
+        _quick_selection(config, items)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items or jax.default_backend() == "gpu":
         return
