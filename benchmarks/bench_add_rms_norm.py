@@ -2,13 +2,7 @@
 unfused reference (`x + residual`, then `rms_norm_ref`), forward and backward, against the
 memory-bandwidth floor.
 
-    python benchmarks/bench_add_rms_norm.py [--out results.jsonl] [--steps 10] [--repeats 20]
-                                            [--algos 0,1,2,3] [--fwd-only]
-                                            [--fwd-algo K] [--bwd-algo K]
-
-Forward variants (fwd_algo, the same as rms_norm's): each shape's forward is timed for every
-variant in --algos; the main table shows the op's default (ops/add_rms_norm.py FWD_ALGO), the
-sweep table at the end every variant (see bench_rms_norm.py).
+    python benchmarks/bench_add_rms_norm.py [--out results.jsonl] [--steps 40] [--repeats 20] [--fwd-only]
 
 Timing and passes: see benchmarks/_opbench.py. XLA's backward is given what the unfused model
 saves (the residual stream s), computes the norm gradient and adds the residual's gradient.
@@ -23,10 +17,9 @@ import argparse
 import _opbench
 import jax
 import jax.numpy as jnp
-from bench_rms_norm import sweep_report
 
 from surogate_jax.ops import add_rms_norm_ref, ffi_available, rms_norm_ref
-from surogate_jax.ops.add_rms_norm import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi
+from surogate_jax.ops.add_rms_norm import _bwd_ffi, _fwd_ffi
 
 SHAPES = [(16384, 1024), (16384, 4096), (8192, 5120)]
 DTYPES = [jnp.bfloat16, jnp.float32]
@@ -44,16 +37,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40,
                     help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--algos", default="0,1,2,3", help="forward variants to time (fwd_algo)")
-    ap.add_argument("--fwd-only", action="store_true", help="skip the backward (sweep only)")
-    ap.add_argument("--fwd-algo", type=int, default=FWD_ALGO, help="forward variant of the main table")
-    ap.add_argument("--bwd-algo", type=int, default=BWD_ALGO, help="backward variant (bwd_algo)")
+    ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     args = ap.parse_args()
-    algos = sorted({int(a) for a in args.algos.split(",")} | {args.fwd_algo})
     _opbench.require_gpu(ffi_available)
-    table = _opbench.Table("add_rms_norm", args.steps, args.repeats,
-                           variant=f"fwd_algo {args.fwd_algo}, bwd_algo {args.bwd_algo}")
-    sweep = []
+    table = _opbench.Table("add_rms_norm", args.steps, args.repeats)
     key = jax.random.key(0)
     for rows, dim in SHAPES:
         for dtype in DTYPES:
@@ -63,26 +50,22 @@ def main() -> None:
             w = (1.0 + 0.1 * jax.random.normal(ks[5], (dim,), jnp.float32)).astype(dtype)
             _, s, rstd = jax.jit(lambda x, r, w: _fwd_ffi(x, r, w, EPS))(x, res, w)
 
+            ours_fwd = lambda x, r: _fwd_ffi(x, r, w, EPS)[:2]  # noqa: E731,B023
             xla_fwd = lambda x, r: add_rms_norm_ref(x, r, w, EPS)  # noqa: E731,B023
-            ours_bwd = lambda dy, ds, s, rstd: (_bwd_ffi(dy, ds, s, w, rstd, args.bwd_algo)[0], ds, s, rstd)  # noqa: E731,B023
+            ours_bwd = lambda dy, ds, s, rstd: (_bwd_ffi(dy, ds, s, w, rstd)[0], ds, s, rstd)  # noqa: E731,B023
             xla_bwd = lambda dy, ds, s, rstd: (_xla_bwd(dy, ds, s, w), ds, s, rstd)  # noqa: E731,B023
-            xla_s = _opbench.time_chain(xla_fwd, (x, res), args.steps, args.repeats)
-            fwd_s = {a: _opbench.time_chain(lambda x, r, a=a: _fwd_ffi(x, r, w, EPS, algo=a)[:2],  # noqa: B023
-                                            (x, res), args.steps, args.repeats) for a in algos}
             elem = rows * dim * jnp.dtype(dtype).itemsize
             nbytes = {"fwd": 4 * elem + 4 * rows, "bwd": 4 * elem + 4 * rows}
-            sweep.append({"shape": f"{rows}x{dim}", "dtype": jnp.dtype(dtype).name, "xla_s": xla_s,
-                          "bytes": nbytes["fwd"], "algos": fwd_s})
-            if not args.fwd_only:
-                t = {
-                    "fwd": (fwd_s[args.fwd_algo], xla_s),
-                    "bwd": tuple(_opbench.time_chain(f, (dy, ds, s, rstd), args.steps, args.repeats)
-                                 for f in (ours_bwd, xla_bwd)),
-                }
-                table.add_passes(f"{rows}x{dim}", jnp.dtype(dtype).name, t, nbytes)
+            shape, dname = f"{rows}x{dim}", jnp.dtype(dtype).name
+            fwd = tuple(_opbench.time_chain(f, (x, res), args.steps, args.repeats) for f in (ours_fwd, xla_fwd))
+            if args.fwd_only:
+                table.add(shape, dname, "fwd", *fwd, nbytes["fwd"])
+            else:
+                bwd = tuple(_opbench.time_chain(f, (dy, ds, s, rstd), args.steps, args.repeats)
+                            for f in (ours_bwd, xla_bwd))
+                table.add_passes(shape, dname, {"fwd": fwd, "bwd": bwd}, nbytes)
             del x, res, dy, ds, s, rstd
     table.write(args.out)
-    _opbench.append_jsonl(args.out, sweep_report("add_rms_norm", sweep, table.meta))
 
 
 if __name__ == "__main__":

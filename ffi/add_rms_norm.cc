@@ -2,14 +2,12 @@
 // type, call the launchers in kernels/add_rms_norm.h on XLA's stream. Python side:
 // surogate_jax/ops/add_rms_norm.py.
 //
-//   surogate_add_rms_norm_fwd(x [..., D], res [..., D], w [G.., D]; eps: f32, fwd_algo: i32)
+//   surogate_add_rms_norm_fwd(x [..., D], res [..., D], w [G.., D]; eps: f32)
 //       -> y [..., D], res_out [..., D], rstd [...] (f32)
-//   surogate_add_rms_norm_bwd(dy [..., D], dres_out [..., D], res_out [..., D], w [G.., D], rstd
-//   [...];
-//                             bwd_algo: i32)
+//   surogate_add_rms_norm_bwd(dy [..., D], dres_out [..., D], res_out [..., D], w [G.., D],
+//                             rstd [...])
 //       -> dx [..., D], dw [G.., D], ws [.., P, D] (f32, dw partial sums, discarded)
-// fwd_algo / bwd_algo pick a forward / backward kernel variant (kernels/add_rms_norm.h). dx is the
-// gradient of both x and res. ws is an output rather than XLA FFI scratch for the same
+// dx is the gradient of both x and res. ws is an output rather than XLA FFI scratch for the same
 // reason as in ffi/rms_norm.cc; its P rows cap the backward's persistent grid. A leading batch
 // shape G on w (vmap with broadcast_all) splits the rows into G equal consecutive groups, each
 // with its own w row and dw row. All tensors but rstd and ws share one dtype (f32, bf16, f16).
@@ -73,14 +71,10 @@ ffi::Error CheckRstd(std::string_view op, const ffi::AnyBuffer& rstd, const ffi:
   return ffi::Error::Success();
 }
 
-ffi::Error AddRmsNormFwd(cudaStream_t stream, float eps, int32_t fwd_algo, ffi::AnyBuffer x,
-                         ffi::AnyBuffer res, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error AddRmsNormFwd(cudaStream_t stream, float eps, ffi::AnyBuffer x, ffi::AnyBuffer res,
+                         ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::AnyBuffer> res_out, ffi::Result<ffi::AnyBuffer> rstd) {
   int64_t rows = 0, dim = 0, groups = 1;
-  if (fwd_algo < 0 || fwd_algo >= kAddRmsNormFwdAlgos) {
-    return InvalidArg(kFwd, "fwd_algo " + std::to_string(fwd_algo) + " is not in [0, " +
-                                std::to_string(kAddRmsNormFwdAlgos) + ")");
-  }
   if (auto e = RowsAndDim(kFwd, "x", x, &rows, &dim); e.failure()) return e;
   if (dim == 0) return InvalidArg(kFwd, "the normalized (last) dimension of x is empty");
   if (auto e = WeightGroups(kFwd, x, w, rows, dim, &groups); e.failure()) return e;
@@ -106,21 +100,17 @@ ffi::Error AddRmsNormFwd(cudaStream_t stream, float eps, int32_t fwd_algo, ffi::
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t o = g * per * dim;
       const cudaError_t err = add_rms_norm_fwd<T>(xp + o, rp + o, wp + g * dim, yp + o, op + o,
-                                                  sp + g * per, per, dim, eps, stream, fwd_algo);
+                                                  sp + g * per, per, dim, eps, stream);
       if (err != cudaSuccess) return CudaError(kFwd, err);
     }
     return ffi::Error::Success();
   });
 }
 
-ffi::Error AddRmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer dy,
-                         ffi::AnyBuffer dres_out, ffi::AnyBuffer res_out, ffi::AnyBuffer w,
-                         ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
-                         ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> ws) {
-  if (bwd_algo < 0 || bwd_algo >= kAddRmsNormBwdAlgos) {
-    return InvalidArg(kBwd, "bwd_algo " + std::to_string(bwd_algo) + " is not in [0, " +
-                                std::to_string(kAddRmsNormBwdAlgos) + ")");
-  }
+ffi::Error AddRmsNormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer dres_out,
+                         ffi::AnyBuffer res_out, ffi::AnyBuffer w, ffi::AnyBuffer rstd,
+                         ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw,
+                         ffi::Result<ffi::AnyBuffer> ws) {
   int64_t rows = 0, dim = 0, groups = 1;
   if (auto e = RowsAndDim(kBwd, "res_out", res_out, &rows, &dim); e.failure()) return e;
   if (dim == 0) return InvalidArg(kBwd, "the normalized (last) dimension of res_out is empty");
@@ -159,7 +149,7 @@ ffi::Error AddRmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer d
       const int64_t o = g * per * dim;
       const cudaError_t err =
           add_rms_norm_bwd<T>(dyp + o, drp + o, sp + o, wp + g * dim, rp + g * per, dxp + o,
-                              dwp + g * dim, per, dim, wsp, ws_bytes, stream, bwd_algo);
+                              dwp + g * dim, per, dim, wsp, ws_bytes, stream);
       if (err != cudaSuccess) return CudaError(kBwd, err);
     }
     return ffi::Error::Success();
@@ -172,7 +162,6 @@ SUROGATE_DEFINE_HANDLER(kAddRmsNormFwdHandler, AddRmsNormFwd,
                         ffi::Ffi::Bind()
                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
                             .Attr<float>("eps")
-                            .Attr<int32_t>("fwd_algo")
                             .Arg<ffi::AnyBuffer>()    // x
                             .Arg<ffi::AnyBuffer>()    // res
                             .Arg<ffi::AnyBuffer>()    // w
@@ -183,7 +172,6 @@ SUROGATE_DEFINE_HANDLER(kAddRmsNormFwdHandler, AddRmsNormFwd,
 SUROGATE_DEFINE_HANDLER(kAddRmsNormBwdHandler, AddRmsNormBwd,
                         ffi::Ffi::Bind()
                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                            .Attr<int32_t>("bwd_algo")
                             .Arg<ffi::AnyBuffer>()    // dy
                             .Arg<ffi::AnyBuffer>()    // dres_out
                             .Arg<ffi::AnyBuffer>()    // res_out

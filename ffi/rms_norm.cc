@@ -1,10 +1,9 @@
 // XLA FFI handlers for RMSNorm: check shapes/dtypes, pick the element type, call the launchers in
 // kernels/rms_norm.h on XLA's stream. Python side: surogate_jax/ops/rms_norm.py.
 //
-//   surogate_rms_norm_fwd(x [..., D], w [G.., D]; eps: f32, fwd_algo: i32) -> y [..., D], rstd
-//   [...] (f32) (fwd_algo picks a forward kernel variant, 0 = default: see kernels/rms_norm.h)
-//   surogate_rms_norm_bwd(dy [..., D], x [..., D], w [G.., D], rstd [...]; bwd_algo: i32)
-//       -> dx [..., D], dw [G.., D], ws [.., P, D] (f32)   (bwd_algo: the backward's variant)
+//   surogate_rms_norm_fwd(x [..., D], w [G.., D]; eps: f32) -> y [..., D], rstd [...] (f32)
+//   surogate_rms_norm_bwd(dy [..., D], x [..., D], w [G.., D], rstd [...])
+//       -> dx [..., D], dw [G.., D], ws [.., P, D] (f32)
 // ws holds the backward's per-block dw partial sums; it is an output (the caller discards it)
 // rather than XLA FFI scratch, because jax 0.11's GPU runtime refused ScratchAllocator requests.
 // Its P (rows of D floats) caps the backward's persistent grid.
@@ -47,13 +46,8 @@ ffi::Error CheckSameShape(std::string_view op, const char* name, const ffi::AnyB
                             " has shape " + ShapeStr(like));
 }
 
-ffi::Error RmsNormFwd(cudaStream_t stream, float eps, int32_t fwd_algo, ffi::AnyBuffer x,
-                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
-                      ffi::Result<ffi::AnyBuffer> rstd) {
-  if (fwd_algo < 0 || fwd_algo >= kRmsNormFwdAlgos) {
-    return InvalidArg(kFwd, "fwd_algo " + std::to_string(fwd_algo) + " is not in [0, " +
-                                std::to_string(kRmsNormFwdAlgos) + ")");
-  }
+ffi::Error RmsNormFwd(cudaStream_t stream, float eps, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> rstd) {
   int64_t rows = 0, dim = 0, groups = 1;
   if (auto e = RowsAndDim(kFwd, "x", x, &rows, &dim); e.failure()) return e;
   if (auto e = WeightGroups(kFwd, x, w, rows, dim, &groups); e.failure()) return e;
@@ -76,20 +70,16 @@ ffi::Error RmsNormFwd(cudaStream_t stream, float eps, int32_t fwd_algo, ffi::Any
     float* rp = static_cast<float*>(rstd->untyped_data());
     for (int64_t g = 0; g < groups; ++g) {
       const cudaError_t err = rms_norm_fwd<T>(xp + g * per * dim, wp + g * dim, yp + g * per * dim,
-                                              rp + g * per, per, dim, eps, stream, fwd_algo);
+                                              rp + g * per, per, dim, eps, stream);
       if (err != cudaSuccess) return CudaError(kFwd, err);
     }
     return ffi::Error::Success();
   });
 }
 
-ffi::Error RmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer dy, ffi::AnyBuffer x,
-                      ffi::AnyBuffer w, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
+ffi::Error RmsNormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
                       ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> ws) {
-  if (bwd_algo < 0 || bwd_algo >= kRmsNormBwdAlgos) {
-    return InvalidArg(kBwd, "bwd_algo " + std::to_string(bwd_algo) + " is not in [0, " +
-                                std::to_string(kRmsNormBwdAlgos) + ")");
-  }
   int64_t rows = 0, dim = 0, groups = 1;
   if (auto e = RowsAndDim(kBwd, "x", x, &rows, &dim); e.failure()) return e;
   if (auto e = WeightGroups(kBwd, x, w, rows, dim, &groups); e.failure()) return e;
@@ -127,9 +117,8 @@ ffi::Error RmsNormBwd(cudaStream_t stream, int32_t bwd_algo, ffi::AnyBuffer dy, 
     T* dwp = static_cast<T*>(dw->untyped_data());
     for (int64_t g = 0; g < groups; ++g) {  // groups run in stream order, so they share `ws`
       const int64_t o = g * per * dim;
-      const cudaError_t err =
-          rms_norm_bwd<T>(dyp + o, xp + o, wp + g * dim, rp + g * per, dxp + o, dwp + g * dim, per,
-                          dim, wsp, ws_bytes, stream, bwd_algo);
+      const cudaError_t err = rms_norm_bwd<T>(dyp + o, xp + o, wp + g * dim, rp + g * per, dxp + o,
+                                              dwp + g * dim, per, dim, wsp, ws_bytes, stream);
       if (err != cudaSuccess) return CudaError(kBwd, err);
     }
     return ffi::Error::Success();
@@ -142,7 +131,6 @@ SUROGATE_DEFINE_HANDLER(kRmsNormFwdHandler, RmsNormFwd,
                         ffi::Ffi::Bind()
                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
                             .Attr<float>("eps")
-                            .Attr<int32_t>("fwd_algo")
                             .Arg<ffi::AnyBuffer>()    // x
                             .Arg<ffi::AnyBuffer>()    // w
                             .Ret<ffi::AnyBuffer>()    // y
@@ -151,7 +139,6 @@ SUROGATE_DEFINE_HANDLER(kRmsNormFwdHandler, RmsNormFwd,
 SUROGATE_DEFINE_HANDLER(kRmsNormBwdHandler, RmsNormBwd,
                         ffi::Ffi::Bind()
                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                            .Attr<int32_t>("bwd_algo")
                             .Arg<ffi::AnyBuffer>()    // dy
                             .Arg<ffi::AnyBuffer>()    // x
                             .Arg<ffi::AnyBuffer>()    // w

@@ -13,32 +13,27 @@
 
 namespace surogate {
 
-static_assert(kAddRmsNormFwdAlgos == normk::kFwdAlgos && kAddRmsNormBwdAlgos == normk::kBwdAlgos,
-              "add_rms_norm.h and the kernels disagree");
-
 template <typename T>
 cudaError_t add_rms_norm_fwd(const T* x, const T* res, const T* w, T* y, T* res_out, float* rstd,
-                             int64_t rows, int64_t dim, float eps, cudaStream_t stream, int algo) {
+                             int64_t rows, int64_t dim, float eps, cudaStream_t stream) {
   if (res == nullptr || res_out == nullptr) return cudaErrorInvalidValue;
-  return normk::norm_fwd<T, true>(x, res, w, y, res_out, rstd, rows, dim, eps, stream, algo);
+  return normk::norm_fwd<T, true>(x, res, w, y, res_out, rstd, rows, dim, eps, stream);
 }
 
 template <typename T>
 cudaError_t add_rms_norm_bwd(const T* dy, const T* dres_out, const T* res_out, const T* w,
                              const float* rstd, T* dx, T* dw, int64_t rows, int64_t dim,
-                             void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                             int algo) {
+                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (dres_out == nullptr) return cudaErrorInvalidValue;
   return normk::norm_bwd<T, true>(dy, res_out, w, rstd, dres_out, dx, dw, rows, dim, workspace,
-                                  workspace_bytes, stream, algo);
+                                  workspace_bytes, stream);
 }
 
 #define SUROGATE_ADD_RMS_NORM_INSTANTIATE(T)                                                      \
   template cudaError_t add_rms_norm_fwd<T>(const T*, const T*, const T*, T*, T*, float*, int64_t, \
-                                           int64_t, float, cudaStream_t, int);                    \
+                                           int64_t, float, cudaStream_t);                         \
   template cudaError_t add_rms_norm_bwd<T>(const T*, const T*, const T*, const T*, const float*,  \
-                                           T*, T*, int64_t, int64_t, void*, size_t, cudaStream_t, \
-                                           int);
+                                           T*, T*, int64_t, int64_t, void*, size_t, cudaStream_t);
 
 SUROGATE_ADD_RMS_NORM_INSTANTIATE(float)
 SUROGATE_ADD_RMS_NORM_INSTANTIATE(__nv_bfloat16)

@@ -23,23 +23,15 @@
 
 namespace surogate {
 
-// Forward algorithms (`algo`, 0 = default): the same variants as rms_norm_fwd's (same math,
-// different work layout; see kernels/rms_norm_common.cuh).
-inline constexpr int kAddRmsNormFwdAlgos = 5;
-// Backward algorithms (`algo`, 0 = default): 0 streaming loads, 1 plain loads (same math).
-inline constexpr int kAddRmsNormBwdAlgos = 2;
-
 template <typename T>
 cudaError_t add_rms_norm_fwd(const T* x, const T* res, const T* w, T* y, T* res_out, float* rstd,
-                             int64_t rows, int64_t dim, float eps, cudaStream_t stream,
-                             int algo = 0);
+                             int64_t rows, int64_t dim, float eps, cudaStream_t stream);
 
 // `workspace`: float32 scratch of `workspace_bytes` (16-byte aligned) for per-block dw partial
 // sums, at least one row of `dim` floats (see rms_norm.h).
 template <typename T>
 cudaError_t add_rms_norm_bwd(const T* dy, const T* dres_out, const T* res_out, const T* w,
                              const float* rstd, T* dx, T* dw, int64_t rows, int64_t dim,
-                             void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                             int algo = 0);
+                             void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace surogate

@@ -7,28 +7,25 @@
 
 namespace surogate {
 
-static_assert(kRmsNormFwdAlgos == normk::kFwdAlgos && kRmsNormBwdAlgos == normk::kBwdAlgos,
-              "rms_norm.h and the kernels disagree");
-
 template <typename T>
 cudaError_t rms_norm_fwd(const T* x, const T* w, T* y, float* rstd, int64_t rows, int64_t dim,
-                         float eps, cudaStream_t stream, int algo) {
-  return normk::norm_fwd<T, false>(x, nullptr, w, y, nullptr, rstd, rows, dim, eps, stream, algo);
+                         float eps, cudaStream_t stream) {
+  return normk::norm_fwd<T, false>(x, nullptr, w, y, nullptr, rstd, rows, dim, eps, stream);
 }
 
 template <typename T>
 cudaError_t rms_norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, T* dx, T* dw,
                          int64_t rows, int64_t dim, void* workspace, size_t workspace_bytes,
-                         cudaStream_t stream, int algo) {
+                         cudaStream_t stream) {
   return normk::norm_bwd<T, false>(dy, x, w, rstd, nullptr, dx, dw, rows, dim, workspace,
-                                   workspace_bytes, stream, algo);
+                                   workspace_bytes, stream);
 }
 
 #define SUROGATE_RMS_NORM_INSTANTIATE(T)                                                        \
   template cudaError_t rms_norm_fwd<T>(const T*, const T*, T*, float*, int64_t, int64_t, float, \
-                                       cudaStream_t, int);                                      \
+                                       cudaStream_t);                                           \
   template cudaError_t rms_norm_bwd<T>(const T*, const T*, const T*, const float*, T*, T*,      \
-                                       int64_t, int64_t, void*, size_t, cudaStream_t, int);
+                                       int64_t, int64_t, void*, size_t, cudaStream_t);
 
 SUROGATE_RMS_NORM_INSTANTIATE(float)
 SUROGATE_RMS_NORM_INSTANTIATE(__nv_bfloat16)

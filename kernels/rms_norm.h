@@ -21,16 +21,9 @@
 
 namespace surogate {
 
-// Forward algorithms (`algo`, 0 = default): variants of one kernel that compute the same fp32
-// formula and differ only in the summation order of a row's squares and in how work is laid out
-// on the GPU (see kernels/rms_norm_common.cuh); the benchmark picks the default.
-inline constexpr int kRmsNormFwdAlgos = 5;
-// Backward algorithms (`algo`, 0 = default): 0 streaming loads, 1 plain loads (same math).
-inline constexpr int kRmsNormBwdAlgos = 2;
-
 template <typename T>
 cudaError_t rms_norm_fwd(const T* x, const T* w, T* y, float* rstd, int64_t rows, int64_t dim,
-                         float eps, cudaStream_t stream, int algo = 0);
+                         float eps, cudaStream_t stream);
 
 // `workspace`: float32 scratch of `workspace_bytes` (16-byte aligned) for per-block dw partial
 // sums, at least one row of `dim` floats; the grid uses at most workspace_bytes / (4 * dim) blocks
@@ -38,6 +31,6 @@ cudaError_t rms_norm_fwd(const T* x, const T* w, T* y, float* rstd, int64_t rows
 template <typename T>
 cudaError_t rms_norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, T* dx, T* dw,
                          int64_t rows, int64_t dim, void* workspace, size_t workspace_bytes,
-                         cudaStream_t stream, int algo = 0);
+                         cudaStream_t stream);
 
 }  // namespace surogate

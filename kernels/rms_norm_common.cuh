@@ -14,35 +14,38 @@
 // Design (why):
 //  * Register path (every hidden size a transformer uses): a row is split over a group of
 //    threads, each holding a few 16-byte vectors of it in registers (forward 4, backward 2, as
-//    packed uint4s), so the row is read from DRAM exactly once (the previous kernel read it
-//    twice: the second read usually hit L2 but still cost issue slots and L2 bandwidth) and all
-//    of a thread's loads are issued before their first use. The group is a power-of-two slice
-//    of a warp when it needs <= 32 threads (forward D <= 1024 bf16 / 512 fp32, backward half
-//    that; a head-dim norm of 128 gets 4 lanes per row, 64 rows per block) -- shuffles only, no
-//    barriers -- and otherwise a block of <= kMaxRegBlock threads (forward D <= 16384 bf16 /
-//    8192 fp32, backward half that) reduced through shared memory.
-//  * Registers are capped (__maxnreg__, 64-80) so 768-1024 threads stay resident per SM: with
-//    each thread's whole slice of a row in flight at once that is ~50-100 KB of loads in flight
-//    per SM, above the ~25-40 KB Little's law asks for at ~3 TB/s (132 SMs, ~1 us latency).
-//  * Persistent grid (SMs x resident blocks, grid-stride over rows): each thread always owns the
-//    same columns, so in the plain forward it loads its slice of w once into registers, and in
-//    the backward it keeps its dw partial sums in registers across all its rows (w is re-read
-//    from L1 there and in the residual forward, to stay within the register cap). At the end the
-//    groups of a block add their partials in shared memory in a fixed order, each block writes one
-//    fp32 row of the workspace [blocks, dim], and a tiny second kernel sums the workspace over
-//    blocks (~1-2% of the bytes). No atomics: results are deterministic.
-//  * Inputs read once use streaming loads (ld.global.cs) so they do not evict w or the workspace
-//    (forward variants 0-3, backward variant 0); forward variant 4 and backward variant 1 use
-//    plain loads instead (for SwiGLU plain loads were 4-9% faster).
+//    packed uint4s), so the row is read from DRAM exactly once (a two-pass kernel re-reads it:
+//    usually an L2 hit, but still issue slots and L2 bandwidth) and all of a thread's loads are
+//    issued before their first use. The group is a power-of-two slice of a warp when it needs
+//    <= 32 threads (forward D <= 1024 bf16 / 512 fp32, backward half that; a head-dim norm of 128
+//    gets 4 lanes per row, 64 rows per block) -- shuffles only, no barriers -- and otherwise a
+//    block of <= kMaxRegBlock threads (forward D <= 16384 bf16 / 8192 fp32, backward half that)
+//    reduced through shared memory.
+//  * Registers are capped (__maxnreg__) so 768-1280 threads stay resident per SM: with each
+//    thread's whole slice of a row in flight at once that is ~50-100 KB of loads in flight per
+//    SM, above the ~25-40 KB Little's law asks for at ~3 TB/s (132 SMs, ~1 us latency).
+//  * Forward: one row per group and a grid of all row groups (a grid-stride loop only past the
+//    grid limit), w re-read from L1 at use. The block scheduler overlaps one block's reduce/store
+//    phase with other blocks' loads, and there is no wave-quantization tail. (Persistent grids,
+//    with w in registers or the next row prefetched, measured slower; see git tag pre-cleanup.)
+//  * Backward: persistent grid (SMs x resident blocks, grid-stride over rows), so each thread
+//    always owns the same columns and keeps its dw partial sums in registers across all its rows
+//    (w is re-read from L1). At the end the groups of a block add their partials in shared memory
+//    in a fixed order, each block writes one fp32 row of the workspace [blocks, dim], and a tiny
+//    second kernel sums the workspace over blocks (~1-2% of the bytes). No atomics: results are
+//    deterministic.
+//  * Load hints: inputs read once use streaming loads (ld.global.cs) so they do not evict w or
+//    the workspace, except in the residual forward (kFwdStream).
 //  * Backward rows too long for 2 vectors a thread in one block (fp32 D > 4096, bf16 D > 8192)
 //    take a "wide" register kernel holding 4 vectors a thread (8 scalars), so they still read
 //    each row once and add dres in the same pass.
 //  * 16-byte vectors when dim is a multiple of 16 / sizeof(T) and the pointers are 16-byte
 //    aligned; one element per "vector" otherwise (dim = 7, 1001, ...).
 //  * Loop path (fallback for rows too long for the register path, e.g. 65536, fp32 backward
-//    beyond 8192, scalar dims beyond 4096): the previous two-pass design, the row reduced and
-//    then re-read (L1/L2). Residual variants there run the add (forward) or the dres add
-//    (backward) as a separate element-wise pass: correct, slower, for shapes no model here uses.
+//    beyond 8192, scalar dims beyond 2048 forward / 4096 backward): a block per row, the row
+//    reduced and then re-read (L1/L2). With the residual it runs the add (forward) or the dres
+//    add (backward) as a separate element-wise pass: correct, slower, for shapes no model here
+//    uses.
 #pragma once
 
 #include <algorithm>
@@ -61,7 +64,7 @@ using vec::kVec;
 using vec::Raw;
 
 constexpr int kWarp = 32;
-constexpr int kRegVecs = 4;  // vectors per thread in the register path (forward)
+constexpr int kFwdVecs = 4;  // vectors per thread in the register path (forward)
 // Backward: dy, s (and dres) plus the fp32 dw partials per thread, so a thread holds two 16-byte
 // vectors (four scalars on the scalar path) to stay within its register cap without spilling.
 template <int N>
@@ -71,21 +74,24 @@ template <int N>
 constexpr int kBwdWideVecs = 2 * kBwdVecs<N>;
 constexpr int kSubWarpThreads = 256;  // block size when row groups are warp slices
 constexpr int kMaxRegBlock = 512;     // largest row group (block) of the register path
-// Register caps (__maxnreg__): at most 72-80 registers (forward) and 64-72 (backward) per thread,
-// so 768-1024 threads stay resident per SM and enough rows are in flight to cover DRAM latency
-// (each thread has its whole slice of a row in flight at once). Chosen as the smallest caps at
-// which ptxas (nvcc 13, sm_90a) spills nothing for any instantiation.
+// Register caps (__maxnreg__): the smallest multiples of 8 at which ptxas (nvcc 13, sm_90a)
+// spills nothing for any instantiation, so as many threads as possible stay resident per SM and
+// enough rows are in flight to cover DRAM latency. Forward: 4 packed vectors (4 registers each)
+// of x, and of res with kRes.
+template <typename T, bool kRes>
+constexpr int fwd_reg_cap() {
+  return kRes ? 64 : (sizeof(T) == 4 ? 56 : 48);
+}
+// Load hint of the forward: plain loads measured 2-15% faster with the residual, and did not beat
+// streaming loads without it.
 template <bool kRes>
-constexpr int kFwdRegCap = kRes ? 80 : 72;
-template <bool kRes>
-constexpr int kBwdRegCap = kRes ? 72 : 64;
-// Wide backward caps (V = kBwdWideVecs): the smallest multiples of 8 at which ptxas (nvcc 13,
-// sm_90a) spills nothing; a 16-bit vector thread keeps 4 x 8 fp32 dw partials, hence its higher
-// cap. fp32 D = 5120 with the residual: 320-thread blocks at 96 registers, two blocks resident per
-// SM.
+constexpr bool kFwdStream = !kRes;
+// Backward (V = kBwdVecs): 64-72. Wide backward (V = kBwdWideVecs): a 16-bit vector thread keeps
+// 4 x 8 fp32 dw partials, hence its higher cap. fp32 D = 5120 with the residual: 320-thread blocks
+// at 96 registers, two blocks resident per SM.
 template <typename T, int N, int V, bool kRes>
 constexpr int bwd_reg_cap() {
-  if (V == kBwdVecs<N>) return kBwdRegCap<kRes>;
+  if (V == kBwdVecs<N>) return kRes ? 72 : 64;
   if (N == 8) return kRes ? 128 : 112;
   return kRes ? 96 : 88;
 }
@@ -145,40 +151,6 @@ __device__ __forceinline__ float group_sum(float v, int width, float* red) {
 // ---------------------------------------------------------------------------------------------
 // Register path.
 
-// Forward variants (fwd_algo; all compute the same fp32 formula with one rounding of y, they differ
-// only in the order a row's squares are summed):
-//   0 "persistent": R = 4 vectors per thread, persistent grid, w held in registers (plain norm).
-//   1 "one-shot"  : R = 4, one row per group and no grid-stride (grid = all row groups), w re-read
-//                   from L1 at use, lower register cap -> more resident threads; the block
-//                   scheduler overlaps one block's reduce/store phase with another's loads and
-//                   there is no wave-quantization tail (262144 x 128 ran 10.3 persistent rounds,
-//                   i.e. 11 with the last 30% full).
-//   2 "wide"      : R = 8 one-shot: half the threads per row, twice the bytes in flight per
-//                   thread, half the shuffle/barrier steps per byte (D = 4096 bf16: 64 threads a
-//                   row; the head norm D = 128: 2 lanes a row, one xor step).
-//   3 "prefetch"  : R = 4 persistent, software pipelined: the group's next row is loaded into a
-//                   second register buffer before the current row's reduction, so loads stay in
-//                   flight through the barrier/rstd/y-store phase that leaves DRAM idle in 0.
-//   4 "plain"     : 1 with plain loads instead of streaming ones (ld.global vs ld.global.cs).
-// Why 0 loses to XLA at D >= 4096 and D = 128 (measured 0.88-0.97x): each persistent block
-// alternates load -> reduce (2 barriers in block mode) -> store, with nothing in flight during
-// the second half; at the 768 resident threads its 72-80 register cap allows, that duty cycle
-// leaves ~25-50 KB in flight per SM on average, at or below what ~3 TB/s needs.
-constexpr int kFwdAlgos = 5;
-template <typename T, bool kRes, int R, bool kWReg, bool kPrefetch>
-constexpr int fwd_reg_cap() {
-  // The row buffers dominate: R packed vectors (4 registers each) of x, and of res with kRes,
-  // twice with kPrefetch, plus the w slice when held. Values are the smallest multiples of 8 at
-  // which ptxas (nvcc 13, sm_90a) reports no spills for every instantiation (exception: the fp32
-  // scalar-fallback R = 8 plain kernel spills 12 bytes at any cap tried, 88-96); one-shot R = 4
-  // fits 1-2 more blocks of 256 threads per SM than variant 0.
-  constexpr bool k32 = sizeof(T) == 4;
-  if (!kWReg && !kPrefetch && R == 4) return kRes ? 64 : (k32 ? 56 : 48);
-  if (!kWReg && !kPrefetch && R == 8) return kRes ? (k32 ? 128 : 96) : (k32 ? 88 : 80);
-  if (kPrefetch) return kRes ? (k32 ? 104 : 96) : 72;
-  return kFwdRegCap<kRes>;
-}
-
 template <typename T, int N, int R, bool kRes, bool kStream>
 __device__ __forceinline__ void fwd_load_row(const T* __restrict__ x, const T* __restrict__ res,
                                              int64_t row, int64_t rows, int dim, int nvec,
@@ -197,40 +169,24 @@ __device__ __forceinline__ void fwd_load_row(const T* __restrict__ x, const T* _
   }
 }
 
-template <typename T, int N, int R, bool kBlockRow, bool kRes, bool kWReg, bool kPrefetch,
-          bool kStream>
-__global__ void __maxnreg__((fwd_reg_cap<T, kRes, R, kWReg, kPrefetch>()))
+// Forward: each group normalizes one row per iteration (the loop only runs again when the rows
+// outnumber the grid's row groups). The residual stream is kept in T: round s, then normalize.
+template <typename T, int N, bool kBlockRow, bool kRes>
+__global__ void __maxnreg__((fwd_reg_cap<T, kRes>()))
     fwd_reg_kernel(const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ w,
                    T* __restrict__ y, T* __restrict__ res_out, float* __restrict__ rstd,
                    int64_t rows, int dim, int width, float eps) {
-  static_assert(!(kWReg && kRes), "with the residual w is re-read from L1");
+  constexpr int R = kFwdVecs;
   __shared__ float red[kWarp + 1];
   const RowLoop L = row_loop<kBlockRow>(width);
   const int nvec = dim / N;
-  // kWReg: the thread's slice of w stays in registers across rows (persistent grid only).
-  Raw<T, N> wr[kWReg ? R : 1];
-  if constexpr (kWReg) {
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      const int i = L.lane + j * L.width;
-      if (i < nvec) wr[j] = vec::load_raw<T, N>(w + static_cast<int64_t>(i) * N);
-    }
-  }
   Raw<T, N> xr[R], rr[kRes ? R : 1];
-  if constexpr (kPrefetch) {
-    fwd_load_row<T, N, R, kRes, kStream>(x, res, L.first + L.sub, rows, dim, nvec, L, xr, rr);
-  }
   for (int64_t base = L.first; base < rows; base += L.stride) {
     const int64_t row = base + L.sub;
     const bool active = row < rows;
     const int64_t off = (active ? row : 0) * dim;
-    Raw<T, N> nx[kPrefetch ? R : 1], nr[kPrefetch && kRes ? R : 1];
-    if constexpr (kPrefetch) {
-      // The next row's loads go out before this row's reduction and stores.
-      fwd_load_row<T, N, R, kRes, kStream>(x, res, row + L.stride, rows, dim, nvec, L, nx, nr);
-    } else {
-      fwd_load_row<T, N, R, kRes, kStream>(x, res, row, rows, dim, nvec, L, xr, rr);
-    }
+    // Every load of the row is issued before the first use.
+    fwd_load_row<T, N, R, kRes, kFwdStream<kRes>>(x, res, row, rows, dim, nvec, L, xr, rr);
     float ss = 0.f;
     if (active) {
 #pragma unroll
@@ -244,7 +200,7 @@ __global__ void __maxnreg__((fwd_reg_cap<T, kRes, R, kWReg, kPrefetch>()))
             vec::unpack(rr[j], b);
 #pragma unroll
             for (int k = 0; k < N; ++k) v[k] += b[k];
-            xr[j] = vec::pack<T, N>(v);  // the residual stream is kept in T: round, then norm
+            xr[j] = vec::pack<T, N>(v);
             vec::store_raw<T, N>(res_out + off + static_cast<int64_t>(i) * N, xr[j]);
             vec::unpack(xr[j], v);
           }
@@ -263,22 +219,11 @@ __global__ void __maxnreg__((fwd_reg_cap<T, kRes, R, kWReg, kPrefetch>()))
         if (i < nvec) {
           float v[N], g[N], o[N];
           vec::unpack(xr[j], v);
-          if constexpr (kWReg) {
-            vec::unpack(wr[j], g);
-          } else {
-            vec::load<T, N>(w + static_cast<int64_t>(i) * N, g);
-          }
+          vec::load<T, N>(w + static_cast<int64_t>(i) * N, g);
 #pragma unroll
           for (int k = 0; k < N; ++k) o[k] = v[k] * r * g[k];
           vec::store<T, N>(y + off + static_cast<int64_t>(i) * N, o);
         }
-      }
-    }
-    if constexpr (kPrefetch) {
-#pragma unroll
-      for (int j = 0; j < R; ++j) {
-        xr[j] = nx[j];
-        if constexpr (kRes) rr[j] = nr[j];
       }
     }
   }
@@ -286,7 +231,7 @@ __global__ void __maxnreg__((fwd_reg_cap<T, kRes, R, kWReg, kPrefetch>()))
 
 // ws: [gridDim.x, dim] fp32; block b writes its dw partial sums to row b. Sub-warp mode needs
 // (blockDim.x / width) x dim floats of dynamic shared memory to add its groups' partials.
-template <typename T, int N, int V, bool kBlockRow, bool kRes, bool kStream>
+template <typename T, int N, int V, bool kBlockRow, bool kRes>
 __global__ void __maxnreg__((bwd_reg_cap<T, N, V, kRes>()))
     bwd_reg_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
                    const float* __restrict__ rstd, const T* __restrict__ dres, T* __restrict__ dx,
@@ -316,9 +261,9 @@ __global__ void __maxnreg__((bwd_reg_cap<T, N, V, kRes>()))
         const int i = L.lane + j * L.width;
         if (i < nvec) {
           const int64_t c = off + static_cast<int64_t>(i) * N;
-          ar[j] = vec::load_raw_hint<T, N, kStream>(dy + c);
-          br[j] = vec::load_raw_hint<T, N, kStream>(x + c);
-          if constexpr (kRes) dr[j] = vec::load_raw_hint<T, N, kStream>(dres + c);
+          ar[j] = vec::load_raw_stream<T, N>(dy + c);
+          br[j] = vec::load_raw_stream<T, N>(x + c);
+          if constexpr (kRes) dr[j] = vec::load_raw_stream<T, N>(dres + c);
         }
       }
 #pragma unroll
@@ -382,14 +327,15 @@ __global__ void __maxnreg__((bwd_reg_cap<T, N, V, kRes>()))
 }
 
 // ---------------------------------------------------------------------------------------------
-// Loop path (rows too long for the register path): reduce, then re-read the row.
+// Loop path (rows too long for the register path): a block per row (width = blockDim.x threads),
+// persistent grid; reduce, then re-read the row.
 
-template <typename T, int N, bool kBlockRow>
+template <typename T, int N>
 __global__ void __launch_bounds__(1024)
     fwd_loop_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
                     float* __restrict__ rstd, int64_t rows, int dim, int width, float eps) {
   __shared__ float red[kWarp + 1];
-  const RowLoop L = row_loop<kBlockRow>(width);
+  const RowLoop L = row_loop<true>(width);
   const int nvec = dim / N;
   for (int64_t base = L.first; base < rows; base += L.stride) {
     const int64_t row = base + L.sub;
@@ -404,7 +350,7 @@ __global__ void __launch_bounds__(1024)
         for (int k = 0; k < N; ++k) ss += v[k] * v[k];
       }
     }
-    ss = group_sum<kBlockRow>(ss, width, red);
+    ss = group_sum<true>(ss, width, red);
     if (!active) continue;
     const float r = rsqrtf(ss / static_cast<float>(dim) + eps);
     if (L.lane == 0) rstd[row] = r;
@@ -420,25 +366,21 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-// With smem_partials the group partials live in dynamic shared memory ([groups, dim], transposed
-// within a row so consecutive lanes hit consecutive banks); otherwise (block mode, dim too large
-// for shared memory) directly in the block's workspace row.
-template <typename T, int N, bool kBlockRow>
+// With smem_partials the block's partials live in dynamic shared memory ([dim], transposed so
+// consecutive lanes hit consecutive banks); otherwise (dim too large for shared memory) directly
+// in the block's workspace row.
+template <typename T, int N>
 __global__ void __launch_bounds__(1024)
     bwd_loop_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
                     const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ ws,
                     int64_t rows, int dim, int width, bool smem_partials) {
   extern __shared__ float smem[];
   __shared__ float red[kWarp + 1];
-  const RowLoop L = row_loop<kBlockRow>(width);
+  const RowLoop L = row_loop<true>(width);
   const int nvec = dim / N;
-  const int groups = kBlockRow ? 1 : static_cast<int>(blockDim.x) / width;
-  const int group = kBlockRow ? 0 : static_cast<int>(threadIdx.x) / width;
   float* block_ws = ws + static_cast<int64_t>(blockIdx.x) * dim;
-  float* part = smem_partials ? smem + static_cast<int64_t>(group) * dim : block_ws;
-  float* zero_base = smem_partials ? smem : block_ws;
-  const int zero_n = smem_partials ? groups * dim : dim;
-  for (int i = threadIdx.x; i < zero_n; i += blockDim.x) zero_base[i] = 0.f;
+  float* part = smem_partials ? smem : block_ws;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) part[i] = 0.f;
   __syncthreads();
 
   for (int64_t base = L.first; base < rows; base += L.stride) {
@@ -458,7 +400,7 @@ __global__ void __launch_bounds__(1024)
         for (int k = 0; k < N; ++k) dot += a[k] * g[k] * b[k];
       }
     }
-    dot = group_sum<kBlockRow>(dot, width, red);
+    dot = group_sum<true>(dot, width, red);
     if (!active) continue;
     const float m = r * dot / static_cast<float>(dim);
     for (int i = L.lane; i < nvec; i += L.width) {
@@ -480,10 +422,7 @@ __global__ void __launch_bounds__(1024)
   __syncthreads();
   if (smem_partials) {
     for (int col = threadIdx.x; col < dim; col += blockDim.x) {
-      const int idx = (col % N) * nvec + col / N;
-      float s = 0.f;
-      for (int q = 0; q < groups; ++q) s += smem[q * dim + idx];
-      block_ws[col] = s;
+      block_ws[col] = smem[(col % N) * nvec + col / N];
     }
   }
 }
@@ -508,7 +447,7 @@ struct Plan {
   int threads = 0;
   int rows_per_block = 1;     // rows one block handles per iteration
   size_t smem = 0;            // dynamic shared memory bytes
-  bool smem_partials = true;  // loop path backward only
+  bool smem_partials = true;  // loop path backward: dw partials in shared (else global) memory
   int blocks = 0;
 };
 
@@ -611,74 +550,38 @@ template <typename T>
 using BwdLoopKernel = void (*)(const T*, const T*, const T*, const float*, T*, float*, int64_t, int,
                                int, bool);
 
-template <typename T, int R, bool kRes, bool kWReg, bool kPrefetch, bool kStream = true>
-FwdRegKernel<T, kRes> fwd_reg_variant(const Plan& p) {
+template <typename T, bool kRes>
+FwdRegKernel<T, kRes> fwd_reg(const Plan& p) {
   constexpr int V = kVec<T>;
   if (p.vec == 1) {
-    return p.block_row ? fwd_reg_kernel<T, 1, R, true, kRes, kWReg, kPrefetch, kStream>
-                       : fwd_reg_kernel<T, 1, R, false, kRes, kWReg, kPrefetch, kStream>;
+    return p.block_row ? fwd_reg_kernel<T, 1, true, kRes> : fwd_reg_kernel<T, 1, false, kRes>;
   }
-  return p.block_row ? fwd_reg_kernel<T, V, R, true, kRes, kWReg, kPrefetch, kStream>
-                     : fwd_reg_kernel<T, V, R, false, kRes, kWReg, kPrefetch, kStream>;
+  return p.block_row ? fwd_reg_kernel<T, V, true, kRes> : fwd_reg_kernel<T, V, false, kRes>;
 }
-
-// Vectors per thread of forward algorithm `algo` (see kFwdAlgos).
-inline int fwd_vecs(int algo) { return algo == 2 ? 8 : kRegVecs; }
-// Whether `algo` runs a persistent (grid-stride) grid; else one row per group.
-inline bool fwd_persistent(int algo) { return algo == 0 || algo == 3; }
-
-// Backward variants (bwd_algo): 0 streaming loads, 1 plain loads; same math and layout.
-constexpr int kBwdAlgos = 2;
 
 template <typename T, bool kRes>
-FwdRegKernel<T, kRes> fwd_reg(const Plan& p, int algo) {
-  switch (algo) {
-    case 1:
-      return fwd_reg_variant<T, 4, kRes, false, false>(p);
-    case 2:
-      return fwd_reg_variant<T, 8, kRes, false, false>(p);
-    case 3:
-      return fwd_reg_variant<T, 4, kRes, false, true>(p);
-    case 4:
-      return fwd_reg_variant<T, 4, kRes, false, false, false>(p);
-    default:
-      return fwd_reg_variant<T, kRegVecs, kRes, !kRes, false>(p);
-  }
-}
-
-template <typename T, bool kRes, bool kStream>
-BwdRegKernel<T, kRes> bwd_reg_variant(const Plan& p, bool wide) {
+BwdRegKernel<T, kRes> bwd_reg(const Plan& p, bool wide) {
   constexpr int V = kVec<T>;
   if (wide) {  // only rows of more than 32 threads (block mode) are long enough to need it
-    return p.vec == 1 ? bwd_reg_kernel<T, 1, kBwdWideVecs<1>, true, kRes, kStream>
-                      : bwd_reg_kernel<T, V, kBwdWideVecs<V>, true, kRes, kStream>;
+    return p.vec == 1 ? bwd_reg_kernel<T, 1, kBwdWideVecs<1>, true, kRes>
+                      : bwd_reg_kernel<T, V, kBwdWideVecs<V>, true, kRes>;
   }
   if (p.vec == 1) {
-    return p.block_row ? bwd_reg_kernel<T, 1, kBwdVecs<1>, true, kRes, kStream>
-                       : bwd_reg_kernel<T, 1, kBwdVecs<1>, false, kRes, kStream>;
+    return p.block_row ? bwd_reg_kernel<T, 1, kBwdVecs<1>, true, kRes>
+                       : bwd_reg_kernel<T, 1, kBwdVecs<1>, false, kRes>;
   }
-  return p.block_row ? bwd_reg_kernel<T, V, kBwdVecs<V>, true, kRes, kStream>
-                     : bwd_reg_kernel<T, V, kBwdVecs<V>, false, kRes, kStream>;
-}
-
-template <typename T, bool kRes>
-BwdRegKernel<T, kRes> bwd_reg(const Plan& p, bool wide, int algo) {
-  return algo == 1 ? bwd_reg_variant<T, kRes, false>(p, wide)
-                   : bwd_reg_variant<T, kRes, true>(p, wide);
+  return p.block_row ? bwd_reg_kernel<T, V, kBwdVecs<V>, true, kRes>
+                     : bwd_reg_kernel<T, V, kBwdVecs<V>, false, kRes>;
 }
 
 template <typename T>
 FwdLoopKernel<T> fwd_loop(const Plan& p) {
-  constexpr int V = kVec<T>;
-  if (p.vec == 1) return p.block_row ? fwd_loop_kernel<T, 1, true> : fwd_loop_kernel<T, 1, false>;
-  return p.block_row ? fwd_loop_kernel<T, V, true> : fwd_loop_kernel<T, V, false>;
+  return p.vec == 1 ? fwd_loop_kernel<T, 1> : fwd_loop_kernel<T, kVec<T>>;
 }
 
 template <typename T>
 BwdLoopKernel<T> bwd_loop(const Plan& p) {
-  constexpr int V = kVec<T>;
-  if (p.vec == 1) return p.block_row ? bwd_loop_kernel<T, 1, true> : bwd_loop_kernel<T, 1, false>;
-  return p.block_row ? bwd_loop_kernel<T, V, true> : bwd_loop_kernel<T, V, false>;
+  return p.vec == 1 ? bwd_loop_kernel<T, 1> : bwd_loop_kernel<T, kVec<T>>;
 }
 
 template <typename T>
@@ -690,27 +593,22 @@ cudaError_t launch_add(const T* a, const T* b, T* out, int64_t n, cudaStream_t s
 }
 
 // Forward: kRes = false -> plain RMSNorm of x (res, res_out unused); else s = x + res is
-// written to res_out and normalized. `algo` in [0, kFwdAlgos) picks the register-path variant
-// (the loop path for very long rows is the same for all).
+// written to res_out and normalized.
 template <typename T, bool kRes>
 cudaError_t norm_fwd(const T* x, const T* res, const T* w, T* y, T* res_out, float* rstd,
-                     int64_t rows, int64_t dim, float eps, cudaStream_t stream, int algo) {
+                     int64_t rows, int64_t dim, float eps, cudaStream_t stream) {
   if (dim <= 0 || dim > INT_MAX || rows < 0) return cudaErrorInvalidValue;
-  if (algo < 0 || algo >= kFwdAlgos) return cudaErrorInvalidValue;
   if (kRes && (res == nullptr || res_out == nullptr)) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   if constexpr (!kRes) res = res_out = nullptr;
-  Plan p = layout_plan(dim, pick_vec<T>(dim, {x, res, w, y, res_out}), fwd_vecs(algo));
+  Plan p = layout_plan(dim, pick_vec<T>(dim, {x, res, w, y, res_out}), kFwdVecs);
   const int d = static_cast<int>(dim);
   if (p.reg) {
-    const auto k = fwd_reg<T, kRes>(p, algo);
-    if (fwd_persistent(algo)) {
-      SUROGATE_TRY(size_grid(k, rows, p));
-    } else {  // one row per group; the kernel still strides if rows exceed the grid limit
-      const int64_t need = (rows + p.rows_per_block - 1) / p.rows_per_block;
-      p.blocks = static_cast<int>(std::min<int64_t>(need, INT_MAX));
-    }
-    k<<<p.blocks, p.threads, 0, stream>>>(x, res, w, y, res_out, rstd, rows, d, p.width, eps);
+    // One row per group; the kernel still strides if rows exceed the grid limit.
+    const int64_t need = (rows + p.rows_per_block - 1) / p.rows_per_block;
+    p.blocks = static_cast<int>(std::min<int64_t>(need, INT_MAX));
+    fwd_reg<T, kRes>(p)<<<p.blocks, p.threads, 0, stream>>>(x, res, w, y, res_out, rstd, rows, d,
+                                                            p.width, eps);
     return cudaGetLastError();
   }
   const T* src = x;
@@ -725,15 +623,14 @@ cudaError_t norm_fwd(const T* x, const T* res, const T* w, T* y, T* res_out, flo
 }
 
 // Backward: x is the normalized input (s); kRes = false -> plain RMSNorm backward (dres
-// unused), else dx = norm backward + dres. `algo` in [0, kBwdAlgos) picks the load hint.
+// unused), else dx = norm backward + dres.
 // `workspace`: fp32 scratch of workspace_bytes (16-byte aligned), at least one row of dim floats;
 // the grid uses at most workspace_bytes / (4 * dim) blocks.
 template <typename T, bool kRes>
 cudaError_t norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, const T* dres, T* dx,
                      T* dw, int64_t rows, int64_t dim, void* workspace, size_t workspace_bytes,
-                     cudaStream_t stream, int algo) {
+                     cudaStream_t stream) {
   if (dim <= 0 || dim > INT_MAX || rows < 0) return cudaErrorInvalidValue;
-  if (algo < 0 || algo >= kBwdAlgos) return cudaErrorInvalidValue;
   if (kRes && dres == nullptr) return cudaErrorInvalidValue;
   if (rows == 0) return cudaMemsetAsync(dw, 0, static_cast<size_t>(dim) * sizeof(T), stream);
   const int64_t ws_rows =
@@ -759,23 +656,18 @@ cudaError_t norm_bwd(const T* dy, const T* x, const T* w, const float* rstd, con
   if (p.reg) {
     const int groups = p.threads / p.width;
     p.smem = groups > 1 ? static_cast<size_t>(groups) * row_bytes : 0;  // <= 16 KiB
-    const auto k = bwd_reg<T, kRes>(p, wide, algo);
+    const auto k = bwd_reg<T, kRes>(p, wide);
     SUROGATE_TRY(size_grid(k, rows, p));
     p.blocks = static_cast<int>(std::min<int64_t>(p.blocks, ws_rows));
     k<<<p.blocks, p.threads, p.smem, stream>>>(dy, x, w, rstd, dres, dx, ws, rows, d, p.width);
     SUROGATE_TRY(cudaGetLastError());
   } else {
-    if (p.block_row) {
-      int dev = 0, optin = 0;
-      SUROGATE_TRY(cudaGetDevice(&dev));
-      SUROGATE_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-      // Leave room for the static `red` array; beyond that keep partials in global memory.
-      p.smem_partials = row_bytes + 1024 <= static_cast<size_t>(optin);
-      p.smem = p.smem_partials ? row_bytes : 0;
-    } else {
-      p.smem_partials = true;
-      p.smem = static_cast<size_t>(p.threads / p.width) * row_bytes;
-    }
+    int dev = 0, optin = 0;
+    SUROGATE_TRY(cudaGetDevice(&dev));
+    SUROGATE_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    // Leave room for the static `red` array; beyond that keep partials in global memory.
+    p.smem_partials = row_bytes + 1024 <= static_cast<size_t>(optin);
+    p.smem = p.smem_partials ? row_bytes : 0;
     const auto k = bwd_loop<T>(p);
     SUROGATE_TRY(size_grid(k, rows, p));
     p.blocks = static_cast<int>(std::min<int64_t>(p.blocks, ws_rows));

@@ -32,20 +32,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 from surogate_jax.ops._loader import pick, resolve_impl
 from surogate_jax.ops._sharding import on_shards
-from surogate_jax.ops.rms_norm import BWD_ALGOS, FWD_ALGOS, WS_BLOCKS, rms_norm_ref  # noqa: F401 (re-exported)
+from surogate_jax.ops.rms_norm import WS_BLOCKS, rms_norm_ref
 from surogate_jax.ops.rms_norm import _fwd_ref as _rms_fwd_ref
 
 OP = "add_rms_norm"  # the name SUROGATE_JAX_OPS=ref:<op> and impl resolution use
 FWD_TARGET = "surogate_add_rms_norm_fwd"
 BWD_TARGET = "surogate_add_rms_norm_bwd"
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-# Forward kernel variant (FFI attribute `fwd_algo`): the same variants as rms_norm's (FWD_ALGOS,
-# kernels/rms_norm_common.cuh), chosen separately: 4 (one-shot grid, plain loads), the fastest on the
-# H100 at every benchmarked shape, 1.02-1.15x variant 1.
-FWD_ALGO = 4
-# Backward kernel variant (FFI attribute `bwd_algo`, BWD_ALGOS as rms_norm's): 0 streaming loads
-# (plain loads, 1, were 9% slower at bf16 [16384, 1024] and 1-6% faster elsewhere).
-BWD_ALGO = 0
 
 
 def add_rms_norm_ref(x: jax.Array, residual: jax.Array, w: jax.Array, eps: float = 1e-6):
@@ -80,23 +73,22 @@ def _bwd_ref(dy, ds, s, w, rstd):
 # normalizes each batch element's rows with its own w row (and sums dw per batch element).
 
 
-def _fwd_ffi(x, res, w, eps, algo=None):
+def _fwd_ffi(x, res, w, eps):
     out = (
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32),
     )
     call = jax.ffi.ffi_call(FWD_TARGET, out, vmap_method="broadcast_all")
-    return call(x, res, w, eps=np.float32(eps), fwd_algo=np.int32(FWD_ALGO if algo is None else algo))
+    return call(x, res, w, eps=np.float32(eps))
 
 
-def _bwd_ffi(dy, ds, s, w, rstd, algo=None):
+def _bwd_ffi(dy, ds, s, w, rstd):
     rows = int(np.prod(s.shape[:-1]))
     ws = jax.ShapeDtypeStruct((max(1, min(rows, WS_BLOCKS)), s.shape[-1]), jnp.float32)
     out = (jax.ShapeDtypeStruct(s.shape, s.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype), ws)
     call = jax.ffi.ffi_call(BWD_TARGET, out, vmap_method="broadcast_all")
-    dx, dw, _ = call(dy.astype(s.dtype), ds.astype(s.dtype), s, w, rstd,
-                     bwd_algo=np.int32(BWD_ALGO if algo is None else algo))
+    dx, dw, _ = call(dy.astype(s.dtype), ds.astype(s.dtype), s, w, rstd)
     return dx, dw
 
 

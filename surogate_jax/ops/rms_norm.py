@@ -32,19 +32,6 @@ FWD_TARGET = "surogate_rms_norm_fwd"
 BWD_TARGET = "surogate_rms_norm_bwd"
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 WS_BLOCKS = 1024
-# Forward kernel variant (the FFI attribute `fwd_algo`; kernels/rms_norm_common.cuh): 0 persistent
-# grid (4 vectors/thread, w in registers), 1 one-shot grid, 2 one-shot with 8 vectors/thread,
-# 3 persistent with the next row prefetched, 4 = 1 with plain instead of streaming loads. Same fp32
-# math; they differ only in the order a row's squares are summed. Benchmarks and GPU tests pass
-# `algo=` to `_fwd_ffi`; the op uses FWD_ALGO.
-FWD_ALGOS = (0, 1, 2, 3, 4)
-# 1: the fastest on the H100 at the model shapes
-FWD_ALGO = 1
-# Backward kernel variant (FFI attribute `bwd_algo`): 0 streaming loads, 1 plain loads (same math,
-# same layout); `_bwd_ffi(..., algo=)` like the forward. 0: faster at the bf16 shapes; forward
-# variant 4 (plain loads) did not beat 1 either.
-BWD_ALGOS = (0, 1)
-BWD_ALGO = 0
 
 
 def rms_norm_ref(x: jax.Array, w: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -80,20 +67,20 @@ def _bwd_ref(dy, x, w, rstd):
 # batch element), which is exactly the batched semantics.
 
 
-def _fwd_ffi(x, w, eps, algo=None):
+def _fwd_ffi(x, w, eps):
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32))
     call = jax.ffi.ffi_call(FWD_TARGET, out, vmap_method="broadcast_all")
-    return call(x, w, eps=np.float32(eps), fwd_algo=np.int32(FWD_ALGO if algo is None else algo))
+    return call(x, w, eps=np.float32(eps))
 
 
-def _bwd_ffi(dy, x, w, rstd, algo=None):
+def _bwd_ffi(dy, x, w, rstd):
     # Third output: fp32 dw partial sums, one row per block of the kernel's persistent grid (at
     # most WS_BLOCKS blocks, about 8 per H100 SM); XLA frees it right after the call.
     rows = int(np.prod(x.shape[:-1]))
     ws = jax.ShapeDtypeStruct((max(1, min(rows, WS_BLOCKS)), x.shape[-1]), jnp.float32)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype), ws)
     call = jax.ffi.ffi_call(BWD_TARGET, out, vmap_method="broadcast_all")
-    dx, dw, _ = call(dy.astype(x.dtype), x, w, rstd, bwd_algo=np.int32(BWD_ALGO if algo is None else algo))
+    dx, dw, _ = call(dy.astype(x.dtype), x, w, rstd)
     return dx, dw
 
 

@@ -122,18 +122,17 @@ def test_zero_rows():
     assert y.shape == (0, 128) and s.shape == (0, 128) and np.all(np.asarray(dw, np.float32) == 0)
 
 
-# Forward variants (fwd_algo): y, the new residual and rstd against the reference on shapes that
-# reach every layout and, for the persistent variants (0, 3), several grid rounds.
-ALGO_SHAPES = [
+# The forward alone (y, the new residual and rstd) against the reference, on shapes that reach
+# every layout: warp slices, blocks and the loop path, vector and scalar.
+FWD_SHAPES = [
     (1, 7), (13, 128), (100003, 128), (31, 1001), (20001, 1001), (4099, 1024), (3, 5, 4096),
     (2000, 4096), (257, 5120), (5, 16384), (3, 65536 + 8),
 ]
 
 
-@pytest.mark.parametrize("algo", [0, 1, 2, 3, 4], ids=lambda a: f"algo{a}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", ALGO_SHAPES, ids=str)
-def test_fwd_algos_match_reference(shape, dtype, algo, assert_close):
+@pytest.mark.parametrize("shape", FWD_SHAPES, ids=str)
+def test_fwd_matches_reference(shape, dtype, assert_close):
     from surogate_jax.ops.add_rms_norm import _fwd_ffi, _fwd_ref
 
     x, res, w, _, _ = _inputs(shape, dtype)
@@ -141,46 +140,35 @@ def test_fwd_algos_match_reference(shape, dtype, algo, assert_close):
     # rstd reduction (excess precision), and rstd is compared at fp32's tolerance
     want = _fwd_ref(x, res, w, EPS)
     _poison_allocator()
-    got = jax.jit(lambda x, r, w: _fwd_ffi(x, r, w, EPS, algo=algo))(x, res, w)
+    got = jax.jit(lambda x, r, w: _fwd_ffi(x, r, w, EPS))(x, res, w)
     for name, g, r, dt in zip(("y", "res_out", "rstd"), got, want, (dtype, dtype, jnp.float32)):
         assert g.shape == r.shape and g.dtype == r.dtype, name
         assert bool(jnp.all(jnp.isfinite(g))), f"{name} has non-finite values (unwritten?)"
         assert_close(g, r, dt, name)
 
 
-# Backward variants (bwd_algo 0 streaming / 1 plain loads) on shapes that reach every layout: warp
-# slices, blocks, the wide register kernel (fp32 rows of 4097-8192, 16-bit rows of 8193-16384,
-# scalar rows of 2049-4096) and the loop path; dx (with dres added) and dw against the reference
-# backward given the same saved s and rstd, outputs poisoned first.
+# The backward alone on shapes that reach every layout: warp slices, blocks, the wide register
+# kernel (fp32 rows of 4097-8192, 16-bit rows of 8193-16384, scalar rows of 2049-4096) and the
+# loop path; dx (with dres added) and dw against the reference backward given the same saved s and
+# rstd, outputs poisoned first.
 BWD_SHAPES = [
     (1, 7), (13, 128), (31, 1001), (4099, 1024), (257, 3001), (129, 4100), (257, 5120),
     (33, 9000), (5, 16384), (3, 65536 + 8),
 ]
 
 
-@pytest.mark.parametrize("algo", [0, 1], ids=lambda a: f"bwd{a}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", BWD_SHAPES, ids=str)
-def test_bwd_algos_match_reference(shape, dtype, algo, assert_close):
-    from surogate_jax.ops.add_rms_norm import BWD_ALGOS, _bwd_ffi, _bwd_ref, _fwd_ffi
+def test_bwd_matches_reference(shape, dtype, assert_close):
+    from surogate_jax.ops.add_rms_norm import _bwd_ffi, _bwd_ref, _fwd_ffi
 
-    assert algo in BWD_ALGOS
     x, res, w, py, ps = _inputs(shape, dtype)
     _, s, rstd = jax.jit(lambda x, r, w: _fwd_ffi(x, r, w, EPS))(x, res, w)
     dy, ds = py.astype(dtype), ps.astype(dtype)
-    want = _bwd_ref(dy, ds, s, w, rstd)  # eagerly, as the forward variants' reference
+    want = _bwd_ref(dy, ds, s, w, rstd)  # eagerly, as the forward's reference
     _poison_allocator()
-    got = jax.jit(lambda dy, ds, s, w, r: _bwd_ffi(dy, ds, s, w, r, algo=algo))(dy, ds, s, w, rstd)
+    got = jax.jit(_bwd_ffi)(dy, ds, s, w, rstd)
     for name, g, r in zip(("dx", "dw"), got, want):
         assert g.shape == r.shape and g.dtype == r.dtype, name
         assert bool(jnp.all(jnp.isfinite(g))), f"{name} has non-finite values (unwritten?)"
         assert_close(g, r, dtype, name)
-
-
-def test_bad_bwd_algo_is_an_error():
-    from surogate_jax.ops.add_rms_norm import _bwd_ffi
-
-    x, res, w, py, _ = _inputs((8, 128), jnp.bfloat16)
-    rstd = jnp.ones((8,), jnp.float32)
-    with pytest.raises(Exception, match="bwd_algo"):
-        jax.block_until_ready(jax.jit(lambda: _bwd_ffi(x, res, x, w, rstd, algo=5))())

@@ -129,73 +129,51 @@ def test_zero_rows():
     assert y.shape == (0, 128) and np.all(np.asarray(dw, np.float32) == 0)
 
 
-# Forward variants (fwd_algo): each against the reference, on shapes that reach every layout
-# (warp-slice, block, loop path; vector and scalar) and, for the persistent variants (0, 3),
-# several grid rounds (the prefetch crosses rows of different rounds).
-ALGO_SHAPES = [
+# The forward alone (y and the saved rstd) against the reference, on shapes that reach every
+# layout: warp slices, blocks and the loop path, vector and scalar.
+FWD_SHAPES = [
     (1, 7), (13, 128), (100003, 128), (31, 1001), (20001, 1001), (4099, 1024), (3, 5, 4096),
     (2000, 4096), (257, 5120), (5, 16384), (3, 65536 + 8),
 ]
 
 
-@pytest.mark.parametrize("algo", [0, 1, 2, 3, 4], ids=lambda a: f"algo{a}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", ALGO_SHAPES, ids=str)
-def test_fwd_algos_match_reference(shape, dtype, algo, assert_close):
-    from surogate_jax.ops.rms_norm import FWD_ALGOS, _fwd_ffi, _fwd_ref
+@pytest.mark.parametrize("shape", FWD_SHAPES, ids=str)
+def test_fwd_matches_reference(shape, dtype, assert_close):
+    from surogate_jax.ops.rms_norm import _fwd_ffi, _fwd_ref
 
-    assert algo in FWD_ALGOS
     x, w, _ = _inputs(shape, dtype)
     y_ref, rstd_ref = jax.jit(lambda x, w: _fwd_ref(x, w, EPS))(x, w)
     _poison_allocator()
-    y, rstd = jax.jit(lambda x, w: _fwd_ffi(x, w, EPS, algo=algo))(x, w)
+    y, rstd = jax.jit(lambda x, w: _fwd_ffi(x, w, EPS))(x, w)
     for name, got, want, dt in (("y", y, y_ref, dtype), ("rstd", rstd, rstd_ref, jnp.float32)):
         assert got.shape == want.shape and got.dtype == want.dtype, name
         assert bool(jnp.all(jnp.isfinite(got))), f"{name} has non-finite values (unwritten?)"
         assert_close(got, want, dt, name)
 
 
-def test_bad_fwd_algo_is_an_error():
-    from surogate_jax.ops.rms_norm import _fwd_ffi
-
-    x, w, _ = _inputs((8, 128), jnp.bfloat16)
-    with pytest.raises(Exception, match="fwd_algo"):
-        jax.block_until_ready(jax.jit(lambda x, w: _fwd_ffi(x, w, EPS, algo=7))(x, w))
-
-
-# Backward variants (bwd_algo 0 streaming / 1 plain loads) on shapes that reach every layout: warp
-# slices, blocks, the wide register kernel (fp32 rows of 4097-8192, 16-bit rows of 8193-16384,
-# scalar rows of 2049-4096) and the loop path; dx and dw against the reference backward given the
-# same saved rstd, outputs poisoned first.
+# The backward alone on shapes that reach every layout: warp slices, blocks, the wide register
+# kernel (fp32 rows of 4097-8192, 16-bit rows of 8193-16384, scalar rows of 2049-4096) and the
+# loop path; dx and dw against the reference backward given the same saved rstd, outputs poisoned
+# first.
 BWD_SHAPES = [
     (1, 7), (13, 128), (31, 1001), (4099, 1024), (257, 3001), (129, 4100), (257, 5120),
     (33, 9000), (5, 16384), (3, 65536 + 8),
 ]
 
 
-@pytest.mark.parametrize("algo", [0, 1], ids=lambda a: f"bwd{a}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", BWD_SHAPES, ids=str)
-def test_bwd_algos_match_reference(shape, dtype, algo, assert_close):
-    from surogate_jax.ops.rms_norm import BWD_ALGOS, _bwd_ffi, _bwd_ref, _fwd_ffi
+def test_bwd_matches_reference(shape, dtype, assert_close):
+    from surogate_jax.ops.rms_norm import _bwd_ffi, _bwd_ref, _fwd_ffi
 
-    assert algo in BWD_ALGOS
     x, w, proj = _inputs(shape, dtype)
     _, rstd = jax.jit(lambda x, w: _fwd_ffi(x, w, EPS))(x, w)
     dy = proj.astype(dtype)
     want = jax.jit(_bwd_ref)(dy, x, w, rstd)
     _poison_allocator()
-    got = jax.jit(lambda dy, x, w, r: _bwd_ffi(dy, x, w, r, algo=algo))(dy, x, w, rstd)
+    got = jax.jit(_bwd_ffi)(dy, x, w, rstd)
     for name, g, r in zip(("dx", "dw"), got, want):
         assert g.shape == r.shape and g.dtype == r.dtype, name
         assert bool(jnp.all(jnp.isfinite(g))), f"{name} has non-finite values (unwritten?)"
         assert_close(g, r, dtype, name)
-
-
-def test_bad_bwd_algo_is_an_error():
-    from surogate_jax.ops.rms_norm import _bwd_ffi
-
-    x, w, _ = _inputs((8, 128), jnp.bfloat16)
-    rstd = jnp.ones((8,), jnp.float32)
-    with pytest.raises(Exception, match="bwd_algo"):
-        jax.block_until_ready(jax.jit(lambda: _bwd_ffi(x, x, w, rstd, algo=5))())
