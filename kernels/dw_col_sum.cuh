@@ -1,5 +1,5 @@
 // dw[col] = sum over rows of a [parts, dim] fp32 workspace: the second pass of the norm backwards
-// (rms_norm_common.cuh, rope.cu), whose blocks each write one row of weight-gradient partials.
+// (rms_norm_common.cuh, rope_bwd.cu), whose blocks each write one row of weight-gradient partials.
 // Deterministic (fixed order of additions, no atomics).
 //
 // Why its own kernel file: the sum is latency-bound, not bandwidth-bound (a few hundred rows of
@@ -23,7 +23,7 @@ constexpr int kColSumCols = 32;
 constexpr int kColSumRows = 32;
 
 // blockIdx.y == 0: dw0 = sums of rows [0, parts0); 1: dw1 = sums of rows [parts0, parts0 + parts1)
-// (the two tensors of a paired launch, rope.cu).
+// (the two tensors of a paired launch, rope_bwd.cu).
 template <typename T>
 __global__ void __launch_bounds__(kColSumCols* kColSumRows)
     dw_col_sum_kernel(const float* __restrict__ ws, T* __restrict__ dw0, int parts0,
