@@ -2,11 +2,9 @@
 (`adamw_8bit`, impl auto -> CUDA) vs jax.jit of its pure-JAX reference (impl="ref", XLA fusions) vs
 fp32 optax.adamw, over whole parameter sets with Qwen3 shapes (stacked [L, ...] leaves, as our models
 and the trainer hold them: one launch per leaf), plus the largest single tensor (the embedding) on
-its own. Every CUDA kernel variant (kernels/adamw_8bit.h: 0 the first kernel, 1 one-probe lookup,
-2 + pipelining, 3 + straight-line div/sqrt, 4 = 2 + 3) is timed in the same run.
+its own.
 
-    python benchmarks/bench_adamw_8bit.py [--out results.jsonl] [--sets qwen3-0.6b,qwen3-1.7b]
-                                          [--repeats 10] [--variants 0,1,2,3,4]
+    python benchmarks/bench_adamw_8bit.py [--out results.jsonl] [--sets qwen3-0.6b,qwen3-1.7b] [--repeats 10]
 
 Timing: one jitted step (update + parameter write, state and params donated so the update is in place)
 called `--repeats` times after warm-up, each call feeding the next; the median wall time per call
@@ -36,7 +34,6 @@ import optax
 
 from surogate_jax.ops import ffi_available
 from surogate_jax.optim import adamw_8bit, apply_fused
-from surogate_jax.optim.adamw_8bit import N_VARIANTS
 
 PEAK_GBS = 3000.0
 
@@ -98,7 +95,7 @@ def _moved_bytes(params, grads, state) -> int:
     return 2 * p + g + 2 * _state_bytes(state)
 
 
-def bench_set(name, shapes, pdtype, gdtype, repeats, meta, variants):
+def bench_set(name, shapes, pdtype, gdtype, repeats, meta):
     key = jax.random.key(0)
     params, grads = {}, {}
     for i, (k, shp) in enumerate(shapes.items()):
@@ -107,10 +104,9 @@ def bench_set(name, shapes, pdtype, gdtype, repeats, meta, variants):
         grads[k] = (1e-3 * jax.random.normal(kg, shp, jnp.float32)).astype(gdtype)
     n = sum(math.prod(s) for s in shapes.values())
     fp32_mask = {k: len(s) <= 2 and ("norm" in k) for k, s in shapes.items()}  # norms keep fp32 states
-    txs = {f"adamw_8bit CUDA v{v}": adamw_8bit(1e-4, weight_decay=0.01, fp32_mask=fp32_mask, kernel_variant=v)
-           for v in variants}
-    txs["adamw_8bit reference (XLA)"] = adamw_8bit(1e-4, weight_decay=0.01, fp32_mask=fp32_mask, impl="ref")
-    txs["optax.adamw fp32"] = optax.adamw(1e-4, weight_decay=0.01)
+    txs = {"adamw_8bit CUDA": adamw_8bit(1e-4, weight_decay=0.01, fp32_mask=fp32_mask),
+           "adamw_8bit reference (XLA)": adamw_8bit(1e-4, weight_decay=0.01, fp32_mask=fp32_mask, impl="ref"),
+           "optax.adamw fp32": optax.adamw(1e-4, weight_decay=0.01)}
     rows = []
     for label, tx in txs.items():
         state = jax.jit(tx.init)(params)
@@ -138,10 +134,7 @@ def main() -> None:
     ap.add_argument("--out", help="append one JSON line per measurement to this file")
     ap.add_argument("--sets", default="qwen3-0.6b,qwen3-1.7b")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--variants", default=",".join(str(v) for v in range(N_VARIANTS)),
-                    help="CUDA kernel variants to time (default: all)")
     args = ap.parse_args()
-    variants = [int(v) for v in args.variants.split(",") if v.strip()]
 
     if jax.default_backend() != "gpu" or not ffi_available():
         print("error: needs a CUDA GPU and the built extension surogate_jax._ffi", file=sys.stderr)
@@ -166,7 +159,7 @@ def main() -> None:
             cases.append(("embedding only", {"embedding": shapes["embedding"]}, jnp.float32, jnp.float32))
             cases.append(("embedding only", {"embedding": shapes["embedding"]}, jnp.bfloat16, jnp.bfloat16))
     for name, shapes, pdt, gdt in cases:
-        records += bench_set(name, shapes, pdt, gdt, args.repeats, meta, variants)
+        records += bench_set(name, shapes, pdt, gdt, args.repeats, meta)
     if args.out:
         with open(args.out, "a") as f:
             f.writelines(json.dumps(rec) + "\n" for rec in records)

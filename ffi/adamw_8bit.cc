@@ -3,14 +3,14 @@
 // surogate_jax/optim/adamw_8bit.py (`_update_8bit_ffi`, reference `update_8bit_ref`).
 //
 //   surogate_adamw_8bit_update(g [S], p [S], qm [S] u8, qv [S] u8, am [A] f32, av [A] f32,
-//                              scalars [9] f32, aux [6848] u32; attribute variant: int32 0..4)
+//                              scalars [9] f32, aux [5504] u32)
 //     -> p' [S], qm' [S], qv' [S], am' [A], av' [A]     (prod(A) = ceil(prod(S) / 256); A is any
 //                                                        shape, the Python side picks it)
 //
 // The Python wrapper aliases p, qm, qv, am, av to the five outputs (input_output_aliases), so with
 // donated buffers the update is in place; if XLA ever hands us distinct output buffers, the inputs
 // are copied into them first and updated there. g and p may be float32, bfloat16 or float16
-// independently. Not marked command-buffer compatible (the launcher queries the device).
+// independently. Graph-safe like every handler (ffi_common.h): no allocation, no synchronization.
 #include "ffi/ffi_common.h"
 #include "kernels/adamw_8bit.h"
 
@@ -61,9 +61,9 @@ ffi::Error Prepare(const char* name, const ffi::AnyBuffer& in, ffi::AnyBuffer& o
 ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer p,
                            ffi::AnyBuffer qm, ffi::AnyBuffer qv, ffi::AnyBuffer am,
                            ffi::AnyBuffer av, ffi::AnyBuffer scalars, ffi::AnyBuffer aux,
-                           int32_t variant, ffi::Result<ffi::AnyBuffer> p_out,
-                           ffi::Result<ffi::AnyBuffer> qm_out, ffi::Result<ffi::AnyBuffer> qv_out,
-                           ffi::Result<ffi::AnyBuffer> am_out, ffi::Result<ffi::AnyBuffer> av_out) {
+                           ffi::Result<ffi::AnyBuffer> p_out, ffi::Result<ffi::AnyBuffer> qm_out,
+                           ffi::Result<ffi::AnyBuffer> qv_out, ffi::Result<ffi::AnyBuffer> am_out,
+                           ffi::Result<ffi::AnyBuffer> av_out) {
   const int64_t n = static_cast<int64_t>(p.element_count());
   const int64_t nblocks = (n + kAdamw8bitBlock - 1) / kAdamw8bitBlock;
   if (auto e = SameShape("g", g, p, "p"); e.failure()) return e;
@@ -72,10 +72,6 @@ ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer
   if (auto e = ExpectU8("qm", qm); e.failure()) return e;
   if (auto e = ExpectU8("qv", qv); e.failure()) return e;
   if (auto e = ExpectU32("aux", aux); e.failure()) return e;
-  if (variant < 0 || variant >= kAdamw8bitVariants) {
-    return InvalidArg(kOp, "variant must be in [0, " + std::to_string(kAdamw8bitVariants) +
-                               "), got " + std::to_string(variant));
-  }
   for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"am", &am},
                            {"av", &av},
                            {"scalars", &scalars}}) {
@@ -111,7 +107,7 @@ ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer
           static_cast<uint8_t*>(qv_out->untyped_data()),
           static_cast<float*>(am_out->untyped_data()), static_cast<float*>(av_out->untyped_data()),
           static_cast<const float*>(scalars.untyped_data()),
-          static_cast<const uint32_t*>(aux.untyped_data()), n, variant, stream);
+          static_cast<const uint32_t*>(aux.untyped_data()), n, stream);
       return CudaError(kOp, err);
     });
   });
@@ -122,15 +118,14 @@ ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer
 SUROGATE_DEFINE_HANDLER(kAdamw8bitUpdateHandler, Adamw8bitUpdate,
                         ffi::Ffi::Bind()
                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                            .Arg<ffi::AnyBuffer>()  // g
-                            .Arg<ffi::AnyBuffer>()  // p
-                            .Arg<ffi::AnyBuffer>()  // qm
-                            .Arg<ffi::AnyBuffer>()  // qv
-                            .Arg<ffi::AnyBuffer>()  // am
-                            .Arg<ffi::AnyBuffer>()  // av
-                            .Arg<ffi::AnyBuffer>()  // scalars
-                            .Arg<ffi::AnyBuffer>()  // aux
-                            .Attr<int32_t>("variant")
+                            .Arg<ffi::AnyBuffer>()    // g
+                            .Arg<ffi::AnyBuffer>()    // p
+                            .Arg<ffi::AnyBuffer>()    // qm
+                            .Arg<ffi::AnyBuffer>()    // qv
+                            .Arg<ffi::AnyBuffer>()    // am
+                            .Arg<ffi::AnyBuffer>()    // av
+                            .Arg<ffi::AnyBuffer>()    // scalars
+                            .Arg<ffi::AnyBuffer>()    // aux
                             .Ret<ffi::AnyBuffer>()    // p'
                             .Ret<ffi::AnyBuffer>()    // qm'
                             .Ret<ffi::AnyBuffer>()    // qv'

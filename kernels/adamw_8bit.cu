@@ -2,13 +2,11 @@
 //
 // Floor: memory bound. Bytes that must move per element: parameter read + write (2 * sizeof(TP)),
 // gradient read (sizeof(TG)), both 8-bit states read + write (4), plus 2 x (4 + 4) bytes of absmax
-// per 256 elements (0.0625). f32 params + f32 grads: 16.06 B/elem; bf16 + bf16: 10.06 B/elem. At
-// the H100's ~3000 GB/s measured copy bandwidth, 0.6e9 f32 params -> 9.6 GB -> ~3.2 ms; 1e9 bf16
-// params -> 10 GB -> ~3.4 ms. Target >= 75% of that bandwidth. FLOPs are ~30 per element, far
-// below the compute roof; the binding budget is the INSTRUCTION ISSUE rate: at 3 TB/s an H100
-// (132 SMs x 4 schedulers x ~1.75 GHz = ~0.92 T warp-instructions/s) has ~160 thread-instructions
-// per element for f32/f32 and ~100 for bf16/bf16, and a memory-bound kernel should stay well
-// below that (benchmarks/notes_adamw_8bit.md has the counts and the predictions).
+// per 256 elements (0.0625): 16.06 B/elem for f32 params and grads, 10.06 for bf16/bf16. The
+// binding budget besides DRAM is the instruction issue rate: at 3 TB/s an H100 has ~160
+// thread-instructions per element for f32/f32 and ~100 for bf16/bf16, so the code below is kept
+// straight-line and short (~95 per element; benchmarks/notes_adamw_8bit.md has the counts and the
+// measured 86% / 78% of the copy bandwidth).
 //
 // Design (why):
 //  * One warp owns one quantization block of 256 elements, 8 per lane: the block's new absmax is a
@@ -21,27 +19,26 @@
 //  * Every operation is written with __fmul_rn / __fadd_rn / __fsub_rn / __fdiv_rn / __fsqrt_rn:
 //    these are never contracted into FMAs, so the rounding follows the reference's op order
 //    exactly (the reference pins its own products against XLA's contraction, see the .py file).
-//  * Nearest code (variants 1, 2): one shared-memory probe, no loop, no branch. The float bits of
+//  * Nearest code: one shared-memory probe, no loop, no branch (a scan over the midpoints loops a
+//    data-dependent number of times and diverges on the sign within a warp). The float bits of
 //    t = |x| pick a bucket (exponent and top 6 / 7 mantissa bits); the tables are built so every
 //    bucket holds at most one midpoint, so searchsorted(mid, t) = (midpoints below the bucket)
 //    + (that midpoint < t), and inside one bucket float order is the integer order of the low
 //    mantissa bits, so the entry packs both into one word. Negative x (signed map) uses the
 //    mirror symmetry: index = 254 - (midpoints <= |x|), then the sign guard, as a clamp to
-//    [0, 126]. Variant 0 (the first kernel) guessed from a byte table then scanned forward over
-//    the midpoints with data-dependent loops and a sign branch, which diverged within a warp.
+//    [0, 126]. adamw_8bit.py `lookup_np` is the same arithmetic, tested against searchsorted.
 //  * The skip of non-finite gradients is a select, not a branch, so the divide and square root
 //    of all 8 elements are independent and overlap the shuffle reduction.
 //  * Parameters and codes are updated in place (the FFI call aliases them to its outputs); each
 //    element is read and then written by the same lane, and a block's absmax is read by all lanes
-//    before lane 0 writes it (the shuffles order them), so in-place is safe. Variant 2 loads block
-//    b + stride before computing block b (distinct addresses). Streaming cache hints (ld/st .cs):
-//    every byte is touched once.
+//    before lane 0 writes it (the shuffles order them), so in-place is safe. Streaming cache hints
+//    (ld/st .cs): every byte is touched once.
 //  * Deterministic: no atomics; max is order independent.
 #include "kernels/adamw_8bit.h"
 #include "kernels/device_common.cuh"
 
 #include <algorithm>
-#include <cstring>
+#include <cstddef>
 #include <type_traits>
 
 namespace surogate {
@@ -68,204 +65,17 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// =============================================================================================
-// Variant 0: the first kernel, unchanged apart from reading its tables from `aux`.
-namespace legacy {
-
-struct Tables {
-  float code_s[kTableSize];
-  float mid_s[kTableSize];  // 255 midpoints + inf
-  float code_u[kTableSize];
-  float mid_u[kTableSize];
-  uint8_t guess_s[kAdamw8bitBuckets];
-  uint8_t guess_u[kAdamw8bitBuckets];
-};
-
-// 8 consecutive elements from `base` as floats. kVec: the 8 are in range and 16-byte aligned.
-template <typename T, bool kVec>
-__device__ __forceinline__ void load8(const T* ptr, int64_t base, int64_t n,
-                                      float (&out)[kPerLane]) {
-  if constexpr (kVec) {
-    constexpr int kChunks = kPerLane * sizeof(T) / 16;
-    uint4 raw[kChunks];
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c)
-      raw[c] = __ldcs(reinterpret_cast<const uint4*>(ptr + base) + c);
-    T v[kPerLane];
-    memcpy(v, raw, sizeof(v));
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) out[k] = to_float(v[k]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) out[k] = base + k < n ? to_float(ptr[base + k]) : 0.f;
-  }
-}
-
-template <typename T, bool kVec>
-__device__ __forceinline__ void store8(T* ptr, int64_t base, int64_t n,
-                                       const float (&in)[kPerLane]) {
-  if constexpr (kVec) {
-    constexpr int kChunks = kPerLane * sizeof(T) / 16;
-    T v[kPerLane];
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) v[k] = from_float<T>(in[k]);
-    uint4 raw[kChunks];
-    memcpy(raw, v, sizeof(v));
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) __stcs(reinterpret_cast<uint4*>(ptr + base) + c, raw[c]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      if (base + k < n) ptr[base + k] = from_float<T>(in[k]);
-    }
-  }
-}
-
-template <bool kVec>
-__device__ __forceinline__ void load_codes(const uint8_t* ptr, int64_t base, int64_t n,
-                                           uint8_t fill, uint8_t (&out)[kPerLane]) {
-  if constexpr (kVec) {
-    const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(ptr + base));
-    memcpy(out, &raw, sizeof(out));
-  } else {
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) out[k] = base + k < n ? ptr[base + k] : fill;
-  }
-}
-
-template <bool kVec>
-__device__ __forceinline__ void store_codes(uint8_t* ptr, int64_t base, int64_t n,
-                                            const uint8_t (&in)[kPerLane]) {
-  if constexpr (kVec) {
-    uint2 raw;
-    memcpy(&raw, in, sizeof(raw));
-    __stcs(reinterpret_cast<uint2*>(ptr + base), raw);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      if (base + k < n) ptr[base + k] = in[k];
-    }
-  }
-}
-
-__device__ __forceinline__ int bucket(float t) {
-  const int b = static_cast<int>(__float_as_uint(t) >> (23 - kAdamw8bitBucketBits)) -
-                (kAdamw8bitBucketE0 << kAdamw8bitBucketBits);
-  return min(max(b, 0), kAdamw8bitBuckets - 1);
-}
-
-// searchsorted(mid_s, x, "left") plus the sign guard (see adamw_8bit.py `quantize`).
-__device__ __forceinline__ uint8_t quantize_signed(float x, const Tables& tb) {
-  const float t = fabsf(x);
-  int q = tb.guess_s[bucket(t)];
-  if (!(x < 0.f)) {
-    while (tb.mid_s[q] < t) ++q;  // mid_s[255] = inf stops it
-    return static_cast<uint8_t>(q);
-  }
-  while (q < 255 && tb.mid_s[q] <= t) ++q;
-  q = max(254 - q, 0);
-  return static_cast<uint8_t>(q >= kZeroS ? q - 1 : q);
-}
-
-__device__ __forceinline__ uint8_t quantize_unsigned(float x, const Tables& tb) {
-  int q = tb.guess_u[bucket(x)];
-  while (tb.mid_u[q] < x) ++q;
-  return static_cast<uint8_t>(q);
-}
-
-template <typename TP, typename TG, bool kVec>
-__device__ __forceinline__ void update_block(int64_t blk, int lane, TP* p, const TG* g, uint8_t* qm,
-                                             uint8_t* qv, float* absmax_m, float* absmax_v,
-                                             int64_t n, const Scalars& s, const Tables& tb) {
-  const int64_t base = blk * kAdamw8bitBlock + static_cast<int64_t>(lane) * kPerLane;
-  float gv[kPerLane], pv[kPerLane], m[kPerLane], v[kPerLane];
-  uint8_t cm[kPerLane], cv[kPerLane];
-  load8<TG, kVec>(g, base, n, gv);
-  load8<TP, kVec>(p, base, n, pv);
-  load_codes<kVec>(qm, base, n, static_cast<uint8_t>(kZeroS), cm);
-  load_codes<kVec>(qv, base, n, 0, cv);
-  const float am = absmax_m[blk], av = absmax_v[blk];
-
-  bool ok[kPerLane];
-  float lm = 0.f, lv = 0.f;
-#pragma unroll
-  for (int k = 0; k < kPerLane; ++k) {
-    const float gs = __fmul_rn(gv[k], s.gscale);
-    ok[k] = isfinite(gs);
-    const float m0 = __fmul_rn(tb.code_s[cm[k]], am);
-    const float v0 = __fmul_rn(tb.code_u[cv[k]], av);
-    const float m1 = __fadd_rn(__fmul_rn(s.b1, m0), __fmul_rn(s.omb1, gs));
-    const float v1 = __fadd_rn(__fmul_rn(s.b2, v0), __fmul_rn(__fmul_rn(s.omb2, gs), gs));
-    m[k] = ok[k] ? m1 : m0;
-    v[k] = ok[k] ? v1 : v0;
-    lm = fmaxf(lm, fabsf(m[k]));
-    lv = fmaxf(lv, v[k]);
-  }
-  lm = warp_max(lm);
-  lv = warp_max(lv);
-  if (lane == 0) {
-    absmax_m[blk] = lm;
-    absmax_v[blk] = lv;
-  }
-  const float inv_m = lm > 0.f ? __fdiv_rn(1.f, lm) : 0.f;
-  const float inv_v = lv > 0.f ? __fdiv_rn(1.f, lv) : 0.f;
-#pragma unroll
-  for (int k = 0; k < kPerLane; ++k) {
-    if (ok[k]) {
-      const float u = __fdiv_rn(m[k], __fadd_rn(__fsqrt_rn(v[k]), s.eps_hat));
-      pv[k] = __fmul_rn(__fsub_rn(pv[k], __fmul_rn(s.step, u)), s.decay);
-    }
-    cm[k] = quantize_signed(__fmul_rn(m[k], inv_m), tb);
-    cv[k] = quantize_unsigned(__fmul_rn(v[k], inv_v), tb);
-  }
-  store8<TP, kVec>(p, base, n, pv);
-  store_codes<kVec>(qm, base, n, cm);
-  store_codes<kVec>(qv, base, n, cv);
-}
-
-template <typename TP, typename TG>
-__global__ void __launch_bounds__(kThreads, 4)  // 64 registers: 32 warps per SM
-    kernel(TP* p, const TG* __restrict__ g, uint8_t* qm, uint8_t* qv, float* absmax_m,
-           float* absmax_v, const float* __restrict__ scalars, const uint32_t* __restrict__ aux,
-           int64_t n, int64_t nblocks, bool aligned) {
-  __shared__ Tables tb;
-  {
-    float* dst = tb.code_s;  // code_s, mid_s, code_u, mid_u are contiguous, as in aux
-    const float* src = reinterpret_cast<const float*>(aux);
-    for (int i = threadIdx.x; i < 4 * kTableSize; i += blockDim.x) dst[i] = src[i];
-    const uint8_t* guess = reinterpret_cast<const uint8_t*>(aux + kAdamw8bitAuxGuess);
-    for (int i = threadIdx.x; i < 2 * kAdamw8bitBuckets; i += blockDim.x) {
-      (i < kAdamw8bitBuckets ? tb.guess_s[i] : tb.guess_u[i - kAdamw8bitBuckets]) = guess[i];
-    }
-  }
-  const Scalars s = load_scalars(scalars);
-  __syncthreads();
-
-  const int lane = threadIdx.x % kWarp;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerCta;
-  const int64_t full = n / kAdamw8bitBlock;  // blocks with all 256 elements in range
-  for (int64_t blk = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / kWarp;
-       blk < nblocks; blk += warps) {
-    if (aligned && blk < full) {
-      update_block<TP, TG, true>(blk, lane, p, g, qm, qv, absmax_m, absmax_v, n, s, tb);
-    } else {
-      update_block<TP, TG, false>(blk, lane, p, g, qm, qv, absmax_m, absmax_v, n, s, tb);
-    }
-  }
-}
-
-}  // namespace legacy
-
-// =============================================================================================
-// Variants 1 and 2: one-probe code lookup, branch-free math, coalesced element mapping.
-namespace fast {
-
 struct Smem {
   float code_s[kTableSize];
   float code_u[kTableSize];
   uint32_t look_s[kAdamw8bitBucketsS];
   uint32_t look_u[kAdamw8bitBucketsU];
 };
+// The kernel copies aux into Smem word for word: the layouts must agree.
+static_assert(offsetof(Smem, look_s) == 4 * kAdamw8bitAuxLookupS &&
+                  offsetof(Smem, look_u) == 4 * kAdamw8bitAuxLookupU &&
+                  sizeof(Smem) == 4 * kAdamw8bitAuxWords,
+              "Smem must match the aux layout of adamw_8bit.h");
 static_assert(sizeof(Smem) % 16 == 0, "Smem is filled with 16-byte copies");
 
 // The 8 elements of a lane as raw 32-bit words, in element order (2 * sizeof(T) words each).
@@ -279,13 +89,6 @@ struct Raw {
 
 template <typename TP, typename TG>
 constexpr bool kSplit = sizeof(TP) == 4 || sizeof(TG) == 4;
-
-// Offset of a lane's element k inside its block.
-template <bool kSplitMap>
-__device__ __forceinline__ int elem_offset(int lane, int k) {
-  return kSplitMap ? (k < 4 ? 4 * lane + k : kAdamw8bitBlock / 2 + 4 * lane + (k - 4))
-                   : kPerLane * lane + k;
-}
 
 template <typename T>
 __device__ __forceinline__ float word_get(const uint32_t* w, int k) {
@@ -416,61 +219,14 @@ __device__ __forceinline__ uint32_t quantize_unsigned(float x, const uint32_t* _
   return (e >> (kLow + 1)) + ((e & ((2u << kLow) - 1)) < (tb & ((1u << kLow) - 1)) ? 1u : 0u);
 }
 
-// The fast paths of div.rn.f32 and sqrt.rn.f32 as ptxas emits them (MUFU approximation, Newton
-// step, final FMA correction), without the branch to the slow path: the caller checks `exact` and
-// recomputes with __fdiv_rn / __fsqrt_rn where it is false. Where `exact` is true the result is
-// the correctly rounded one, i.e. bitwise equal to __fdiv_rn / __fsqrt_rn:
-//  * sqrt: the same range test ptxas uses (v in [2^-101, FLT_MAX]), or v == +0 (result +0);
-//  * div: a and b in [2^-60, 2^60) (b > 0), a range inside the one ptxas' FCHK admits, where no
-//    intermediate is subnormal or overflows, or a == +-0 (result a, as IEEE for finite b > 0).
-__device__ __forceinline__ float rsqrt_approx(float x) {
-  float r;
-  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-
-__device__ __forceinline__ float rcp_approx(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-
-__device__ __forceinline__ float sqrt_fast(float v, bool& exact) {
-  const float r = rsqrt_approx(v);
-  const float s = __fmul_rn(v, r);
-  const float h = __fmul_rn(r, 0.5f);
-  const float e = __fmaf_rn(-s, s, v);
-  const float y = __fmaf_rn(e, h, s);
-  const uint32_t b = __float_as_uint(v);
-  exact = (b - 0x0d000000u) <= 0x727fffffu || b == 0u;
-  return b == 0u ? 0.f : y;
-}
-
-__device__ __forceinline__ float div_fast(float a, float b, bool& exact) {
-  const float r0 = rcp_approx(b);
-  const float t = __fmaf_rn(-b, r0, 1.f);
-  const float r1 = __fmaf_rn(r0, t, r0);
-  const float q = __fmul_rn(a, r1);
-  const float rem = __fmaf_rn(-b, q, a);
-  const float y = __fmaf_rn(r1, rem, q);
-  constexpr uint32_t kLo = 0x21800000u, kSpan = 0x5d800000u - 0x21800000u;  // [2^-60, 2^60)
-  const uint32_t ab = __float_as_uint(a) & 0x7fffffffu;
-  const bool a_zero = ab == 0u;
-  exact = ((ab - kLo) < kSpan || a_zero) && (__float_as_uint(b) - kLo) < kSpan;
-  return a_zero ? a : y;
-}
-
 // The block math of one lane on floats; codes in and out as packed words. Writes p (new
 // parameters as floats), cm/cv (new codes) and the block's new absmax (identical in every lane).
-// kHoist: straight-line fast paths for the 8 divides and square roots, one rarely taken branch
-// for the exact fallback (instead of a branch around every one of them).
-template <bool kHoist>
 __device__ __forceinline__ void block_math(const Smem& sm, const Scalars& s,
                                            const float (&gv)[kPerLane], float (&pv)[kPerLane],
                                            uint32_t (&cm)[2], uint32_t (&cv)[2], float am, float av,
                                            float& am_out, float& av_out) {
   float m[kPerLane], v[kPerLane], u[kPerLane];
-  uint32_t ok = 0u, slow = 0u;
+  uint32_t ok = 0u;
   float lm = 0.f, lv = 0.f;
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
@@ -485,20 +241,9 @@ __device__ __forceinline__ void block_math(const Smem& sm, const Scalars& s,
     v[k] = fin ? v1 : v0;
     lm = fmaxf(lm, fabsf(m[k]));
     lv = fmaxf(lv, v[k]);
-    if constexpr (kHoist) {
-      bool e1, e2;
-      const float d = __fadd_rn(sqrt_fast(v[k], e1), s.eps_hat);
-      u[k] = div_fast(m[k], d, e2);
-      slow |= (e1 && e2) ? 0u : 1u << k;
-    } else {
-      u[k] = __fdiv_rn(m[k], __fadd_rn(__fsqrt_rn(v[k]), s.eps_hat));
-    }
-  }
-  if (kHoist && slow != 0u) {  // unrolled: a runtime index would move m, v, u to local memory
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      if (slow & (1u << k)) u[k] = __fdiv_rn(m[k], __fadd_rn(__fsqrt_rn(v[k]), s.eps_hat));
-    }
+    // ptxas branches to an exact slow path around each div/sqrt; a straight-line form with one
+    // fallback (tag pre-cleanup) saves ~8 instructions per element but was not faster end to end.
+    u[k] = __fdiv_rn(m[k], __fadd_rn(__fsqrt_rn(v[k]), s.eps_hat));
   }
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
@@ -533,7 +278,7 @@ __device__ __forceinline__ void load_block(Raw<TP, TG>& r, int64_t blk, int lane
   r.av = absmax_v[blk];
 }
 
-template <typename TP, typename TG, bool kHoist>
+template <typename TP, typename TG>
 __device__ __forceinline__ void update_full_block(Raw<TP, TG>& r, int64_t blk, int lane, TP* p,
                                                   uint8_t* qm, uint8_t* qv, float* absmax_m,
                                                   float* absmax_v, const Scalars& s,
@@ -546,7 +291,7 @@ __device__ __forceinline__ void update_full_block(Raw<TP, TG>& r, int64_t blk, i
     pv[k] = word_get<TP>(r.p, k);
   }
   float am1, av1;
-  block_math<kHoist>(sm, s, gv, pv, r.cm, r.cv, r.am, r.av, am1, av1);
+  block_math(sm, s, gv, pv, r.cm, r.cv, r.am, r.av, am1, av1);
   if (lane == 0) {
     absmax_m[blk] = am1;
     absmax_v[blk] = av1;
@@ -561,7 +306,7 @@ __device__ __forceinline__ void update_full_block(Raw<TP, TG>& r, int64_t blk, i
 }
 
 // Any block (the partial last one, or misaligned pointers): element loads with bounds checks.
-template <typename TP, typename TG, bool kHoist>
+template <typename TP, typename TG>
 __device__ __forceinline__ void update_any_block(int64_t blk, int lane, TP* p, const TG* g,
                                                  uint8_t* qm, uint8_t* qv, float* absmax_m,
                                                  float* absmax_v, int64_t n, const Scalars& s,
@@ -579,7 +324,7 @@ __device__ __forceinline__ void update_any_block(int64_t blk, int lane, TP* p, c
     cv[k >> 2] |= static_cast<uint32_t>(in ? qv[base + k] : 0) << (8 * (k & 3));
   }
   float am1, av1;
-  block_math<kHoist>(sm, s, gv, pv, cm, cv, absmax_m[blk], absmax_v[blk], am1, av1);
+  block_math(sm, s, gv, pv, cm, cv, absmax_m[blk], absmax_v[blk], am1, av1);
   if (lane == 0) {
     absmax_m[blk] = am1;
     absmax_v[blk] = av1;
@@ -594,26 +339,17 @@ __device__ __forceinline__ void update_any_block(int64_t blk, int lane, TP* p, c
   }
 }
 
-// kPipeline: issue block b + stride's loads before block b's math; kHoist: see block_math.
-template <typename TP, typename TG, bool kPipeline, bool kHoist>
-__global__ void __launch_bounds__(kThreads, kPipeline ? 3 : 4)
+template <typename TP, typename TG>
+__global__ void __launch_bounds__(kThreads, 4)  // 64 registers: 32 warps per SM
     kernel(TP* p, const TG* __restrict__ g, uint8_t* qm, uint8_t* qv, float* absmax_m,
            float* absmax_v, const float* __restrict__ scalars, const uint32_t* __restrict__ aux,
            int64_t n, int64_t nblocks, int64_t nvec) {
   __shared__ __align__(16) Smem sm;
   {
-    // aux: code_s at word 0, code_u at word 512, the two lookups contiguous from
-    // kAdamw8bitAuxLookupS
-    uint4* dst = reinterpret_cast<uint4*>(&sm);
-    const uint4* codes_s = reinterpret_cast<const uint4*>(aux);
-    const uint4* codes_u = reinterpret_cast<const uint4*>(aux + 2 * kTableSize);
-    const uint4* looks = reinterpret_cast<const uint4*>(aux + kAdamw8bitAuxLookupS);
-    constexpr int kCode4 = kTableSize / 4;
-    constexpr int kLook4 = (kAdamw8bitBucketsS + kAdamw8bitBucketsU) / 4;
-    for (int i = threadIdx.x; i < 2 * kCode4 + kLook4; i += blockDim.x) {
-      dst[i] = i < kCode4       ? codes_s[i]
-               : i < 2 * kCode4 ? codes_u[i - kCode4]
-                                : looks[i - 2 * kCode4];
+    uint4* dst = reinterpret_cast<uint4*>(&sm);  // aux is laid out as Smem
+    const uint4* src = reinterpret_cast<const uint4*>(aux);
+    for (int i = threadIdx.x; i < static_cast<int>(sizeof(Smem) / 16); i += blockDim.x) {
+      dst[i] = src[i];
     }
   }
   const Scalars s = load_scalars(scalars);
@@ -622,35 +358,16 @@ __global__ void __launch_bounds__(kThreads, kPipeline ? 3 : 4)
   const int lane = threadIdx.x % kWarp;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerCta;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / kWarp;
-  if constexpr (kPipeline) {
-    if (first < nvec) {
-      Raw<TP, TG> cur;
-      load_block(cur, first, lane, p, g, qm, qv, absmax_m, absmax_v);
-      for (int64_t blk = first;;) {
-        const int64_t next = blk + warps;
-        const bool more = next < nvec;
-        Raw<TP, TG> nxt;
-        if (more) load_block(nxt, next, lane, p, g, qm, qv, absmax_m, absmax_v);
-        update_full_block<TP, TG, kHoist>(cur, blk, lane, p, qm, qv, absmax_m, absmax_v, s, sm);
-        if (!more) break;
-        cur = nxt;
-        blk = next;
-      }
-    }
-  } else {
-    for (int64_t blk = first; blk < nvec; blk += warps) {
-      Raw<TP, TG> r;
-      load_block(r, blk, lane, p, g, qm, qv, absmax_m, absmax_v);
-      update_full_block<TP, TG, kHoist>(r, blk, lane, p, qm, qv, absmax_m, absmax_v, s, sm);
-    }
+  for (int64_t blk = first; blk < nvec; blk += warps) {
+    Raw<TP, TG> r;
+    load_block(r, blk, lane, p, g, qm, qv, absmax_m, absmax_v);
+    update_full_block<TP, TG>(r, blk, lane, p, qm, qv, absmax_m, absmax_v, s, sm);
   }
   // the partial last block, or every block when the pointers do not allow vector access
   for (int64_t blk = nvec + first; blk < nblocks; blk += warps) {
-    update_any_block<TP, TG, kHoist>(blk, lane, p, g, qm, qv, absmax_m, absmax_v, n, s, sm);
+    update_any_block<TP, TG>(blk, lane, p, g, qm, qv, absmax_m, absmax_v, n, s, sm);
   }
 }
-
-}  // namespace fast
 
 bool aligned_to(const void* ptr, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
@@ -695,8 +412,8 @@ int sm_count(int dev) {
 template <typename TP, typename TG>
 cudaError_t adamw_8bit_update(TP* p, const TG* g, uint8_t* qm, uint8_t* qv, float* absmax_m,
                               float* absmax_v, const float* scalars, const uint32_t* aux, int64_t n,
-                              int variant, cudaStream_t stream) {
-  if (n < 0 || variant < 0 || variant >= kAdamw8bitVariants) return cudaErrorInvalidValue;
+                              cudaStream_t stream) {
+  if (n < 0) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
   const int64_t nblocks = (n + kAdamw8bitBlock - 1) / kAdamw8bitBlock;
   const bool aligned =
@@ -704,33 +421,19 @@ cudaError_t adamw_8bit_update(TP* p, const TG* g, uint8_t* qm, uint8_t* qv, floa
   int dev = 0;
   SUROGATE_TRY(cudaGetDevice(&dev));
   const int64_t need = (nblocks + kWarpsPerCta - 1) / kWarpsPerCta;
-  const int64_t nvec = aligned ? n / kAdamw8bitBlock : 0;  // full blocks on the vector path (1-4)
-  auto launch = [&](auto kernel, auto... args) -> cudaError_t {
-    const int64_t fit = static_cast<int64_t>(sm_count(dev)) *
-                        ctas_per_sm(reinterpret_cast<const void*>(kernel), dev);
-    const int grid = static_cast<int>(std::max<int64_t>(1, std::min(need, fit)));
-    kernel<<<grid, kThreads, 0, stream>>>(p, g, qm, qv, absmax_m, absmax_v, scalars, aux, n,
-                                          nblocks, args...);
-    return cudaGetLastError();
-  };
-  switch (variant) {
-    case 0:
-      return launch(legacy::kernel<TP, TG>, aligned);
-    case 1:
-      return launch(fast::kernel<TP, TG, false, false>, nvec);
-    case 2:
-      return launch(fast::kernel<TP, TG, true, false>, nvec);
-    case 3:
-      return launch(fast::kernel<TP, TG, false, true>, nvec);
-    default:
-      return launch(fast::kernel<TP, TG, true, true>, nvec);
-  }
+  const int64_t nvec = aligned ? n / kAdamw8bitBlock : 0;  // full blocks on the vector path
+  const void* fn = reinterpret_cast<const void*>(kernel<TP, TG>);
+  const int64_t fit = static_cast<int64_t>(sm_count(dev)) * ctas_per_sm(fn, dev);
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min(need, fit)));
+  kernel<TP, TG><<<grid, kThreads, 0, stream>>>(p, g, qm, qv, absmax_m, absmax_v, scalars, aux, n,
+                                                nblocks, nvec);
+  return cudaGetLastError();
 }
 
 #define SUROGATE_ADAMW8_INSTANTIATE(TP, TG)                                                      \
   template cudaError_t adamw_8bit_update<TP, TG>(TP*, const TG*, uint8_t*, uint8_t*, float*,     \
                                                  float*, const float*, const uint32_t*, int64_t, \
-                                                 int, cudaStream_t);
+                                                 cudaStream_t);
 
 SUROGATE_ADAMW8_INSTANTIATE(float, float)
 SUROGATE_ADAMW8_INSTANTIATE(float, __nv_bfloat16)

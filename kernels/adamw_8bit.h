@@ -3,25 +3,19 @@
 // and builds the `aux` tables).
 //
 // One tensor of n elements, split row-major into blocks of 256; every pointer is device memory:
-//   p        [n]  TP (float / bf16 / half)   parameter, read and written in place
-//   g        [n]  TG (float / bf16 / half)   gradient
-//   qm, qv   [n]  uint8                       codes of m (signed map) and v (unsigned map), in
-//   place absmax_m, absmax_v [ceil(n / 256)] float  per-block scales, in place scalars  [9]  float:
-//   b1, 1 - b1, b2, 1 - b2, step, eps_hat, decay, gscale, t (t unused here) aux
-//   [kAdamw8bitAuxWords] uint32, the code tables (layout below, built by the .py file):
-//     [0, 1024)        float bits: signed codes, signed midpoints (255 + inf), unsigned codes,
-//                      unsigned midpoints (255 + inf)
-//     [1024, 1856)     bytes [2][1664] (legacy search): per 6-bit bucket of |x|'s float bits the
-//                      number of midpoints below the bucket (signed, unsigned)
-//     [1856, 3520)     signed lookup, 1664 buckets (exponent 102..127 x top 6 mantissa bits):
+//   p        [n] TP (float / bf16 / half): parameter, read and written in place
+//   g        [n] TG (float / bf16 / half): gradient
+//   qm, qv   [n] uint8: codes of m (signed map) and v (unsigned map), in place
+//   absmax_m, absmax_v [ceil(n / 256)] float: per-block scales, in place
+//   scalars  [9] float: b1, 1 - b1, b2, 1 - b2, step, eps_hat, decay, gscale, t (t unused here)
+//   aux      [kAdamw8bitAuxWords] uint32: the code tables, built by the .py file (KERNEL_AUX):
+//     [0, 256)         signed codes (float bits)
+//     [256, 512)       unsigned codes (float bits)
+//     [512, 2176)      signed lookup, 1664 buckets (exponent 102..127 x top 6 mantissa bits):
 //                      (midpoints below the bucket) << 18 | low 17 bits of the bucket's single
 //                      midpoint (1 << 17 when the bucket holds none)
-//     [3520, 6848)     unsigned lookup, 3328 buckets (top 7 mantissa bits): below << 17 | low 16
+//     [2176, 5504)     unsigned lookup, 3328 buckets (top 7 mantissa bits): below << 17 | low 16
 //                      bits of the single midpoint (1 << 16 when none)
-//   variant  0: the first kernel (bucket guess + scan over shared midpoints, kept for A/B
-//              measurements); 1: branch-free one-probe lookup; 2: as 1 with the next block's
-//              loads issued before the current block's math (software pipelining); 3: as 1 with
-//              straight-line div/sqrt fast paths and one exact fallback branch; 4: 2 + 3.
 // Per element (float32, one IEEE rounding per operation, in this order):
 //   gs = g * gscale; skip (keep p, m, v) unless gs is finite
 //   m = b1 * (code_s[qm] * am) + (1 - b1) * gs;  v = b2 * (code_u[qv] * av) + ((1 - b2) * gs) * gs
@@ -29,8 +23,7 @@
 //   p = (p - step * (m / (sqrt(v) + eps_hat))) * decay
 //   qm = nearest signed code to m * (1 / am') with the sign guard, qv likewise (0 if the scale is
 //   0)
-// All variants give the same bits. The launcher enqueues on `stream`, never synchronizes, and
-// returns the first CUDA error.
+// The launcher enqueues on `stream`, never synchronizes, and returns the first CUDA error.
 #pragma once
 
 #include <cstddef>
@@ -45,23 +38,18 @@ namespace surogate {
 constexpr int kAdamw8bitBlock = 256;
 constexpr int kAdamw8bitScalars = 9;
 constexpr int kAdamw8bitBucketE0 = 102;  // biased float exponent of bucket 0's upper part (2^-25)
-// legacy search (variant 0): 6 bucket bits, byte guesses
-constexpr int kAdamw8bitBucketBits = 6;
-constexpr int kAdamw8bitBuckets = (127 - kAdamw8bitBucketE0 + 1) << kAdamw8bitBucketBits;  // 1664
-// one-probe lookup (variants 1, 2): each bucket holds at most one midpoint
+// one-probe lookup: with these mantissa bits each bucket holds at most one midpoint
 constexpr int kAdamw8bitBitsS = 6;
 constexpr int kAdamw8bitBitsU = 7;
 constexpr int kAdamw8bitBucketsS = (127 - kAdamw8bitBucketE0 + 1) << kAdamw8bitBitsS;  // 1664
 constexpr int kAdamw8bitBucketsU = (127 - kAdamw8bitBucketE0 + 1) << kAdamw8bitBitsU;  // 3328
-constexpr int kAdamw8bitAuxGuess = 1024;
-constexpr int kAdamw8bitAuxLookupS = kAdamw8bitAuxGuess + 2 * kAdamw8bitBuckets / 4;  // 1856
-constexpr int kAdamw8bitAuxLookupU = kAdamw8bitAuxLookupS + kAdamw8bitBucketsS;       // 3520
-constexpr int kAdamw8bitAuxWords = kAdamw8bitAuxLookupU + kAdamw8bitBucketsU;         // 6848
-constexpr int kAdamw8bitVariants = 5;
+constexpr int kAdamw8bitAuxLookupS = 2 * 256;                                          // 512
+constexpr int kAdamw8bitAuxLookupU = kAdamw8bitAuxLookupS + kAdamw8bitBucketsS;        // 2176
+constexpr int kAdamw8bitAuxWords = kAdamw8bitAuxLookupU + kAdamw8bitBucketsU;          // 5504
 
 template <typename TP, typename TG>
 cudaError_t adamw_8bit_update(TP* p, const TG* g, uint8_t* qm, uint8_t* qv, float* absmax_m,
                               float* absmax_v, const float* scalars, const uint32_t* aux, int64_t n,
-                              int variant, cudaStream_t stream);
+                              cudaStream_t stream);
 
 }  // namespace surogate

@@ -260,7 +260,7 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
                          seed=cfg.run.train_seed, process_index=jax.process_index(), process_count=jax.process_count())
     steps_per_epoch = max(loader.batches_per_epoch() // accum, 1)
     total = cfg.run.max_steps if cfg.run.max_steps > 0 else cfg.run.num_epochs * steps_per_epoch
-    tx, schedule = make_optimizer(cfg.optim, total, shard_update=layout.plan.shard_optimizer)
+    tx, schedule = make_optimizer(cfg.optim, total, mesh=mesh if layout.plan.shard_optimizer else None)
     state = T.init_state(model, tx, params, trainable, cfg.run.train_seed, mesh, layout)
     del params, trainable
     start = 0

@@ -32,20 +32,18 @@ def fp32_state_mask(params):
     return jax.tree.map(lambda d: not d, decay_mask(params))
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, shard_update: bool | None = None):
-    """shard_update: whether the 8-bit update runs per ZeRO shard (True where the optimizer state is
-    sharded, False for DDP's replicated state; None: whenever a data mesh has several devices)."""
+def make_optimizer(cfg: OptimConfig, total_steps: int, mesh: jax.sharding.Mesh | None = None):
+    """mesh: the mesh the optimizer state is ZeRO-sharded over, where the 8-bit update then runs per
+    shard; None where the state is replicated (one device, DDP)."""
     schedule = make_schedule(cfg, total_steps)
     if cfg.optimizer == "adamw_8bit":  # norms and biases keep fp32 moments (bitsandbytes' small tensors)
         tx = adamw_8bit(schedule, b1=cfg.adamw_beta1, b2=cfg.adamw_beta2, eps=cfg.adamw_epsilon,
-                        weight_decay=cfg.weight_decay, mask=decay_mask, fp32_mask=fp32_state_mask,
-                        shard_update=shard_update)
+                        weight_decay=cfg.weight_decay, mask=decay_mask, fp32_mask=fp32_state_mask, mesh=mesh)
         return (chain_clip(cfg.max_grad_norm, tx) if cfg.max_grad_norm > 0 else tx), schedule
     if cfg.optimizer == "normuon":
         tx = normuon(schedule, momentum=cfg.normuon_momentum, beta2=cfg.normuon_beta2,
                      weight_decay=cfg.weight_decay, cautious_wd=cfg.normuon_cautious_wd,
-                     adam_b1=cfg.adamw_beta1, adam_b2=cfg.adamw_beta2, adam_eps=cfg.adamw_epsilon,
-                     shard_update=shard_update)
+                     adam_b1=cfg.adamw_beta1, adam_b2=cfg.adamw_beta2, adam_eps=cfg.adamw_epsilon, mesh=mesh)
     else:
         tx = optax.adamw(schedule, b1=cfg.adamw_beta1, b2=cfg.adamw_beta2, eps=cfg.adamw_epsilon,
                          weight_decay=cfg.weight_decay, mask=decay_mask)

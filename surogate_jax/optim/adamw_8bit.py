@@ -31,8 +31,9 @@ float32; values agree to ~1 ulp, code indices are interchangeable).
 midpoints between consecutive codes (ties go to the lower code), followed by the sign guard of the
 reference: a negative m whose nearest code is >= 0 (that is the code 0.0) moves one code down, to
 the smallest negative code, so the sign of m survives (a tiny positive m may still round to 0.0).
-The search itself is a bucket lookup on the float bits plus at most SEARCH_STEPS comparisons (see
-`quantize`), the same method as the kernel's and exactly equal to searchsorted.
+`quantize` finds it with a bucket lookup on the float bits plus at most SEARCH_STEPS comparisons;
+the kernel with one probe of finer buckets (`lookup_np` is its numpy twin); both are exactly
+searchsorted (tests/optim checks every midpoint, its neighbours and every bucket edge).
 
 Bit-exactness: the CUDA kernel (kernels/adamw_8bit.cu) and this reference do the same float32
 operations in the same order with IEEE rounding (the kernel uses __fmul_rn/__fadd_rn/__fdiv_rn/
@@ -49,22 +50,19 @@ blocks in the same order (a reshape of bitsandbytes' [n_blocks]), but blocks nev
 leading dims, so the absmax can be split along those dims like the codes (ZeRO, below). A tensor
 whose size is not a multiple of 256 keeps a flat [n_blocks] absmax (its last block is padded).
 
-ZeRO (parallel.py shards optimizer state along the largest dim divisible by the "data" axis): under
-a mesh whose "data" axis has n > 1 devices, each 8-bit leaf is updated inside `jax.shard_map` on
-its own shard: g, p and the codes split along that dim (parallel.zero_spec's rule, the same for
-params, grads and state), the absmax along the matching dim of its layout. No optimizer state is
-gathered. A leaf whose blocks would straddle shards (the sharded dim lies inside a block, e.g.
-[L, 16, 128, 1024] split 8 ways along 1024: 128 elements per row per shard) is updated unsharded,
-with one logged line (XLA then gathers its state). `shard_update=False` turns this off (DDP, where
-the state is replicated and sharding the update would all-gather it afterwards).
-
-Kernel variants (`kernel_variant`, env SUROGATE_ADAMW8_VARIANT): 0 the first kernel (scan search),
-1 one-probe lookup, 2 = 1 + software pipelining, 3 = 1 + straight-line div/sqrt fast paths, 4 = 2 +
-3; all give the same bits (tests/gpu), benchmarks/notes_adamw_8bit.md has the measurements.
+ZeRO (parallel.py shards optimizer state along the largest dim divisible by the "data" axis): given
+the `mesh` the state is sharded over, with n > 1 devices on its "data" axis, each 8-bit leaf is
+updated inside `jax.shard_map` on its own shard: g, p and the codes split along that dim
+(parallel.zero_spec's rule, the same for params, grads and state), the absmax along the matching
+dim of its layout. No optimizer state is gathered. A leaf whose blocks would straddle shards (the
+sharded dim lies inside a block, e.g. [L, 16, 128, 1024] split 8 ways along 1024: 128 elements per
+row per shard) is updated unsharded, with one logged line (XLA then gathers its state).
+`mesh=None` (one device, or DDP, where the state is replicated and sharding the update would
+all-gather it afterwards) updates whole leaves.
 
 Public API:
   adamw_8bit(learning_rate, b1, b2, eps, weight_decay, block_size, *, mask, min_8bit_size,
-             fp32_mask, impl, kernel_variant, shard_update) -> FusedGradientTransformation
+             fp32_mask, impl, mesh) -> FusedGradientTransformation
   (apply_fused / chain_clip, the protocol the train step calls, live in optim/fused.py.)
 """
 
@@ -72,7 +70,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -130,16 +127,17 @@ MID_S = midpoints(CODE_S)
 MID_U = midpoints(CODE_U)
 ZERO_S = int(np.flatnonzero(CODE_S == 0.0)[0])  # 127: the signed map's 0.0
 ZERO_U = 0
-# Kernel tables: [signed codes, signed midpoints + inf, unsigned codes, unsigned midpoints + inf].
-TABLES = np.stack([CODE_S, np.append(MID_S, np.inf), CODE_U, np.append(MID_U, np.inf)]).astype(np.float32)
+# quantize's midpoints with an inf sentinel (its forward steps never run past the end)
+MID_S_INF = np.append(MID_S, np.inf).astype(np.float32)
+MID_U_INF = np.append(MID_U, np.inf).astype(np.float32)
 # The negative half of the signed map mirrors the positive half (the search below relies on it).
 assert ZERO_S == 127 and np.array_equal(CODE_S[:127], -CODE_S[254:127:-1])
 
-# Nearest-code search without a binary search (the kernel's method, mirrored here so both are one
-# algorithm): the float bits of t = |x| (exponent and top BUCKET_BITS mantissa bits, from 2^-25 up
-# to [1, 2)) pick a bucket; GUESS[b] = number of midpoints below the bucket's lower edge, a lower
-# bound of the answer; a few steps forward over the midpoints finish it. SEARCH_STEPS is the most
-# midpoints any bucket holds, so the result is exactly searchsorted (checked in the tests too).
+# The reference's nearest-code search without a binary search: the float bits of t = |x| (exponent
+# and top BUCKET_BITS mantissa bits, from 2^-25 up to [1, 2)) pick a bucket; GUESS_*[b] = number of
+# midpoints below the bucket's lower edge, a lower bound of the answer; a few steps forward over
+# the midpoints finish it. SEARCH_STEPS is the most midpoints any bucket holds, so the result is
+# exactly searchsorted (checked in the tests too).
 BUCKET_BITS = 6
 BUCKET_E0 = 102  # biased exponent of 2^-25, below every nonzero midpoint
 N_BUCKETS = (127 - BUCKET_E0 + 1) << BUCKET_BITS  # 1664
@@ -157,11 +155,10 @@ def _guess_table(mid: np.ndarray) -> tuple[np.ndarray, int]:
 
 GUESS_S, _STEPS_S = _guess_table(MID_S)
 GUESS_U, _STEPS_U = _guess_table(MID_U)
-GUESS = np.stack([GUESS_S, GUESS_U])  # uint8 [2, N_BUCKETS], handed to the kernel with TABLES
 SEARCH_STEPS = max(_STEPS_S, _STEPS_U)  # 2 with 6 bucket bits
 assert np.all(MID_S[:127] < 0) and MID_S[127] > 0 and MID_U[0] > 2.0**-25
 
-# The kernel's one-probe lookup (variants >= 1): with LOOKUP_BITS_S / _U mantissa bits per bucket
+# The kernel's one-probe lookup: with LOOKUP_BITS_S / _U mantissa bits per bucket
 # every bucket holds at most one midpoint, so searchsorted(mid, t) = (midpoints below the bucket)
 # + (the bucket's midpoint < t); inside a bucket float order is the integer order of the low
 # 23 - bits mantissa bits. Entry: below << (low + 1) | low bits of the midpoint (1 << low when the
@@ -205,22 +202,20 @@ def lookup_np(x: np.ndarray, signed: bool) -> np.ndarray:
 
 
 def _kernel_aux() -> np.ndarray:
-    """uint32 [6848]: the tables of every kernel variant (layout in kernels/adamw_8bit.h)."""
-    guess = np.ascontiguousarray(GUESS).reshape(-1).view(np.uint32)  # 2 x 1664 bytes
-    aux = np.concatenate([TABLES.reshape(-1).view(np.uint32), guess, LOOKUP_S, LOOKUP_U]).astype(np.uint32)
-    assert aux.size == 6848
+    """uint32 [5504]: the kernel's tables, codes then lookups (layout in kernels/adamw_8bit.h)."""
+    codes = np.concatenate([CODE_S, CODE_U]).astype(np.float32).view(np.uint32)
+    aux = np.concatenate([codes, LOOKUP_S, LOOKUP_U]).astype(np.uint32)
+    assert aux.size == 5504
     return aux
 
 
 KERNEL_AUX = _kernel_aux()
-N_VARIANTS = 5
-DEFAULT_VARIANT = 1  # safest fast variant; switch to the fastest bit-exact one after a GPU bench
 
 
 def quantize(x: jax.Array, signed: bool) -> jax.Array:
     """Index (uint8) of the nearest code to x in [-1, 1]: exactly searchsorted(mid, x, "left")
     (ties to the lower code), then the signed map's sign guard (a negative x never maps to 0.0)."""
-    mid = jnp.asarray(TABLES[1] if signed else TABLES[3])  # 255 midpoints + inf
+    mid = jnp.asarray(MID_S_INF if signed else MID_U_INF)
     guess = jnp.asarray(GUESS_S if signed else GUESS_U)
     t = jnp.abs(x)
     bits = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(t, jnp.uint32), jnp.uint32(23 - BUCKET_BITS))
@@ -370,31 +365,18 @@ def update_8bit_ref(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE)
     return unblock(p1), unblock(qm1), unblock(qv1), am1.reshape(am_shape), av1.reshape(am_shape)
 
 
-def resolve_variant(variant: int | None = None) -> int:
-    """The kernel variant to run: `variant`, else $SUROGATE_ADAMW8_VARIANT, else DEFAULT_VARIANT."""
-    if variant is None:
-        env = os.environ.get("SUROGATE_ADAMW8_VARIANT", "").strip()
-        variant = int(env) if env else DEFAULT_VARIANT
-    if not 0 <= int(variant) < N_VARIANTS:
-        raise ValueError(f"adamw_8bit: kernel variant must be in [0, {N_VARIANTS}), got {variant}")
-    return int(variant)
-
-
-def _update_8bit_ffi(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE, *, variant: int = DEFAULT_VARIANT):
-    del block_size  # the kernel supports KERNEL_BLOCK_SIZE only (checked by the caller)
+def _update_8bit_ffi(g, p, qm, qv, am, av, scalars):
+    """The CUDA kernel (block_size KERNEL_BLOCK_SIZE only, checked by the caller)."""
     out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (p, qm, qv, am, av))
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential",
                             input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3, 5: 4})
-    return call(g, p, qm, qv, am, av, scalars, jnp.asarray(KERNEL_AUX), variant=np.int32(variant))
+    return call(g, p, qm, qv, am, av, scalars, jnp.asarray(KERNEL_AUX))
 
 
-def update_8bit(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE, *, impl: str | None = None,
-                variant: int | None = None):
+def update_8bit(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE, *, impl: str | None = None):
     """8-bit update of one tensor: the CUDA kernel on GPU (in place when the buffers are donated),
-    `update_8bit_ref` elsewhere (impl: None/"auto", "ffi" or "ref"; see ops/_loader.py).
-    variant: the kernel variant (see resolve_variant); every variant gives the same bits."""
+    `update_8bit_ref` elsewhere (impl: None/"auto", "ffi" or "ref"; see ops/_loader.py)."""
     impl = resolve_impl(impl)
-    ffi = functools.partial(_update_8bit_ffi, variant=resolve_variant(variant))
     kernel_ok = block_size == KERNEL_BLOCK_SIZE and p.dtype in KERNEL_DTYPES and g.dtype in KERNEL_DTYPES
     if impl != "ref" and not kernel_ok:
         if impl == "ffi":
@@ -405,8 +387,8 @@ def update_8bit(g, p, qm, qv, am, av, scalars, block_size: int = BLOCK_SIZE, *, 
     if impl == "ref":
         return ref(g, p, qm, qv, am, av, scalars)
     if impl == "ffi":
-        return ffi(g, p, qm, qv, am, av, scalars)
-    return jax.lax.platform_dependent(g, p, qm, qv, am, av, scalars, cuda=ffi, default=ref)
+        return _update_8bit_ffi(g, p, qm, qv, am, av, scalars)
+    return jax.lax.platform_dependent(g, p, qm, qv, am, av, scalars, cuda=_update_8bit_ffi, default=ref)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,15 +423,6 @@ def _log_once(msg: str, level: int = logging.INFO) -> None:
     if msg not in _LOGGED:
         _LOGGED.add(msg)
         _log.log(level, msg)
-
-
-def _data_mesh():
-    """(abstract mesh, n) when the trace runs under a mesh whose "data" axis has n > 1 devices."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        return None, 1
-    n = dict(mesh.shape).get("data", 1)
-    return (mesh, n) if n > 1 else (None, 1)
 
 
 def shard_specs(path, shape: tuple[int, ...], n: int, block_size: int = BLOCK_SIZE):
@@ -494,8 +467,7 @@ def adamw_8bit(
     min_8bit_size: int = MIN_8BIT_SIZE,
     fp32_mask: Any = None,
     impl: str | None = None,
-    kernel_variant: int | None = None,
-    shard_update: bool | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> FusedGradientTransformation:
     """8-bit AdamW (see the module docstring) as an optax GradientTransformation.
 
@@ -507,10 +479,9 @@ def adamw_8bit(
     fp32_mask: True for leaves that keep fp32 moments whatever their size (e.g. norms, biases,
       or embeddings as HF Trainer does for bitsandbytes); None = none.
     impl: the 8-bit update's implementation (None/"auto": CUDA kernel on GPU, reference elsewhere).
-    kernel_variant: which CUDA kernel variant (None: $SUROGATE_ADAMW8_VARIANT or DEFAULT_VARIANT).
-    shard_update: update each 8-bit leaf per ZeRO shard under a "data" mesh (None/True: yes when
-      the trace runs under a mesh whose "data" axis has > 1 devices; False: never, for replicated
-      state as in DDP, where the sharded update would all-gather its outputs).
+    mesh: the mesh whose "data" axis the optimizer state is ZeRO-sharded over: with > 1 devices
+      there, each 8-bit leaf is updated per shard (see the module docstring). None: whole leaves,
+      for one device or replicated state as in DDP (a sharded update would all-gather its outputs).
 
     `update` returns updates (new_param - param in the param dtype; adding them back gives
     new_param exactly when it is within a factor 2 of param, else up to one rounding) so the
@@ -523,7 +494,9 @@ def adamw_8bit(
         raise ValueError(f"adamw_8bit: b1 and b2 must be in [0, 1), got {b1}, {b2}")
     f32 = np.float32
     consts = (f32(b1), f32(1.0) - f32(b1), f32(b2), f32(1.0) - f32(b2))
-    variant = None if kernel_variant is None else resolve_variant(kernel_variant)
+    n_data = 1 if mesh is None else dict(mesh.shape).get(DATA, 1)
+    if n_data <= 1:
+        mesh = None
 
     def is_8bit(p, keep_fp32: bool) -> bool:
         return (not keep_fp32) and p.size >= min_8bit_size and p.size > 0
@@ -565,8 +538,7 @@ def adamw_8bit(
         decays = _broadcast_mask(mask, params, True)
         scalars = {d: scalars_fn(count_inc, lr, d, grad_scale) for d in (False, True)}
 
-        mesh, n_data = _data_mesh() if shard_update is not False else (None, 1)
-        one_leaf = functools.partial(update_8bit, block_size=block_size, impl=impl, variant=variant)
+        one_leaf = functools.partial(update_8bit, block_size=block_size, impl=impl)
 
         def leaf(path, g, p, mu, nu, d):
             s = scalars[bool(d)]
@@ -621,7 +593,6 @@ __all__ = [
     "lookup_np",
     "midpoints",
     "quantize",
-    "resolve_variant",
     "shard_specs",
     "state_bytes",
     "update_8bit",

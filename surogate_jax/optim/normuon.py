@@ -318,12 +318,11 @@ def add_cautious_decayed_weights(weight_decay: float, cautious: bool = True) -> 
 
 
 def _aux_adamw(learning_rate, b1: float, b2: float, eps: float, weight_decay: float,
-               fp32: bool, shard_update: bool | None = None) -> optax.GradientTransformation:
+               fp32: bool, mesh: jax.sharding.Mesh | None = None) -> optax.GradientTransformation:
     """The AdamW half (embeddings, lm_head, norms, biases): 8-bit AdamW as in Surogate; norm scales
     and biases (`fp32`) keep fp32 moments, as `optimizer: adamw_8bit` does. Swap this one line for
     optax.adamw to get fp32 states everywhere."""
-    return adamw_8bit(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, fp32_mask=fp32,
-                      shard_update=shard_update)
+    return adamw_8bit(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, fp32_mask=fp32, mesh=mesh)
 
 
 def normuon(
@@ -345,7 +344,7 @@ def normuon(
     adam_eps: float = 1e-8,
     adam_weight_decay: float | None = None,
     matrix_dims: Callable = default_matrix_dims,
-    shard_update: bool | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformation:
     """NorMuon for the hidden matrices + AdamW for the rest, as one transform (see module docstring).
 
@@ -353,7 +352,7 @@ def normuon(
     lr_rule="adamw" NorMuon's update RMS is rms_scale * lr). momentum/beta2/cautious_wd are
     Surogate's normuon_momentum/normuon_beta2/normuon_cautious_wd; weight_decay applies to the
     NorMuon matrices and (unless adam_weight_decay is given) to embeddings/lm_head, never to norm
-    scales or biases. shard_update: passed to the AdamW half (adamw_8bit's per-ZeRO-shard update)."""
+    scales or biases. mesh: passed to the AdamW half (adamw_8bit's per-ZeRO-shard update)."""
     adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay
     matrices = optax.chain(
         scale_by_normuon(momentum, beta2, nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs,
@@ -363,9 +362,8 @@ def normuon(
     )
     transforms = {
         "normuon": matrices,
-        "adamw": _aux_adamw(learning_rate, adam_b1, adam_b2, adam_eps, adam_wd, fp32=False, shard_update=shard_update),
-        "adamw_nodecay": _aux_adamw(learning_rate, adam_b1, adam_b2, adam_eps, 0.0, fp32=True,
-                                    shard_update=shard_update),
+        "adamw": _aux_adamw(learning_rate, adam_b1, adam_b2, adam_eps, adam_wd, fp32=False, mesh=mesh),
+        "adamw_nodecay": _aux_adamw(learning_rate, adam_b1, adam_b2, adam_eps, 0.0, fp32=True, mesh=mesh),
     }
     return optax.multi_transform(transforms, lambda params: normuon_labels(params, matrix_dims))
 

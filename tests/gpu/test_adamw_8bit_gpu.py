@@ -3,19 +3,23 @@
 Bit for bit: at every step the kernel and `update_8bit_ref` get the same inputs (the kernel's state
 so far) and must agree exactly on parameters, codes and absmax, with the reference run by XLA on
 the CPU (which rounds every float32 op as written: its products are pinned against FMA
-contraction, see optim/adamw_8bit.py). Inputs stay clear of float32 denormals, which XLA's CPU
-runtime flushes and the kernel keeps. Against the same reference compiled by XLA for the GPU the
+contraction, see optim/adamw_8bit.py). XLA's CPU runtime flushes float32 subnormals, the kernel
+keeps them: where an intermediate is subnormal the kernel is compared with the float32 numpy twin
+of the reference (tests/optim `np_step_f32`, IEEE with subnormals, nearest code by exhaustive
+searchsorted), elsewhere with both. Against the same reference compiled by XLA for the GPU the
 test reports the differences and allows one code step on a tiny fraction (XLA GPU's own rounding
 of division/sqrt is not pinned). Also: f32/bf16/f16 params and grads, odd sizes (4096, 4097,
-1000003: last partial block), NaN/Inf gradients, all-zero blocks, in-place donation, unwritten
-outputs (every parameter changes each step, so an unwritten element shows), the whole transform.
-Every kernel variant (0 the first kernel, 1-4 the lookup kernels, see kernels/adamw_8bit.h) must
-give the same bits; one case runs tiny/zero/huge moments through the div/sqrt fast-path checks of
-variants 3-4 (their exact fallback), and absmax arrays take their state shape (absmax_shape)."""
+1000003: last partial block), NaN/Inf gradients, all-zero blocks, zero/tiny/huge moments, every
+code midpoint and lookup bucket edge of the one-probe nearest-code lookup with its float32
+neighbours, in-place donation, unwritten outputs (every parameter changes each step, so an
+unwritten element shows), the whole transform; absmax arrays take their state shape
+(absmax_shape)."""
 
 from __future__ import annotations
 
 import itertools
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +31,15 @@ from surogate_jax.optim import adamw_8bit, apply_fused, chain_clip
 from surogate_jax.optim.adamw_8bit import (
     B1,
     B2,
+    BUCKET_E0,
     DECAY,
     EPS_HAT,
     GSCALE,
+    LOOKUP_BITS_S,
+    LOOKUP_BITS_U,
+    MID_S,
+    MID_U,
     N_SCALARS,
-    N_VARIANTS,
     OMB1,
     OMB2,
     STEP,
@@ -43,10 +51,12 @@ from surogate_jax.optim.adamw_8bit import (
     update_8bit_ref,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "optim"))
+from test_adamw_8bit import np_step_f32  # noqa: E402  (the float32 numpy twin, tested equal to the reference)
+
 pytestmark = pytest.mark.gpu
 
 SIZES = [(4096,), (4097,), (1000003,), (37, 1001), (3, 256, 130), (5, 512, 768)]
-VARIANTS = list(range(N_VARIANTS))
 DTYPES = [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16),
           (jnp.float16, jnp.float32)]
 STEPS = 4
@@ -86,15 +96,27 @@ def _bits(x):
     return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32) if x.dtype.itemsize == 4 else x
 
 
-def _ffi(*args, variant=None):
-    return jax.jit(lambda *a: update_8bit(*a, impl="ffi", variant=variant))(*args)
+def _ffi(*args):
+    return jax.jit(lambda *a: update_8bit(*a, impl="ffi"))(*args)
+
+
+def _assert_bits(got, want, sel=None, what=""):
+    """got, want: (p, qm, qv, am, av); sel: (element mask, block mask) to compare, else all."""
+    for name, a, b in zip(("p", "qm", "qv", "am", "av"), got, want, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+        a, b = _bits(a).reshape(-1), _bits(b).reshape(-1)
+        if sel is not None:
+            m = sel[0] if a.size == sel[0].size else sel[1]
+            a, b = a[m], b[m]
+        np.testing.assert_array_equal(a, b, err_msg=f"{name} {what}")
 
 
 @pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: f"p{jnp.dtype(d[0]).name}-g{jnp.dtype(d[1]).name}")
 @pytest.mark.parametrize("shape", SIZES, ids=str)
 def test_kernel_matches_reference_bit_for_bit(shape, dtypes):
-    """Every variant, step by step from the same inputs (variant 0's state, so all see one
-    trajectory); the XLA GPU build of the reference within one code."""
+    """Step by step from the same inputs (the kernel's state so far); the XLA GPU build of the
+    reference within one code."""
     pdt, gdt = dtypes
     rng = np.random.default_rng(next(_seed))
     p = jnp.asarray(0.1 * rng.standard_normal(shape).astype(np.float32), pdt)  # updates exceed an ulp
@@ -110,34 +132,25 @@ def test_kernel_matches_reference_bit_for_bit(shape, dtypes):
         args = (g, p, qm, qv, am, av, s)
         want = jax.device_get(ref_cpu(*(_cpu(a) for a in args)))
         xla_gpu = jax.device_get(ref_gpu(*args))
-        first = None
-        for variant in VARIANTS:
-            got = jax.device_get(_ffi(*args, variant=variant))
-            for name, a, b, c in zip(("p", "qm", "qv", "am", "av"), got, want, xla_gpu, strict=True):
-                assert a.shape == b.shape and a.dtype == b.dtype, name
-                np.testing.assert_array_equal(
-                    _bits(a), _bits(b), err_msg=f"variant {variant}: {name} at step {step + 1} (vs CPU reference)")
-                if a.dtype == np.uint8:  # XLA's GPU build of the reference: within one code, rarely off
-                    d = np.abs(a.astype(int) - c.astype(int))
-                    assert d.max() <= 1 and d.mean() < 1e-3, (name, step, d.max(), d.mean())
-            first = got if first is None else first
+        got = jax.device_get(_ffi(*args))
+        _assert_bits(got, want, what=f"at step {step + 1} (vs CPU reference)")
+        for name, a, c in zip(("qm", "qv"), got[1:3], xla_gpu[1:3], strict=True):
+            d = np.abs(a.astype(int) - c.astype(int))  # XLA's GPU build of the reference: within one code
+            assert d.max() <= 1 and d.mean() < 1e-3, (name, step, d.max(), d.mean())
         # the check can see unwritten outputs: the reference changes almost every parameter
         gf = np.asarray(g, np.float32).reshape(-1)
         moved = np.asarray(want[0], np.float32).reshape(-1) != np.asarray(p, np.float32).reshape(-1)
         assert moved[np.isfinite(gf) & (gf != 0)].mean() > 0.9
-        p, qm, qv, am, av = (jnp.asarray(x) for x in first)
+        p, qm, qv, am, av = (jnp.asarray(x) for x in got)
     assert float(jnp.max(am)) > 0 and float(jnp.max(av)) > 0
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_fast_path_edges_bit_for_bit(variant):
-    """Moments at the edges of the straight-line div/sqrt ranges (variants 3, 4 fall back to the
-    exact ops there): zero and -0 gradients and parameters, tiny gradients (v below 2^-101, m below
-    2^-60), huge ones (v near overflow). Everything against variant 0 (__fdiv_rn / __fsqrt_rn
-    throughout); against the CPU reference only in the groups whose float32 intermediates stay
-    normal (XLA:CPU flushes subnormals to 0, the kernel keeps them): the 1e-16, 3e-17 and 1e-19
-    groups have v = (1 - b2) g^2 in or near the subnormal range (seen on the H100, 2026-11-22:
-    every variant equal to variant 0, and 255 qv codes of the 1e-16 group off the CPU's)."""
+def test_zero_tiny_huge_and_subnormal_moments_bit_for_bit():
+    """Zero and -0 gradients and parameters, tiny gradients (m down to 1e-20; v = (1 - b2) g^2 in or
+    near the subnormal range for the 1e-16, 3e-17 and 1e-19 groups, and a subnormal block absmax
+    whose inverse overflows), huge ones (v near 1e33), over 3 steps. Against the numpy twin
+    everywhere (it keeps subnormals as the kernel does); against the CPU reference in the groups
+    whose float32 intermediates stay normal (XLA:CPU flushes subnormals to 0)."""
     rng = np.random.default_rng(next(_seed))
     n = 256 * 64
     scales = np.float32([0.0, 1e-16, 1e-19, 1e-12, 3e-17, 1.0, 1e15, 1e18])
@@ -148,22 +161,76 @@ def test_fast_path_edges_bit_for_bit(variant):
     p[::89] = -0.0
     p[::83] = 0.0
     keep = ~np.isin(scale, np.float32([1e-16, 3e-17, 1e-19]))  # no subnormal intermediates
-    keep_blocks = keep.reshape(-1, 256).all(1)
-    state = (jnp.asarray(p), jnp.full((n,), ZERO_S, jnp.uint8), jnp.full((n,), ZERO_U, jnp.uint8),
-             jnp.zeros((n // 256,), jnp.float32), jnp.zeros((n // 256,), jnp.float32))
+    sel = (keep, keep.reshape(-1, 256).all(1))
+    state = (p, np.full((n,), ZERO_S, np.uint8), np.full((n,), ZERO_U, np.uint8),
+             np.zeros((n // 256,), np.float32), np.zeros((n // 256,), np.float32))
     for step in range(3):
-        s = jnp.asarray(_scalars(step + 1, gscale=1.0))
-        args = (jnp.asarray(g * np.float32(0.5**step)), *state, s)
+        s = _scalars(step + 1, gscale=1.0)
+        args = (g * np.float32(0.5**step), *state, s)
+        got = jax.device_get(_ffi(*(jnp.asarray(a) for a in args)))
+        _assert_bits(got, np_step_f32(*args), what=f"at step {step + 1} (vs the numpy twin)")
         want = jax.device_get(jax.jit(update_8bit_ref)(*(_cpu(a) for a in args)))
-        got = jax.device_get(_ffi(*args, variant=variant))
-        ref0 = jax.device_get(_ffi(*args, variant=0))
-        for name, a, b, c in zip(("p", "qm", "qv", "am", "av"), got, want, ref0, strict=True):
-            np.testing.assert_array_equal(_bits(a), _bits(c),
-                                          err_msg=f"variant {variant} vs 0: {name} at step {step + 1}")
-            sel = keep if a.shape == (n,) else keep_blocks
-            np.testing.assert_array_equal(_bits(a)[sel], _bits(b)[sel],
-                                          err_msg=f"variant {variant} vs CPU reference: {name} at step {step + 1}")
-        state = tuple(jnp.asarray(x) for x in got)
+        _assert_bits(got, want, sel, what=f"at step {step + 1} (vs CPU reference)")
+        state = tuple(np.asarray(x) for x in got)
+
+
+def _lookup_edges(bits: int) -> np.ndarray:
+    """The lower edges of the kernel's lookup buckets (adamw_8bit.py `_lookup_table`) up to 1."""
+    n = (127 - BUCKET_E0 + 1) << bits
+    edges = ((np.arange(n, dtype=np.uint32) + (BUCKET_E0 << bits)) << (23 - bits)).view(np.float32)
+    return edges[edges <= 1]
+
+
+def _around(x: np.ndarray) -> np.ndarray:
+    """x and its float32 neighbours, within [0, 1]."""
+    x = np.concatenate([x, np.nextafter(x, np.float32(0)), np.nextafter(x, np.float32(2))]).astype(np.float32)
+    return x[(x >= 0) & (x <= 1)]
+
+
+def _sqrt_exact(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """g with float32 g * g == t where one exists within 2 ulps of sqrt(t) (else the nearest)."""
+    g0 = np.sqrt(t.astype(np.float64)).astype(np.float32)
+    cands, up, dn = [g0], g0, g0
+    for _ in range(2):
+        up, dn = np.nextafter(up, np.float32(2)), np.nextafter(dn, np.float32(0))
+        cands += [up, dn]
+    c = np.stack(cands)
+    sq = c * c
+    exact = sq == t[None]
+    k = np.where(exact.any(0), exact.argmax(0), np.abs(sq.astype(np.float64) - t).argmin(0))
+    return c[k, np.arange(t.size)], exact.any(0)
+
+
+def test_codes_at_midpoints_and_lookup_bucket_edges():
+    """The one-probe nearest-code lookup on the values where it can go wrong: every midpoint between
+    codes (ties go to the lower code), every bucket edge of the lookup tables, their float32
+    neighbours, both signs, +-0 and tiny values. With b1 = b2 = 0 and a fresh state, m = g and
+    v = g * g, and one g = +-1 per block makes both absmax 1, so the kernel quantizes exactly these
+    values; it must agree with the CPU reference and with the numpy twin's exhaustive searchsorted."""
+    rng = np.random.default_rng(next(_seed))
+    signed = _around(np.concatenate([MID_S[MID_S > 0], _lookup_edges(LOOKUP_BITS_S)]))
+    signed = np.concatenate([signed, -signed, np.float32([0.0, -0.0, 1e-9, -1e-9, 2.9e-8, -2.9e-8, 1e-30, -1e-30])])
+    targets = _around(np.concatenate([MID_U, _lookup_edges(LOOKUP_BITS_U)]))
+    roots, exact = _sqrt_exact(targets)
+    assert exact[: MID_U.size].sum() > MID_U.size // 2, exact[: MID_U.size].sum()  # unsigned ties hit exactly
+    unsigned = roots * rng.choice(np.float32([-1, 1]), roots.size)
+
+    def blocks(x):  # 255 values and one +-1 anchor per 256-block
+        x = np.concatenate([x, np.zeros(-x.size % 255, np.float32)]).reshape(-1, 255)
+        anchor = np.where(np.arange(x.shape[0]) % 2, np.float32(-1), np.float32(1))[:, None]
+        return np.concatenate([anchor, x], axis=1).reshape(-1).astype(np.float32)
+
+    g = np.concatenate([blocks(signed), blocks(unsigned)])
+    assert np.isin(MID_S, g).all()  # every signed midpoint is quantized as is
+    n = g.size
+    p = rng.standard_normal(n).astype(np.float32)
+    args = (g, p, np.full((n,), ZERO_S, np.uint8), np.full((n,), ZERO_U, np.uint8),
+            np.zeros((n // 256,), np.float32), np.zeros((n // 256,), np.float32),
+            _scalars(1, b1=0.0, b2=0.0, gscale=1.0))
+    got = jax.device_get(_ffi(*(jnp.asarray(a) for a in args)))
+    assert np.all(np.asarray(got[3]) == 1.0) and np.all(np.asarray(got[4]) == 1.0)
+    _assert_bits(got, np_step_f32(*args), what="(vs the numpy twin)")
+    _assert_bits(got, jax.device_get(jax.jit(update_8bit_ref)(*(_cpu(a) for a in args))), what="(vs CPU reference)")
 
 
 def test_in_place_with_donation():

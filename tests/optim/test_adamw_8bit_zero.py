@@ -1,10 +1,11 @@
-"""adamw_8bit under ZeRO on 4 CPU devices: each 8-bit leaf is updated per shard (jax.shard_map on
-parallel.zero_spec's dim), the result equals 1 device bit for bit, and the compiled step moves no
-8-bit codes: with absmax shardings paired to their codes (`shard_specs`, as parallel.Layout places the
-optimizer state) there is no collective at all; with parallel.zero_spec applied to every leaf as it
-stands, only the absmax of leaves sharded along their block dim is resharded (an f32 all-to-all, 1/64
-of the codes' bytes). Leaves whose blocks would straddle shards are updated unsharded with a logged
-line, still equal."""
+"""adamw_8bit under ZeRO on 4 CPU devices, given the mesh explicitly (`adamw_8bit(..., mesh=mesh)`): each 8-bit
+leaf is updated per shard (jax.shard_map on parallel.zero_spec's dim), the result equals 1 device bit for bit, and
+the compiled step moves no 8-bit codes: with absmax shardings paired to their codes (`shard_specs`, as
+parallel.Layout places the optimizer state) there is no collective at all; with parallel.zero_spec applied to every
+leaf as it stands, only the absmax of leaves sharded along their block dim is resharded (an f32 all-to-all, 1/64 of
+the codes' bytes). Leaves whose blocks would straddle shards are updated unsharded with a logged line, still equal.
+The mesh comes from the argument only: the "paired" runs trace with no context mesh, the "zero" run under one (as
+train.jit_train_step does); without a mesh (DDP) the update is never split, whatever the context."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ is_shape = lambda x: isinstance(x, tuple)
 mk = lambda scale: jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32), SHAPES,
                                 is_leaf=is_shape)
 params, grads = mk(0.1), [mk(1e-2) for _ in range(3)]
-tx = adamw_8bit(1e-2, weight_decay=0.1, impl="ref")
+make_tx = lambda mesh: adamw_8bit(1e-2, weight_decay=0.1, impl="ref", mesh=mesh)
 is_q = lambda x: isinstance(x, QuantizedMoment)
 
 def specs(tree, n):
@@ -50,6 +51,7 @@ def specs(tree, n):
 
 def run(devs):  # ZeRO-3 placement: params, grads and state sharded by the rule
     mesh = Mesh(np.array(devs), ("data",))
+    tx = make_tx(mesh)
     ns = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t, is_leaf=lambda x: isinstance(x, P))
     st_sh, p_sh = ns(specs(jax.eval_shape(tx.init, params), len(devs))), ns(specs(params, len(devs)))
     if mode == "paired":  # the trainer's own placement (parallel.Layout pairs absmax with codes)
@@ -57,6 +59,8 @@ def run(devs):  # ZeRO-3 placement: params, grads and state sharded by the rule
     p = jax.device_put(jax.tree.map(jnp.copy, params), p_sh)
     st = jax.jit(tx.init, out_shardings=st_sh)(p)
     def step(p, s, g):
+        if mode == "paired":
+            return apply_fused(tx, g, s, p)
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return apply_fused(tx, g, s, p)
     f = jax.jit(step, in_shardings=(p_sh, st_sh, p_sh), out_shardings=(p_sh, st_sh), donate_argnums=(0, 1))
@@ -66,6 +70,11 @@ def run(devs):  # ZeRO-3 placement: params, grads and state sharded by the rule
     assert all(x.sharding.spec == s.spec for x, s in zip(jax.tree.leaves(st), jax.tree.leaves(st_sh)))
     return jax.device_get((p, st)), comp.as_text()
 
+jaxpr = lambda tx: str(jax.make_jaxpr(lambda p, s, g: apply_fused(tx, g, s, p))(params, tx.init(params), grads[0]))
+mesh4 = Mesh(np.array(jax.devices()), ("data",))
+assert "shard_map" in jaxpr(make_tx(mesh4)), "a mesh given: the update runs per shard"
+with jax.sharding.use_abstract_mesh(mesh4.abstract_mesh):  # a context mesh alone does not split it
+    assert "shard_map" not in jaxpr(make_tx(None))
 one, _ = run(jax.devices()[:1])
 four, hlo = run(jax.devices())
 for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(four), strict=True):
