@@ -102,9 +102,10 @@ def init_weights(model: Decoder, layout: par.Layout, seed: int):
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
 
 
-def make_tx(optimizer: str):
+def make_tx(optimizer: str, mesh=None):
+    """mesh: the mesh whose shards each update their own slice of the 8-bit state (ZeRO >= 1), as the trainer does."""
     if optimizer == "adamw_8bit":  # as the trainer builds it: norms keep fp32 moments
-        return adamw_8bit(2e-4, weight_decay=0.0, fp32_mask=fp32_state_mask)
+        return adamw_8bit(2e-4, weight_decay=0.0, fp32_mask=fp32_state_mask, mesh=mesh)
     return optax.adamw(2e-4, weight_decay=0.0)
 
 
@@ -146,7 +147,7 @@ def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int
     else:
         params = init_weights(Decoder(cfg.replace(lora=None)), layout, 0)
         trainable = init_adapters(model, jax.random.key(1), jnp.zeros((1, 1), jnp.int32))
-    tx = make_tx(optimizer)
+    tx = make_tx(optimizer, mesh if layout.plan.shard_optimizer else None)
     state = T.init_state(model, tx, params, trainable, 0, mesh, layout)
     del params, trainable
     step = T.jit_train_step(model, tx, lambda s: 2e-4, mesh, state, layout)

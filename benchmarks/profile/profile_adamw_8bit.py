@@ -1,10 +1,10 @@
 """One fused 8-bit AdamW update over a Qwen3-0.6B-embedding-sized f32 leaf, repeated, for a profiler,
 plus the device's copy bandwidth measured the same way (x + 1 over 2 GiB: read + write).
 
-    python benchmarks/profile/profile_adamw_8bit.py [--variant 1] [--dtype float32]
+    python benchmarks/profile/profile_adamw_8bit.py [--dtype float32]
     ncu --kernel-name regex:adamw --launch-skip 3 --launch-count 1 --section SpeedOfLight \
         --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-        python benchmarks/profile/profile_adamw_8bit.py --variant 1
+        python benchmarks/profile/profile_adamw_8bit.py
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ def copy_bandwidth(n_bytes: int = 2 << 30, repeats: int = 20) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variant", type=int, default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--steps", type=int, default=6)
     a = ap.parse_args()
@@ -40,7 +39,7 @@ def main():
     k1, k2 = jax.random.split(jax.random.key(0))
     p = {"embedding": jax.random.normal(k1, shape, jnp.float32).astype(dt)}
     g = {"embedding": (jax.random.normal(k2, shape, jnp.float32) * 0.01).astype(dt)}
-    tx = adamw_8bit(1e-3, weight_decay=0.1, kernel_variant=a.variant)
+    tx = adamw_8bit(1e-3, weight_decay=0.1)
     step = jax.jit(lambda p, s, g: apply_fused(tx, g, s, p), donate_argnums=(0, 1))
     s = jax.jit(tx.init)(p)
     for _ in range(a.steps):

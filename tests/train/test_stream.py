@@ -132,7 +132,7 @@ def run(stream, zero_level):
     mesh = T.make_mesh()
     layout = par.Layout(mesh, par.Plan.from_config(ParallelConfig(zero_level=zero_level)), stream=stream)
     tx, sched = make_optimizer(OptimConfig(optimizer="adamw_8bit", learning_rate=1e-2, max_grad_norm=0.5), 10,
-                               shard_update=zero_level >= 1)
+                               mesh=mesh if zero_level >= 1 else None)
     state = T.init_state(model, tx, {}, base_params(cfg=cfg), 0, mesh, layout)
     step = T.jit_train_step(model, tx, sched, mesh, state, layout)
     out = []
