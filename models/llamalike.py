@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AbstractMesh, Mesh
 
 from surogate_jax.names import PROJECTIONS, REMAT_POLICIES
 from surogate_jax.ops import add_rms_norm, fp8_formats, rms_norm, rope_qk, swiglu, swiglu_lora
@@ -118,6 +119,8 @@ class DecoderConfig:
     lora: LoraSpec | None = None
     # Precision recipe of the seven projections (precision/recipe.py); None = plain model dtype (bf16).
     recipe: QuantRecipe | None = None
+    # The device mesh the ops split rows over (ops/_sharding.py); set when the train/eval step is built.
+    mesh: Mesh | AbstractMesh | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -177,13 +180,14 @@ def rope_cos_sin(cfg: DecoderConfig, positions_BT: jax.Array) -> tuple[jax.Array
 def apply_rope_qk(
     q_BTHK: jax.Array, k_BTGK: jax.Array, cos_BTK: jax.Array, sin_BTK: jax.Array,
     norm_wq_K: jax.Array | None = None, norm_wk_K: jax.Array | None = None, eps: float = 1e-6,
-    impl: str | None = None,
+    impl: str | None = None, mesh: Mesh | AbstractMesh | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """HF rotate-half RoPE of q and k (after a per-head RMSNorm with weights norm_wq_K /
     norm_wk_K, if given), computed in float32 and rounded once to their dtype. Runs
     `surogate_jax.ops.rope_qk`: one fused CUDA launch for both on GPU (each way), the pure-JAX
-    reference elsewhere. cos/sin are rope_cos_sin's [B, T, K] tables."""
-    return rope_qk(q_BTHK, k_BTGK, table=(cos_BTK, sin_BTK), norm_wq=norm_wq_K, norm_wk=norm_wk_K, eps=eps, impl=impl)
+    reference elsewhere; per data shard of `mesh`. cos/sin are rope_cos_sin's [B, T, K] tables."""
+    return rope_qk(q_BTHK, k_BTGK, table=(cos_BTK, sin_BTK), norm_wq=norm_wq_K, norm_wk=norm_wk_K, eps=eps, impl=impl,
+                   mesh=mesh)
 
 
 class NormScale(nn.Module):
@@ -213,13 +217,14 @@ class RMSNorm(nn.Module):
     dtype: Dtype
     param_dtype: Dtype
     impl: str | None = None  # see DecoderConfig.impl
+    mesh: Mesh | AbstractMesh | None = None  # see DecoderConfig.mesh
 
     @nn.compact
     def __call__(self, x):
         scale = _param(
             self, "scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype
         )
-        return rms_norm(x.astype(self.dtype), scale.astype(self.dtype), self.eps, impl=self.impl)
+        return rms_norm(x.astype(self.dtype), scale.astype(self.dtype), self.eps, impl=self.impl, mesh=self.mesh)
 
 
 class AddRMSNorm(RMSNorm):
@@ -232,7 +237,7 @@ class AddRMSNorm(RMSNorm):
             self, "scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype
         )
         return add_rms_norm(x.astype(self.dtype), residual.astype(self.dtype), scale.astype(self.dtype), self.eps,
-                            impl=self.impl)
+                            impl=self.impl, mesh=self.mesh)
 
 
 class Linear(nn.Module):
@@ -289,7 +294,7 @@ class Linear(nn.Module):
         if self.has_variable("params", recipe_lib.KERNEL_SCALE):
             scale = self.get_variable("params", recipe_lib.KERNEL_SCALE)
         return recipe_lib.linear(r, x, kernel, in_dims=self.in_dims, dtype=cfg.dtype, fp8_state=state,
-                                 kernel_scale=scale, key=key, layer=layer, num_layers=cfg.num_layers)
+                                 kernel_scale=scale, key=key, layer=layer, num_layers=cfg.num_layers, mesh=cfg.mesh)
 
     def _lora(self, x, in_shape, contract):
         xa, b = self._lora_factors(x, in_shape, contract)
@@ -339,7 +344,7 @@ class Attention(nn.Module):
             wq = NormScale(K, cfg.param_dtype, name="q_norm")().astype(cfg.dtype)
             wk = NormScale(K, cfg.param_dtype, name="k_norm")().astype(cfg.dtype)
         q, k = apply_rope_qk(q.astype(cfg.dtype), k.astype(cfg.dtype), cos_BTK, sin_BTK, wq, wk, cfg.rms_norm_eps,
-                             cfg.impl("rope"))
+                             cfg.impl("rope"), cfg.mesh)
         impl = _attention_impl(cfg, q.dtype)
         if segment_ids_BT is None:
             o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
@@ -383,7 +388,7 @@ class MLP(nn.Module):
                 base = (gate, x @ wu)
             split = "down_proj" in cfg.lora.targets  # h feeds the down GEMM and its LoRA
             h = swiglu_lora(base, jnp.concatenate([xa_g, xa_u], axis=-1), jnp.stack([bg, bu]),
-                            cfg.lora.scale, impl=cfg.impl("swiglu_lora"), split_output=split)
+                            cfg.lora.scale, impl=cfg.impl("swiglu_lora"), split_output=split, mesh=cfg.mesh)
             if split:
                 h, h_lora = h
                 return Linear((cfg.hidden_size,), cfg, name="down_proj")(h, layer, lora_x=h_lora)
@@ -391,7 +396,7 @@ class MLP(nn.Module):
             gate = gate_proj(x_BTD, layer)
             up = up_proj(x_BTD, layer)
             # silu(gate) * up, fp32 math, one rounding
-            h = swiglu(gate.astype(cfg.dtype), up.astype(cfg.dtype), impl=cfg.impl("swiglu"))
+            h = swiglu(gate.astype(cfg.dtype), up.astype(cfg.dtype), impl=cfg.impl("swiglu"), mesh=cfg.mesh)
         return Linear((cfg.hidden_size,), cfg, name="down_proj")(h, layer)
 
 
@@ -401,7 +406,7 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x_BTD, cos_BTK, sin_BTK, segment_ids_BT, layer=None):
         cfg = self.cfg
-        norm = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        norm = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, mesh=cfg.mesh)
         x_BTD = checkpoint_name(x_BTD, "decoder_layer_input")  # what "offload_residual" sends to host
         h = RMSNorm(**norm, impl=cfg.impl("rms_norm"), name="input_layernorm")(x_BTD)
         attn_BTD = Attention(cfg, name="self_attn")(h, cos_BTK, sin_BTK, segment_ids_BT, layer)
@@ -460,7 +465,8 @@ class Decoder(nn.Module):
         )
         layer_ids = (jnp.arange(cfg.num_layers, dtype=jnp.int32),) if skips else ()
         x_BTD, _ = stack(cfg, name="layers")(x_BTD, cos_BTK, sin_BTK, segment_ids, *layer_ids)
-        x_BTD = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, cfg.impl("rms_norm"), name="norm")(x_BTD)
+        x_BTD = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, cfg.impl("rms_norm"), cfg.mesh,
+                        name="norm")(x_BTD)
         if return_hidden:
             return x_BTD
         if cfg.tie_word_embeddings:

@@ -94,7 +94,15 @@ def batch_loss(model: Decoder, params, trainable, batch: dict, rng, quant: Any =
         rngs = {**(rngs or {}), recipe_lib.QUANT_RNG: jax.random.fold_in(rng, 0x5A17)}
     hidden = model.apply(v, batch["input_ids"], batch["positions"], batch["segment_ids"], return_hidden=True, rngs=rngs)
     head, layout = lm_head(model.config, v["params"])
-    return cross_entropy_sum(hidden, head, batch["targets"], batch["loss_mask"], head_layout=layout)
+    return cross_entropy_sum(hidden, head, batch["targets"], batch["loss_mask"], head_layout=layout,
+                             mesh=model.config.mesh)
+
+
+def with_mesh(model: Decoder, mesh: Mesh | None) -> Decoder:
+    """`model` whose ops split rows over `mesh`'s data axes (DecoderConfig.mesh); None keeps its own."""
+    if mesh is None or model.config.mesh == mesh:
+        return model
+    return model.clone(config=model.config.replace(mesh=mesh))
 
 
 def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: Callable,
@@ -103,8 +111,10 @@ def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: 
     `layout` (parallel.Layout): ZeRO-2 gradient sharding and host-offload placement in the step.
     Two steps share the micro-batch scan and the bookkeeping: the plain one (the whole state on the
     device) and the layer-streamed one (offloaded state crosses to the device one layer at a time,
-    offload.py), picked when the step is traced."""
+    offload.py), picked when the step is traced. The model's ops run per data shard of the layout's
+    mesh (with_mesh)."""
     layout = layout or Layout(None)
+    model = with_mesh(model, layout.mesh)
     recipe = model.config.recipe
     margin = recipe.margin if recipe is not None else 0.0
 
@@ -228,7 +238,9 @@ def forward_weights(model: Decoder, layout: Layout, trainable, st: Streamer):
 
 
 def make_eval_step(model: Decoder, layout: Layout | None = None) -> Callable:
+    """step(state, batch) -> (loss sum, supervised tokens); the ops per data shard of the layout's mesh."""
     layout = layout or Layout(None)
+    model = with_mesh(model, layout.mesh)
 
     def step(state: TrainState, batch: dict):
         st = streamer(layout, state.trainable)
@@ -322,18 +334,10 @@ def grad_buffer(layout: Layout, trainable) -> Any:
         x.shape, s, lambda idx, x=x: np.zeros(x.shape, np.float32)[idx]), trainable, sh)
 
 
-def _in_mesh(fn: Callable, mesh: Mesh) -> Callable:
-    """fn traced with `mesh` as the abstract mesh (ops' on_shards reads it; parallel.py)."""
-    def traced(*args):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return fn(*args)
-    return traced
-
-
 def jit_train_step(model, tx, schedule, mesh: Mesh, state: TrainState, layout: Layout | None = None):
     """The jitted step: in/out shardings = the state's own (so ZeRO layouts and host memory kinds
     persist across steps), the batch split over "data", the state donated."""
-    step = _in_mesh(make_train_step(model, tx, schedule, layout or Layout(mesh)), mesh)
+    step = make_train_step(model, tx, schedule, layout or Layout(mesh))
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     batch_sh = {k: batch_sharding(mesh, True) for k in BATCH_KEYS}
     return jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated(mesh)),
@@ -341,7 +345,7 @@ def jit_train_step(model, tx, schedule, mesh: Mesh, state: TrainState, layout: L
 
 
 def jit_eval_step(model, mesh: Mesh, state: TrainState, layout: Layout | None = None):
-    step = _in_mesh(make_eval_step(model, layout or Layout(mesh)), mesh)
+    step = make_eval_step(model, layout or Layout(mesh))
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     batch_sh = {k: batch_sharding(mesh, False) for k in BATCH_KEYS}
     return jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=replicated(mesh))

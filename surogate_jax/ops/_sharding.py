@@ -7,17 +7,20 @@ ops/ is row-local, so `on_shards` wraps the call in `jax.shard_map`: batched ope
 are split along axis 0, the rest (weights, scalars) are replicated, and outputs that are sums over
 rows (e.g. a norm weight's gradient) are `psum`-ed across the shards.
 
-The mesh comes from the tracing context (`jax.set_mesh(mesh)`, which the train step uses). With no
-mesh, a mesh whose data axes are all of size 1, or a leading axis that does not split evenly, the
-function is called as is (correct; XLA then gathers).
+The mesh is an argument: every op that runs per shard takes `mesh=` (a `jax.sharding.Mesh` or
+`AbstractMesh`; the models pass `DecoderConfig.mesh`, which train.make_train_step / make_eval_step
+set to the layout's mesh). The ambient mesh (`jax.set_mesh`, `use_abstract_mesh`) is never read.
+With no mesh, a mesh whose data axes are all of size 1, or a leading axis that does not split
+evenly, the function is called as is (correct; XLA then gathers).
 
 Explicit meshes (`jax.sharding.AxisType.Explicit`): there a value's sharding is part of its type
 and shard_map refuses operands whose sharding differs from its in_specs (e.g. targets that arrive
 replicated next to row-split activations, or a ZeRO-3-sharded weight). So when the data axes are
-Explicit, `on_shards` first brings every operand to its in_spec itself (`jax.sharding.reshard`:
-batched operands to the row split, the others replicated), and gives its outputs back the types
-the operands imply (a replicated input gives a replicated output, a weight's gradient the weight's
-sharding), which custom_vjp needs for its cotangents. Every op gets this; none has to do it.
+Explicit, `on_shards` first brings every operand to its in_spec itself (`jax.sharding.reshard` to
+NamedShardings on `mesh`: batched operands to the row split, the others replicated), and gives its
+outputs back the types the operands imply (a replicated input gives a replicated output, a weight's
+gradient the weight's sharding), which custom_vjp needs for its cotangents. Every op gets this;
+none has to do it.
 Auto meshes need nothing: shard_map reshards their operands by itself.
 """
 
@@ -26,15 +29,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 # Mesh axes that split the batch (surogate_jax.parallel puts data parallelism and ZeRO on these).
 DATA_AXES = ("data",)
 
 
-def data_axes() -> tuple[str, ...]:
-    """The data axes of the current abstract mesh with more than one device (may be empty)."""
-    mesh = jax.sharding.get_abstract_mesh()
+def data_axes(mesh) -> tuple[str, ...]:
+    """The data axes of `mesh` (a Mesh, an AbstractMesh or None) with more than one device (may be empty)."""
     if mesh is None or mesh.empty:
         return ()
     shape = dict(mesh.shape)
@@ -57,7 +60,7 @@ def _replicated(spec: P | None) -> bool:
     return spec is not None and all(s is None for s in spec)
 
 
-def _types_back(outs, args, specs, batched, out_batched):
+def _types_back(mesh, outs, args, specs, batched, out_batched):
     """Explicit meshes: gives the outputs the types the caller's operands imply, so an op is
     transparent (a replicated input gives a replicated output) and a custom_vjp's cotangents match
     its primals. A batched output takes the spec of the first batched operand when the ranks agree
@@ -78,19 +81,21 @@ def _types_back(outs, args, specs, batched, out_batched):
     res = []
     for o, ob in zip(outs, out_batched, strict=True):
         t = target(o, ob)
-        res.append(o if t is None else jax.sharding.reshard(o, t))
+        res.append(o if t is None else jax.sharding.reshard(o, NamedSharding(mesh, t)))
     return tuple(res)
 
 
 def on_shards(
     fn: Callable,
     *args,
+    mesh,
     batched: Sequence[bool],
     out_batched: Sequence[bool],
     out_summed: Sequence[bool] | None = None,
 ):
     """Calls fn(*args) per shard of the leading axis of the `batched` operands.
 
+    mesh: the device mesh (Mesh or AbstractMesh) whose data axes split the rows; None runs fn whole.
     batched[i]: args[i] is split along axis 0 (else replicated).
     out_batched[j]: output j is split along axis 0 (else it must be identical on every shard, or
       listed in out_summed).
@@ -101,10 +106,9 @@ def on_shards(
     others replicated) whatever sharding they arrive with, and the outputs get back the types
     the operands imply (see `_types_back`).
     """
-    axes = data_axes()
+    axes = data_axes(mesh)
     if not axes:
         return fn(*args)
-    mesh = jax.sharding.get_abstract_mesh()
     n = 1
     for a in axes:
         n *= dict(mesh.shape)[a]
@@ -115,8 +119,8 @@ def on_shards(
         # the operands here, an Auto one lets XLA do it
         if not explicit:
             return fn(*args)
-        outs = fn(*(jax.sharding.reshard(a, P()) for a in args))
-        return _types_back(outs, args, specs, batched, out_batched)
+        outs = fn(*(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in args))
+        return _types_back(mesh, outs, args, specs, batched, out_batched)
     out_summed = tuple(out_summed or (False,) * len(out_batched))
     split, rep = P(axes), P()
 
@@ -133,5 +137,6 @@ def on_shards(
     )
     if not explicit:
         return run(*args)
-    outs = run(*(jax.sharding.reshard(a, split if b else rep) for a, b in zip(args, batched, strict=True)))
-    return _types_back(outs, args, specs, batched, out_batched)
+    outs = run(*(jax.sharding.reshard(a, NamedSharding(mesh, split if b else rep))
+                 for a, b in zip(args, batched, strict=True)))
+    return _types_back(mesh, outs, args, specs, batched, out_batched)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AbstractMesh, Mesh
 
 from surogate_jax.ops._loader import pick, resolve_impl
 from surogate_jax.ops._sharding import on_shards
@@ -93,38 +94,38 @@ def _bwd_ffi(dy, ds, s, w, rstd):
 
 
 
-def _fwd(x, res, w, eps, impl):
+def _fwd(x, res, w, eps, impl, mesh):
     ref = functools.partial(_fwd_ref, eps=eps)
     if x.size == 0:
         return ref(x, res, w)
     fn = pick(impl, functools.partial(_fwd_ffi, eps=eps), ref, OP, "fwd")
-    return on_shards(fn, x, res, w, batched=(True, True, False), out_batched=(True, True, True))
+    return on_shards(fn, x, res, w, mesh=mesh, batched=(True, True, False), out_batched=(True, True, True))
 
 
-def _bwd(dy, ds, s, w, rstd, impl):
+def _bwd(dy, ds, s, w, rstd, impl, mesh):
     if s.size == 0:
         return _bwd_ref(dy, ds, s, w, rstd)
     fn = pick(impl, _bwd_ffi, _bwd_ref, OP, "bwd")
-    return on_shards(fn, dy, ds, s, w, rstd, batched=(True, True, True, False, True),
+    return on_shards(fn, dy, ds, s, w, rstd, mesh=mesh, batched=(True, True, True, False, True),
                      out_batched=(True, False), out_summed=(False, True))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _add_rms_norm(x, res, w, eps, impl):
-    y, s, _ = _fwd(x, res, w, eps, impl)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _add_rms_norm(x, res, w, eps, impl, mesh):
+    y, s, _ = _fwd(x, res, w, eps, impl, mesh)
     return y, s
 
 
-def _add_rms_norm_vjp_fwd(x, res, w, eps, impl):
-    y, s, rstd = _fwd(x, res, w, eps, impl)
+def _add_rms_norm_vjp_fwd(x, res, w, eps, impl, mesh):
+    y, s, rstd = _fwd(x, res, w, eps, impl, mesh)
     return (y, s), (s, w, rstd)
 
 
-def _add_rms_norm_vjp_bwd(eps, impl, saved, cts):
+def _add_rms_norm_vjp_bwd(eps, impl, mesh, saved, cts):
     del eps
     s, w, rstd = saved
     dy, ds = cts
-    dx, dw = _bwd(dy, ds, s, w, rstd, impl)
+    dx, dw = _bwd(dy, ds, s, w, rstd, impl, mesh)
     return dx, dx, dw
 
 
@@ -132,12 +133,14 @@ _add_rms_norm.defvjp(_add_rms_norm_vjp_fwd, _add_rms_norm_vjp_bwd)
 
 
 def add_rms_norm(
-    x: jax.Array, residual: jax.Array, w: jax.Array, eps: float = 1e-6, *, impl: str | None = None
+    x: jax.Array, residual: jax.Array, w: jax.Array, eps: float = 1e-6, *, impl: str | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (rms_norm(s, w, eps), s) with s = x + residual, for x, residual [..., D], w [D].
 
     impl: None/"auto" (CUDA kernel on GPU, reference elsewhere), "ffi" or "ref"; the environment
-    variable SUROGATE_JAX_OPS=ref forces the reference. Outputs are tagged
+    variable SUROGATE_JAX_OPS=ref forces the reference. mesh: rows are split over its data axes
+    (ops/_sharding.py; None: one call on the whole x). Outputs are tagged
     `checkpoint_name(y, "add_rms_norm")` and `checkpoint_name(s, "residual")`.
     """
     if x.shape != residual.shape:
@@ -152,5 +155,5 @@ def add_rms_norm(
         if impl == "ffi":
             raise TypeError(f"add_rms_norm: impl='ffi' supports float32/bfloat16/float16, got {dtype}")
         impl = "ref"
-    y, s = _add_rms_norm(x.astype(dtype), residual.astype(dtype), w.astype(dtype), float(eps), impl)
+    y, s = _add_rms_norm(x.astype(dtype), residual.astype(dtype), w.astype(dtype), float(eps), impl, mesh)
     return checkpoint_name(y, "add_rms_norm"), checkpoint_name(s, "residual")

@@ -54,7 +54,7 @@ Known issues (H100 run of 2026-11-22, jax 0.11.2; see precision/fp8_formats.quan
     compiled program had no `__cublas$lt$matmul$f8` call (with the folding above the f8 operands
     had disappeared). tests/gpu/test_fp8_matmul_gpu.py::test_xla_backend_is_rewritten_to_fp8_gemms
     prints the GEMM instructions when it fails. Activations may be sharded along their leading
-axis: the ffi and ref paths run per data shard through `on_shards` (w replicated, dw psum-ed,
+axis: given `mesh=`, the ffi and ref paths run per data shard through `on_shards` (w replicated, dw psum-ed,
 amaxes max-reduced); the xla path is plain XLA and is partitioned by XLA itself. Under jax.vmap
 the FFI calls run sequentially per batch element.
 """
@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AbstractMesh, Mesh
 
 from surogate_jax.ops._loader import ffi_available, forced_ref, resolve_impl
 from surogate_jax.ops._sharding import data_axes, on_shards
@@ -98,6 +99,7 @@ class _Cfg(NamedTuple):
     x_dtype: jnp.dtype
     w_dtype: jnp.dtype
     frozen: bool = False  # w is already E4M3 (fp8_matmul_frozen): no weight cast, no dw
+    mesh: Mesh | AbstractMesh | None = None  # ref/ffi: rows split over its data axes (on_shards); None: whole
 
 
 def _round_up(v: int, m: int) -> int:
@@ -156,7 +158,7 @@ def _fwd_ref(x2, w, scales, cfg):
         y = _scaled_dot_f32(xq, wq, ((1,), (0,)), inv[0] * inv[1], cfg.out_dtype)
         return y, xq, amax(x2)[None]
 
-    y, xq, ax = on_shards(local, x2, wq, inv, scales, batched=(True, False, False, False),
+    y, xq, ax = on_shards(local, x2, wq, inv, scales, mesh=cfg.mesh, batched=(True, False, False, False),
                           out_batched=(True, True, True))
     return y, (xq, wq, scales, jnp.stack([_max_of(ax), amax_w]))
 
@@ -170,7 +172,7 @@ def _bwd_ref(res, dy, cfg):
             gq = quantize(dy, scales[2], E5M2)
             return _scaled_dot_f32(gq, wq, ((1,), (1,)), inv[2] * inv[1], cfg.x_dtype), amax(dy)[None]
 
-        dx, ag = on_shards(local_dx, dy, wq, inv, scales, batched=(True, False, False, False),
+        dx, ag = on_shards(local_dx, dy, wq, inv, scales, mesh=cfg.mesh, batched=(True, False, False, False),
                            out_batched=(True, True))
         return dx, None, jnp.concatenate([amax_xw, _max_of(ag)[None]])
 
@@ -180,7 +182,7 @@ def _bwd_ref(res, dy, cfg):
         dw = _scaled_dot_f32(xq, gq, ((0,), (0,)), inv[0] * inv[2], dw_dtype)
         return dx, dw, amax(dy)[None]
 
-    dx, dw, ag = on_shards(local, dy, xq, wq, inv, scales, batched=(True, True, False, False, False),
+    dx, dw, ag = on_shards(local, dy, xq, wq, inv, scales, mesh=cfg.mesh, batched=(True, True, False, False, False),
                            out_batched=(True, False, True), out_summed=(False, True, False))
     return dx, dw.astype(cfg.w_dtype), jnp.concatenate([amax_xw, _max_of(ag)[None]])
 
@@ -271,7 +273,7 @@ def _fwd_ffi(x2, w, scales, cfg):
         y = _gemm_ffi(xq, wq_t, inv[0], inv[1], cfg.out_dtype, fast_accum=True)
         return y, xq_t[None], ax[None]
 
-    y, xq_t, ax = on_shards(local, x2, wq_t, inv, scales, batched=(True, False, False, False),
+    y, xq_t, ax = on_shards(local, x2, wq_t, inv, scales, mesh=cfg.mesh, batched=(True, False, False, False),
                             out_batched=(True, True, True))
     return y, (xq_t, wq, scales, jnp.stack([jnp.max(ax), amax_w]))
 
@@ -279,13 +281,13 @@ def _fwd_ffi(x2, w, scales, cfg):
 def _bwd_ffi(res, dy, cfg):
     xq_t, wq, scales, amax_xw = res
     inv = inverse_scale(scales)
-    dw_dtype = jnp.float32 if data_axes() else cfg.w_dtype  # fp32 partials when psum-ed
+    dw_dtype = jnp.float32 if data_axes(cfg.mesh) else cfg.w_dtype  # fp32 partials when psum-ed
     if cfg.frozen:
         def local_dx(dy, wq, inv, scales):
             gq, _, ag = _quantize_ffi(dy, scales[2], E5M2, transposed=False)
             return _gemm_ffi(gq, wq, inv[2], inv[1], cfg.x_dtype, fast_accum=False), ag[None]
 
-        dx, ag = on_shards(local_dx, dy, wq, inv, scales, batched=(True, False, False, False),
+        dx, ag = on_shards(local_dx, dy, wq, inv, scales, mesh=cfg.mesh, batched=(True, False, False, False),
                            out_batched=(True, True))
         return dx, None, jnp.concatenate([amax_xw, jnp.max(ag)[None]])
 
@@ -295,7 +297,7 @@ def _bwd_ffi(res, dy, cfg):
         dw = _gemm_ffi(xq_t[0], gq_t, inv[0], inv[2], dw_dtype, fast_accum=False)  # [K, N]
         return dx, dw, ag[None]
 
-    dx, dw, ag = on_shards(local, dy, xq_t, wq, inv, scales, batched=(True, True, False, False, False),
+    dx, dw, ag = on_shards(local, dy, xq_t, wq, inv, scales, mesh=cfg.mesh, batched=(True, True, False, False, False),
                            out_batched=(True, False, True), out_summed=(False, True, False))
     return dx, dw.astype(cfg.w_dtype), jnp.concatenate([amax_xw, jnp.max(ag)[None]])
 
@@ -353,10 +355,11 @@ def resolve_fp8_impl(impl: str | None, k: int | None = None, n: int | None = Non
 
 
 def fp8_matmul(x: jax.Array, w: jax.Array, state: Fp8MatmulState, *, impl: str | None = None,
-               out_dtype=None) -> jax.Array:
+               out_dtype=None, mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
     """y [..., N] = x [..., K] @ w [K, N] in FP8 with delayed scaling (see the module docstring).
 
-    Differentiate w.r.t. `state` too to get this step's amaxes (precision.fp8.update). The
+    Differentiate w.r.t. `state` too to get this step's amaxes (precision.fp8.update). mesh: the
+    ref and ffi paths split x's rows over its data axes (ops/_sharding.py; None: one call). The
     output is tagged `checkpoint_name(y, "fp8_matmul")` for remat policies.
     """
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
@@ -377,13 +380,13 @@ def fp8_matmul(x: jax.Array, w: jax.Array, state: Fp8MatmulState, *, impl: str |
     if x2.shape[0] == 0 or n == 0 or k == 0:
         resolved = "ref"
     scales = jnp.stack([state.x.scale, state.w.scale, state.g.scale]).astype(jnp.float32)
-    cfg = _Cfg(resolved, out_dtype, jnp.dtype(x.dtype), jnp.dtype(w.dtype))
+    cfg = _Cfg(resolved, out_dtype, jnp.dtype(x.dtype), jnp.dtype(w.dtype), mesh=mesh)
     y = _fp8_mm(x2, w, scales, cfg).reshape(*x.shape[:-1], n)
     return checkpoint_name(y, "fp8_matmul")
 
 
 def fp8_matmul_frozen(x: jax.Array, wq: jax.Array, w_scale: jax.Array, state: Fp8MatmulState, *,
-                      impl: str | None = None, out_dtype=None) -> jax.Array:
+                      impl: str | None = None, out_dtype=None, mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
     """y [..., N] = x [..., K] @ (wq / w_scale) for a FROZEN weight cached in E4M3.
 
     wq: float8_e4m3fn [K, N] quantized once (q = saturate(w * w_scale), e.g. current scaling
@@ -391,7 +394,7 @@ def fp8_matmul_frozen(x: jax.Array, wq: jax.Array, w_scale: jax.Array, state: Fp
     activation x and the gradient dY use the delayed scales of `state` exactly as in
     `fp8_matmul`; the weight is neither cast (its state.w is unused, its observed amax reported
     as 0) nor differentiated: the backward computes dx only (no wgrad GEMM, and on the ffi path no
-    transposed copy of x). dx comes back in x.dtype."""
+    transposed copy of x). dx comes back in x.dtype. mesh: as for `fp8_matmul`."""
     if wq.ndim != 2 or x.ndim < 1 or x.shape[-1] != wq.shape[0]:
         raise ValueError(f"fp8_matmul_frozen: need x [..., K] and wq [K, N], got x {x.shape} and wq {wq.shape}")
     if jnp.dtype(wq.dtype) != jnp.dtype(E4M3):
@@ -410,6 +413,6 @@ def fp8_matmul_frozen(x: jax.Array, wq: jax.Array, w_scale: jax.Array, state: Fp
         resolved = "ref"
     scales = jnp.stack([jnp.asarray(state.x.scale, jnp.float32), jnp.asarray(w_scale, jnp.float32),
                         jnp.asarray(state.g.scale, jnp.float32)])
-    cfg = _Cfg(resolved, out_dtype, jnp.dtype(x.dtype), jnp.dtype(E4M3), frozen=True)
+    cfg = _Cfg(resolved, out_dtype, jnp.dtype(x.dtype), jnp.dtype(E4M3), frozen=True, mesh=mesh)
     y = _fp8_mm(x2, wq, scales, cfg).reshape(*x.shape[:-1], n)
     return checkpoint_name(y, "fp8_matmul")

@@ -67,7 +67,7 @@ D = 1024, V = 151936; 12800 at D = 4096) does the same for pass 2; larger blocks
 V = 151936, bf16: ~0.45-0.5 GiB (either pass; estimated from the buffer sizes above) against
 ~7 GiB for the unfused loss.
 
-Sharding: both passes run per data shard (ops/_sharding.on_shards): tokens (and their lse) split
+Sharding: with `mesh=` both passes run per data shard (ops/_sharding.on_shards): tokens (and their lse) split
 along the leading axis, W replicated, the loss sum and dW (each shard's over its own tokens) psum-ed
 (on an Explicit mesh on_shards also brings replicated targets/mask or a sharded head to those layouts
 itself).
@@ -89,6 +89,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AbstractMesh, Mesh
 
 from surogate_jax.ops._loader import resolve_impl
 from surogate_jax.ops._sharding import on_shards
@@ -278,6 +279,7 @@ class _Cfg:
     dhead_accum: str = "float32"  # token_accum: dtype of the head-gradient accumulator across chunks
     head_grad: str = "vocab_chunks"  # see HEAD_GRADS
     vocab_chunk: int | None = None  # vocab_chunks: columns per pass-2 chunk (None: default_vocab_chunk)
+    mesh: Mesh | AbstractMesh | None = None  # tokens split over its data axes (on_shards); None: whole
 
 
 def _chunked(h_ND, W, t_N, w_N, *, cfg: _Cfg, need_dh: bool, need_dw: bool, grad: bool, need_lse: bool = False):
@@ -413,13 +415,13 @@ def _sharded(h, W, t, w, *, cfg, need_dh, need_dw, grad, need_lse=False):
     if need_lse:
         out_batched.append(True)
         out_summed.append(False)
-    return on_shards(fn, h, W, t, w, batched=(True, False, True, True), out_batched=tuple(out_batched),
-                     out_summed=tuple(out_summed))
+    return on_shards(fn, h, W, t, w, mesh=cfg.mesh, batched=(True, False, True, True),
+                     out_batched=tuple(out_batched), out_summed=tuple(out_summed))
 
 
 def _sharded_dhead_vocab(h, W, t, w, lse, g, *, cfg):
     fn = functools.partial(_dhead_vocab, cfg=cfg)
-    return on_shards(fn, h, W, t, w, lse, g, batched=(True, False, True, True, True, False),
+    return on_shards(fn, h, W, t, w, lse, g, mesh=cfg.mesh, batched=(True, False, True, True, True, False),
                      out_batched=(False,), out_summed=(True,))[0]
 
 
@@ -473,7 +475,7 @@ def lm_head_ce(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax
                head_layout: str = "DV", z_loss: float = 0.0, ignore_index: int = IGNORE_INDEX,
                chunk: int | None = None, logits_dtype=jnp.float32, head_grad: str = "vocab_chunks",
                vocab_chunk: int | None = None, dhead_accum_dtype=jnp.float32, impl: str | None = None,
-               kernel: str = "auto"):
+               kernel: str = "auto", mesh: Mesh | AbstractMesh | None = None):
     """(weighted sum of token cross-entropy (+ z_loss * lse^2), sum of token weights), float32.
 
     hidden [..., D]; head [D, V] (head_layout="DV") or [V, D] ("VD", e.g. a tied embedding table);
@@ -488,9 +490,9 @@ def lm_head_ce(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax
     `default_vocab_chunk`). dhead_accum_dtype ("token_accum" only): the accumulator's dtype (float32
     default; the head's own dtype halves it at one rounding per chunk). impl: None/"auto", "ffi" or "ref"
     (SUROGATE_JAX_OPS=ref forces the reference). kernel: "auto" (on Hopper, the single-read cluster
-    kernel where the row fits its shared memory) or "two_pass" (a tuning/testing knob). The loss
-    sum is tagged
-    `checkpoint_name(..., "lm_head_ce")`.
+    kernel where the row fits its shared memory) or "two_pass" (a tuning/testing knob). mesh: tokens
+    are split over its data axes (module docstring, "Sharding"; None: one call on all tokens). The
+    loss sum is tagged `checkpoint_name(..., "lm_head_ce")`.
     """
     if head_layout not in LAYOUTS:
         raise ValueError(f"lm_head_ce: head_layout must be one of {LAYOUTS}, got {head_layout!r}")
@@ -528,6 +530,6 @@ def lm_head_ce(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax
     if h_ND.shape[0] == 0:
         return jnp.zeros((), jnp.float32), count
     cfg = _Cfg(head_layout, float(z_loss), chunk, ldt.name, impl, kernel, jnp.dtype(dhead_accum_dtype).name,
-               head_grad, vocab_chunk)
+               head_grad, vocab_chunk, mesh)
     loss = _lm_head_ce(h_ND, head.astype(hidden.dtype), t_N, w_N, cfg)
     return checkpoint_name(loss, "lm_head_ce"), count

@@ -52,6 +52,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AbstractMesh, Mesh
 
 from . import hadamard, nvfp4_quantize
 from ._loader import resolve_impl
@@ -294,9 +295,10 @@ def _native_local(a_codes, a_scales, b_codes, b_scales, a_gs, b_gs, *, a_rows_di
     return (d,)
 
 
-def nvfp4_gemm_native(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype=jnp.bfloat16) -> jax.Array:
+def nvfp4_gemm_native(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype=jnp.bfloat16, *,
+                      mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
     """The cuBLASLt block-scaled FP4 GEMM (SM100+; the handler errors, naming the GPU, elsewhere).
-    Under a mesh with data axes it runs per shard of a's rows (b replicated), like fp8_matmul."""
+    Given a mesh with data axes it runs per shard of a's rows (b replicated), like fp8_matmul."""
     _check_operands(a, b, "nvfp4_gemm_native")
     k, n = a.shape[1], b.shape[0]
     if not native_shape_ok(k, n):
@@ -307,22 +309,23 @@ def nvfp4_gemm_native(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype=jnp.bfloat16) ->
         raise TypeError(f"nvfp4_gemm: out_dtype must be bfloat16, float32 or float16, got {out_dtype}")
     local = functools.partial(_native_local, a_rows_div=BLOCK if a.tile_2d else 1,
                               b_rows_div=BLOCK if b.tile_2d else 1, out_dtype=out_dtype)
-    (d,) = on_shards(local, a.codes, a.scales, b.codes, b.scales, a.global_scale, b.global_scale,
+    (d,) = on_shards(local, a.codes, a.scales, b.codes, b.scales, a.global_scale, b.global_scale, mesh=mesh,
                      batched=(True, True, False, False, False, False), out_batched=(True,))
     return d
 
 
 def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype=jnp.bfloat16, backend: str = "auto",
-               impl: str | None = None) -> jax.Array:
+               impl: str | None = None, *, mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
     """a [M, K] @ b [N, K]^T of two NVFP4 operands quantized along K (see the module docstring).
 
     backend: "auto" (native on SM100+, else emulated; also emulated for shapes the native GEMM
     does not take), "native" (error off SM100+), "emulated" (dequantize to bf16, bf16 GEMM).
-    impl="ref" (or SUROGATE_JAX_OPS=ref[:nvfp4_matmul]) forces emulation."""
+    impl="ref" (or SUROGATE_JAX_OPS=ref[:nvfp4_matmul]) forces emulation. mesh: the native GEMM
+    runs per data shard of a's rows (`nvfp4_gemm_native`); the emulated one is plain XLA."""
     _check_operands(a, b, "nvfp4_gemm")
     chosen = resolve_backend(backend, impl)
     if chosen == "native" and (backend == "native" or native_shape_ok(a.shape[1], b.shape[0])):
-        return nvfp4_gemm_native(a, b, out_dtype)
+        return nvfp4_gemm_native(a, b, out_dtype, mesh=mesh)
     return nvfp4_gemm_emulated(a, b, out_dtype)
 
 
@@ -354,17 +357,19 @@ def log_emulation() -> None:
 
 
 def nvfp4_matmul_emulated(x: jax.Array, w: jax.Array, *, four_over_six: bool = True,
-                          out_dtype=None, impl: str | None = None) -> jax.Array:
+                          out_dtype=None, impl: str | None = None,
+                          mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
     """y = Q(x) @ Q(w) with x [..., K] quantized in 1x16 blocks along K and w [K, N] in 16x16
     tiles, both dequantized to bfloat16, bf16 GEMM with float32 accumulation; out_dtype defaults
-    to x.dtype. K and N must be multiples of 16. Forward only (no custom gradient)."""
+    to x.dtype. K and N must be multiples of 16. Forward only (no custom gradient). mesh: the
+    quantizer kernels run per data shard (nvfp4_quantize.quantize)."""
     if w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"nvfp4_matmul_emulated: need x [..., K] and w [K, N], got {x.shape} and {w.shape}")
     if w.shape[1] % BLOCK:
         raise ValueError(f"nvfp4_matmul_emulated: N = {w.shape[1]} must be a multiple of {BLOCK}")
     log_emulation()
-    xq = fake_quantize(x, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
-    wq = fake_quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
+    xq = fake_quantize(x, four_over_six=four_over_six, impl=impl, mesh=mesh).astype(jnp.bfloat16)
+    wq = fake_quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl, mesh=mesh).astype(jnp.bfloat16)
     y = jnp.matmul(xq, wq, preferred_element_type=jnp.float32)
     return y.astype(out_dtype or x.dtype)
 
@@ -390,71 +395,71 @@ def _gemm_dtype(dtype):
     return d if d in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(jnp.float32)
 
 
-def _native_gemm(a, b, dtype):
-    return nvfp4_gemm_native(a, b, _gemm_dtype(dtype)).astype(dtype)
+def _native_gemm(a, b, dtype, mesh):
+    return nvfp4_gemm_native(a, b, _gemm_dtype(dtype), mesh=mesh).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _linear_emulated(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl, native=False):
-    return _linear_fwd(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl, native)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _linear_emulated(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl, native, mesh):
+    return _linear_fwd(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl, native, mesh)[0]
 
 
-def _linear_fwd_native(x, w, key, four_over_six, impl):
+def _linear_fwd_native(x, w, key, four_over_six, impl, mesh):
     """y = Q(x) Q(w) on the FP4 tensor cores: X [M, K] 1x16 along K, W^T [N, K] the exact
     transpose of W's 16x16 tiles (the same quantized W serves dgrad)."""
     k = x.shape[-1]
-    xq = quantize(x.reshape(-1, k), four_over_six=four_over_six, impl=impl)
-    wq = quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl)
-    y = _native_gemm(xq, transpose(wq, impl=impl), x.dtype)
+    xq = quantize(x.reshape(-1, k), four_over_six=four_over_six, impl=impl, mesh=mesh)
+    wq = quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl, mesh=mesh)
+    y = _native_gemm(xq, transpose(wq, impl=impl), x.dtype, mesh)
     return y.reshape(*x.shape[:-1], w.shape[1]), wq
 
 
-def _linear_fwd(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl, native=False):
+def _linear_fwd(x, w, key, four_over_six, stochastic_grad, rht_sign_mask, impl, native, mesh):
     if native:
-        y, wq = _linear_fwd_native(x, w, key, four_over_six, impl)
+        y, wq = _linear_fwd_native(x, w, key, four_over_six, impl, mesh)
         return y, (x, wq, key, w)
-    wq = fake_quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
-    xq = fake_quantize(x, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
+    wq = fake_quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl, mesh=mesh).astype(jnp.bfloat16)
+    xq = fake_quantize(x, four_over_six=four_over_six, impl=impl, mesh=mesh).astype(jnp.bfloat16)
     y = jnp.matmul(xq, wq, preferred_element_type=jnp.float32).astype(x.dtype)
     return y, (x, wq, key, w)  # w only for its dtype (a parameter: no extra memory)
 
 
-def _linear_bwd_native(four_over_six, stochastic_grad, rht_sign_mask, impl, res, dy):
+def _linear_bwd_native(four_over_six, stochastic_grad, rht_sign_mask, impl, mesh, res, dy):
     """dX = Q(dY) Q(W)^T with W's stored tiles as the [K, N] operand (already N-major);
     dW = Q(X^T) Q(dY^T)^T with both along tokens (padded to a multiple of 32, RHT)."""
     x, wq, key, w = res
     k_dgrad, k_wgrad = jax.random.split(key)
     n = dy.shape[-1]
     sr = {"stochastic": True, "key": k_dgrad} if stochastic_grad else {}
-    dyq = quantize(dy.reshape(-1, n), four_over_six=four_over_six, impl=impl, **sr)
-    dx = _native_gemm(dyq, wq, x.dtype).reshape(x.shape)
+    dyq = quantize(dy.reshape(-1, n), four_over_six=four_over_six, impl=impl, mesh=mesh, **sr)
+    dx = _native_gemm(dyq, wq, x.dtype, mesh).reshape(x.shape)
     xt = _flat_tokens(x, K_MULTIPLE).T
     dyt = _flat_tokens(dy, K_MULTIPLE).T
     sr = {"stochastic": True, "key": k_wgrad} if stochastic_grad else {}
-    xtq = quantize(xt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask, impl=impl)
-    dytq = quantize(dyt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask, impl=impl, **sr)
-    dw = _native_gemm(xtq, dytq, w.dtype)
+    xtq = quantize(xt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask, impl=impl, mesh=mesh)
+    dytq = quantize(dyt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask, impl=impl, mesh=mesh, **sr)
+    dw = _native_gemm(xtq, dytq, w.dtype, mesh)
     return dx, dw, None
 
 
-def _linear_bwd(four_over_six, stochastic_grad, rht_sign_mask, impl, native, res, dy):
+def _linear_bwd(four_over_six, stochastic_grad, rht_sign_mask, impl, native, mesh, res, dy):
     if native:
-        return _linear_bwd_native(four_over_six, stochastic_grad, rht_sign_mask, impl, res, dy)
+        return _linear_bwd_native(four_over_six, stochastic_grad, rht_sign_mask, impl, mesh, res, dy)
     x, wq, key, w = res
     k_dgrad, k_wgrad = jax.random.split(key)
     sr = {"stochastic": True, "key": k_dgrad} if stochastic_grad else {}
     # dgrad: dX = Q(dY) @ Q(W)^T, dY in 1x16 blocks along N (the reduction axis), the same 16x16
     # quantized W as the forward.
-    dyq = fake_quantize(dy, four_over_six=four_over_six, impl=impl, **sr).astype(jnp.bfloat16)
+    dyq = fake_quantize(dy, four_over_six=four_over_six, impl=impl, mesh=mesh, **sr).astype(jnp.bfloat16)
     dx = jnp.matmul(dyq, wq.T, preferred_element_type=jnp.float32).astype(x.dtype)
     # wgrad: dW = X^T dY reduces over tokens T: both operands transposed to [., T], optional RHT
     # along T, 1x16 blocks along T (X round-to-nearest, dY stochastic).
     xt = _flat_tokens(x).T
     dyt = _flat_tokens(dy).T
     sr = {"stochastic": True, "key": k_wgrad} if stochastic_grad else {}
-    xtq = dequantize(quantize(xt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask, impl=impl))
+    xtq = dequantize(quantize(xt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask, impl=impl, mesh=mesh))
     dytq = dequantize(quantize(dyt, four_over_six=four_over_six, rht_sign_mask=rht_sign_mask,
-                               impl=impl, **sr))
+                               impl=impl, mesh=mesh, **sr))
     dw = jnp.matmul(xtq.astype(jnp.bfloat16), dytq.astype(jnp.bfloat16).T,
                     preferred_element_type=jnp.float32).astype(w.dtype)
     return dx, dw, None
@@ -465,7 +470,7 @@ _linear_emulated.defvjp(_linear_fwd, _linear_bwd)
 
 def nvfp4_linear_emulated(x: jax.Array, w: jax.Array, key: jax.Array, *, four_over_six: bool = True,
                           stochastic_grad: bool = True, rht_sign_mask: int | None = hadamard.DEFAULT_SIGN_MASK,
-                          impl: str | None = None) -> jax.Array:
+                          impl: str | None = None, mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
     """Differentiable y = x @ w with the NVFP4 training recipe, emulated (bf16 GEMMs).
 
     x [..., K] (K % 16 == 0), w [K, N] (N % 16 == 0), key: PRNG key for the gradient's stochastic
@@ -474,6 +479,7 @@ def nvfp4_linear_emulated(x: jax.Array, w: jax.Array, key: jax.Array, *, four_ov
     blocks with stochastic rounding (stochastic_grad); for dW = X^T dY both operands are taken
     along the token axis, transformed by the 16-point RHT (rht_sign_mask; None disables it) and
     quantized in 1x16 blocks along tokens. Output in x.dtype; dx in x.dtype, dw in w.dtype.
+    mesh: the quantizers (and native GEMMs) run per data shard of their leading axis (on_shards).
     """
     if w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"nvfp4_linear_emulated: need x [..., K] and w [K, N], got {x.shape} and {w.shape}")
@@ -483,46 +489,47 @@ def nvfp4_linear_emulated(x: jax.Array, w: jax.Array, key: jax.Array, *, four_ov
     log_emulation()
     mask = None if rht_sign_mask is None else int(rht_sign_mask)
     native = _use_native(w.shape[0], w.shape[1], impl)
-    return _linear_emulated(x, w, key, bool(four_over_six), bool(stochastic_grad), mask, impl, native)
+    return _linear_emulated(x, w, key, bool(four_over_six), bool(stochastic_grad), mask, impl, native, mesh)
 
 
 # --------------------------------------------------------------------------------------------
 # Frozen weights (LoRA base): quantized once, cached, no weight gradient
 
 
-def fake_quantize_weight(w: jax.Array, *, four_over_six: bool = True, impl: str | None = None) -> jax.Array:
+def fake_quantize_weight(w: jax.Array, *, four_over_six: bool = True, impl: str | None = None,
+                         mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
     """The bf16 operand the recipe's forward uses for a weight w [K, N]: 16x16 tiles, round to
     nearest, dequantized to bfloat16 (what `nvfp4_linear_emulated` computes every step). Caching
     it once for a frozen weight gives bit-identical results (`nvfp4_linear_frozen`)."""
-    return fake_quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
+    return fake_quantize(w, tile_2d=True, four_over_six=four_over_six, impl=impl, mesh=mesh).astype(jnp.bfloat16)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _linear_frozen(x, wq, key, four_over_six, stochastic_grad, impl, native=False):
-    return _linear_frozen_fwd(x, wq, key, four_over_six, stochastic_grad, impl, native)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _linear_frozen(x, wq, key, four_over_six, stochastic_grad, impl, native, mesh):
+    return _linear_frozen_fwd(x, wq, key, four_over_six, stochastic_grad, impl, native, mesh)[0]
 
 
-def _linear_frozen_fwd(x, wq, key, four_over_six, stochastic_grad, impl, native=False):
+def _linear_frozen_fwd(x, wq, key, four_over_six, stochastic_grad, impl, native, mesh):
     if native:
         # The cache holds bf16 values on the NVFP4 grid; quantizing them again (16x16 tiles)
         # recovers the codes and block scales (tests/precision/test_py checks it on
         # random weights) with a global scale from max|wq| (within bf16 rounding of the original).
-        y, wq4 = _linear_fwd_native(x, wq.astype(jnp.bfloat16), key, four_over_six, impl)
+        y, wq4 = _linear_fwd_native(x, wq.astype(jnp.bfloat16), key, four_over_six, impl, mesh)
         return y, (wq4, key, jnp.zeros((0,), x.dtype))
-    xq = fake_quantize(x, four_over_six=four_over_six, impl=impl).astype(jnp.bfloat16)
+    xq = fake_quantize(x, four_over_six=four_over_six, impl=impl, mesh=mesh).astype(jnp.bfloat16)
     y = jnp.matmul(xq, wq.astype(jnp.bfloat16), preferred_element_type=jnp.float32).astype(x.dtype)
     return y, (wq, key, jnp.zeros((0,), x.dtype))
 
 
-def _linear_frozen_bwd(four_over_six, stochastic_grad, impl, native, res, dy):
+def _linear_frozen_bwd(four_over_six, stochastic_grad, impl, native, mesh, res, dy):
     wq, key, x_like = res
     k_dgrad, _ = jax.random.split(key)  # the same dgrad key as nvfp4_linear_emulated
     sr = {"stochastic": True, "key": k_dgrad} if stochastic_grad else {}
     if native:
-        dyq = quantize(dy.reshape(-1, dy.shape[-1]), four_over_six=four_over_six, impl=impl, **sr)
-        dx = _native_gemm(dyq, wq, x_like.dtype).reshape(*dy.shape[:-1], wq.shape[0])
+        dyq = quantize(dy.reshape(-1, dy.shape[-1]), four_over_six=four_over_six, impl=impl, mesh=mesh, **sr)
+        dx = _native_gemm(dyq, wq, x_like.dtype, mesh).reshape(*dy.shape[:-1], wq.shape[0])
         return dx, None, None
-    dyq = fake_quantize(dy, four_over_six=four_over_six, impl=impl, **sr).astype(jnp.bfloat16)
+    dyq = fake_quantize(dy, four_over_six=four_over_six, impl=impl, mesh=mesh, **sr).astype(jnp.bfloat16)
     dx = jnp.matmul(dyq, wq.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32).astype(x_like.dtype)
     return dx, None, None
 
@@ -531,14 +538,16 @@ _linear_frozen.defvjp(_linear_frozen_fwd, _linear_frozen_bwd)
 
 
 def nvfp4_linear_frozen(x: jax.Array, wq: jax.Array, key: jax.Array, *, four_over_six: bool = True,
-                        stochastic_grad: bool = True, impl: str | None = None) -> jax.Array:
+                        stochastic_grad: bool = True, impl: str | None = None,
+                        mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
     """`nvfp4_linear_emulated` for a frozen weight cached by `fake_quantize_weight` (wq [K, N],
     bf16 values; stored in any float dtype that holds them exactly). Forward and dX are identical
-    to `nvfp4_linear_emulated(x, w, key)`; there is no weight gradient (no wgrad GEMM, no RHT)."""
+    to `nvfp4_linear_emulated(x, w, key)`; there is no weight gradient (no wgrad GEMM, no RHT).
+    mesh: as for `nvfp4_linear_emulated`."""
     if wq.ndim != 2 or x.shape[-1] != wq.shape[0]:
         raise ValueError(f"nvfp4_linear_frozen: need x [..., K] and wq [K, N], got {x.shape} and {wq.shape}")
     if wq.shape[0] % BLOCK or wq.shape[1] % BLOCK:
         raise ValueError(f"nvfp4_linear_frozen: K and N must be multiples of {BLOCK}, got wq {wq.shape}")
     log_emulation()
     native = _use_native(wq.shape[0], wq.shape[1], impl)
-    return _linear_frozen(x, wq, key, bool(four_over_six), bool(stochastic_grad), impl, native)
+    return _linear_frozen(x, wq, key, bool(four_over_six), bool(stochastic_grad), impl, native, mesh)

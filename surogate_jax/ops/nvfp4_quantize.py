@@ -73,6 +73,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AbstractMesh, Mesh
 
 from . import hadamard
 from ._loader import resolve_impl
@@ -433,12 +434,12 @@ def _pick(impl, ffi, ref):
     return functools.partial(jax.lax.platform_dependent, cuda=ffi, default=ref)
 
 
-def _num_shards(x, tile_2d) -> int:
-    """Data shards on_shards would split x into, or 1 when x must be quantized whole."""
-    axes = data_axes()
+def _num_shards(x, tile_2d, mesh) -> int:
+    """Data shards on_shards would split x into over `mesh`, or 1 when x must be quantized whole."""
+    axes = data_axes(mesh)
     if not axes or x.ndim < 2:
         return 1
-    shape = dict(jax.sharding.get_abstract_mesh().shape)
+    shape = dict(mesh.shape)
     n = int(np.prod([shape[a] for a in axes]))
     if x.shape[0] % n:
         return 1
@@ -456,30 +457,32 @@ def _resolve(impl, x):
     return impl
 
 
-def _shards(fn, n, args, batched, out_batched):
+def _shards(fn, n, mesh, args, batched, out_batched):
     if n == 1:
         return fn(*args)
-    return on_shards(fn, *args, batched=batched, out_batched=out_batched)
+    return on_shards(fn, *args, mesh=mesh, batched=batched, out_batched=out_batched)
 
 
-def global_amax(x: jax.Array, *, rht_sign_mask: int | None = None, impl: str | None = None) -> jax.Array:
-    """max |x| (of rht(x) along the last axis when rht_sign_mask is given), float32 []; NaN if any."""
+def global_amax(x: jax.Array, *, rht_sign_mask: int | None = None, impl: str | None = None,
+                mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
+    """max |x| (of rht(x) along the last axis when rht_sign_mask is given), float32 []; NaN if any.
+    mesh: per data shard of the leading axis, then the max over shards (as `quantize`)."""
     _check_input(x, False, "global_amax")
     check_flags(False, None, rht_sign_mask)
-    return _global_amax(x, rht_sign_mask, _resolve(impl, x), _num_shards(x, False))
+    return _global_amax(x, rht_sign_mask, _resolve(impl, x), _num_shards(x, False, mesh), mesh)
 
 
-def _global_amax(x, rht_sign_mask, impl, n):
+def _global_amax(x, rht_sign_mask, impl, n, mesh):
     if x.size == 0:
         return jnp.float32(0.0)
     ref = lambda x: _amax_ref(_prepare(x, rht_sign_mask)).reshape((1,))
     fn = _pick(impl, functools.partial(_amax_ffi, rht_sign_mask=rht_sign_mask), ref)
-    per_shard = _shards(lambda x: (fn(x),), n, (x,), (True,), (True,))[0]
+    per_shard = _shards(lambda x: (fn(x),), n, mesh, (x,), (True,), (True,))[0]
     return jnp.max(per_shard)  # NaN-propagating
 
 
 def quantize(x, *, tile_2d=False, four_over_six=True, stochastic=False, key=None,
-             rht_sign_mask=None, amax=None, impl=None) -> NVFP4Tensor:
+             rht_sign_mask=None, amax=None, impl=None, mesh=None) -> NVFP4Tensor:
     """Quantizes x (float32/bfloat16/float16, last axis a multiple of 16) to NVFP4.
 
     tile_2d: 16x16 tiles over the last two axes (weights) instead of 1x16 blocks along the last.
@@ -489,8 +492,9 @@ def quantize(x, *, tile_2d=False, four_over_six=True, stochastic=False, key=None
       surogate_jax.precision.hadamard; e.g. hadamard.DEFAULT_SIGN_MASK).
     amax: optional precomputed float32 amax of the (transformed) tensor; computed otherwise.
     impl: None/"auto" (CUDA kernels on GPU), "ffi" or "ref"; SUROGATE_JAX_OPS=ref forces "ref".
-    Under a mesh with data axes the kernels run per shard of the leading axis (on_shards) with
-    one global amax, so the result equals the unsharded one (stochastic bits aside).
+    mesh (a Mesh / AbstractMesh with data axes): the kernels run per shard of the leading axis
+    (on_shards) with one global amax, so the result equals the unsharded one (stochastic bits
+    aside); None quantizes x in one call.
     """
     _check_input(x, tile_2d, "quantize")
     check_flags(stochastic, key, rht_sign_mask)
@@ -498,15 +502,15 @@ def quantize(x, *, tile_2d=False, four_over_six=True, stochastic=False, key=None
     if x.size == 0 or impl == "ref":
         return quantize_ref(x, tile_2d=tile_2d, four_over_six=four_over_six, stochastic=stochastic,
                             key=key, rht_sign_mask=rht_sign_mask, amax=amax)
-    return _quantize_sharded(x, tile_2d, four_over_six, stochastic, key, rht_sign_mask, amax, impl)
+    return _quantize_sharded(x, tile_2d, four_over_six, stochastic, key, rht_sign_mask, amax, impl, mesh)
 
 
-def _quantize_sharded(x, tile_2d, four_over_six, stochastic, key, rht_sign_mask, amax, impl):
-    """The kernel path ("ffi"/"auto"; "ref" too for CPU tests of the wiring): per data shard."""
+def _quantize_sharded(x, tile_2d, four_over_six, stochastic, key, rht_sign_mask, amax, impl, mesh):
+    """The kernel path ("ffi"/"auto"; "ref" too for CPU tests of the wiring): per data shard of mesh."""
     meta = (tuple(x.shape), bool(tile_2d), None if rht_sign_mask is None else int(rht_sign_mask))
-    n = _num_shards(x, tile_2d)
+    n = _num_shards(x, tile_2d, mesh)
     if amax is None:
-        amax = _global_amax(x, rht_sign_mask, impl, n)
+        amax = _global_amax(x, rht_sign_mask, impl, n, mesh)
     amax = jnp.asarray(amax, jnp.float32).reshape(())
     # Two uint32 words seed the stochastic rounding (the kernel's Philox key). Per shard they
     # are offset by the shard index so shards draw independent bits.
@@ -516,7 +520,7 @@ def _quantize_sharded(x, tile_2d, four_over_six, stochastic, key, rht_sign_mask,
     def shard_seed(seed):
         if n == 1:
             return seed
-        return seed + jnp.stack([jnp.uint32(0), jax.lax.axis_index(data_axes()).astype(jnp.uint32)])
+        return seed + jnp.stack([jnp.uint32(0), jax.lax.axis_index(data_axes(mesh)).astype(jnp.uint32)])
 
     def ffi(x, amax, seed):
         return _quantize_ffi(x, amax, shard_seed(seed), stochastic=stochastic, **opts)
@@ -530,12 +534,12 @@ def _quantize_sharded(x, tile_2d, four_over_six, stochastic, key, rht_sign_mask,
         return _quantize_ref_arrays(x, amax, u, **opts)
 
     fn = _pick(impl, ffi, ref)
-    codes, scales, s_dec = _shards(fn, n, (x, amax, seed), (True, False, False), (True, True, False))
+    codes, scales, s_dec = _shards(fn, n, mesh, (x, amax, seed), (True, False, False), (True, True, False))
     return NVFP4Tensor(codes, scales, s_dec, *meta)
 
 
 def fake_quantize(x, *, tile_2d=False, four_over_six=True, stochastic=False, key=None,
-                  impl=None) -> jax.Array:
+                  impl=None, mesh=None) -> jax.Array:
     """Quantize-then-dequantize by the NVFP4 formulas: float32 of x's shape.
 
     The last axis is the block axis (1x16 blocks); tile_2d uses 16x16 tiles over the last two
@@ -543,6 +547,7 @@ def fake_quantize(x, *, tile_2d=False, four_over_six=True, stochastic=False, key
     whichever has the lower squared error (ties -> 6), with global scale 6*256/amax (else
     6*448/amax). stochastic rounding needs `key` (a jax PRNG key). The last axis must be a
     multiple of 16 (ValueError otherwise). See the module docstring for every formula.
+    mesh: as for `quantize` (the kernel path quantizes per data shard; the reference runs whole).
     """
     _check_input(x, tile_2d, "fake_quantize")
     check_flags(stochastic, key, None)
@@ -550,5 +555,5 @@ def fake_quantize(x, *, tile_2d=False, four_over_six=True, stochastic=False, key
         return fake_quantize_ref(x, tile_2d=tile_2d, four_over_six=four_over_six,
                                  stochastic=stochastic, key=key)
     q = quantize(x, tile_2d=tile_2d, four_over_six=four_over_six, stochastic=stochastic, key=key,
-                 impl=impl)
+                 impl=impl, mesh=mesh)
     return dequantize(q)

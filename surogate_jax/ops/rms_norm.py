@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AbstractMesh, Mesh
 
 from surogate_jax.ops._loader import pick, resolve_impl
 from surogate_jax.ops._sharding import on_shards
@@ -87,47 +88,49 @@ def _bwd_ffi(dy, x, w, rstd):
 
 # The reference also runs per shard (on_shards) so CPU tests on a multi-device mesh exercise the
 # same split/psum wiring as the kernels.
-def _fwd(x, w, eps, impl):
+def _fwd(x, w, eps, impl, mesh):
     ref = functools.partial(_fwd_ref, eps=eps)
     if x.size == 0:
         return ref(x, w)
     fn = pick(impl, functools.partial(_fwd_ffi, eps=eps), ref, OP, "fwd")
-    return on_shards(fn, x, w, batched=(True, False), out_batched=(True, True))
+    return on_shards(fn, x, w, mesh=mesh, batched=(True, False), out_batched=(True, True))
 
 
-def _bwd(dy, x, w, rstd, impl):
+def _bwd(dy, x, w, rstd, impl, mesh):
     if x.size == 0:
         return _bwd_ref(dy, x, w, rstd)
     fn = pick(impl, _bwd_ffi, _bwd_ref, OP, "bwd")
     # dx is per row; dw sums over all rows, so the shards' partial dw are added.
-    return on_shards(fn, dy, x, w, rstd, batched=(True, True, False, True), out_batched=(True, False),
+    return on_shards(fn, dy, x, w, rstd, mesh=mesh, batched=(True, True, False, True), out_batched=(True, False),
                      out_summed=(False, True))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rms_norm(x, w, eps, impl):
-    return _fwd(x, w, eps, impl)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _rms_norm(x, w, eps, impl, mesh):
+    return _fwd(x, w, eps, impl, mesh)[0]
 
 
-def _rms_norm_vjp_fwd(x, w, eps, impl):
-    y, rstd = _fwd(x, w, eps, impl)
+def _rms_norm_vjp_fwd(x, w, eps, impl, mesh):
+    y, rstd = _fwd(x, w, eps, impl, mesh)
     return y, (x, w, rstd)
 
 
-def _rms_norm_vjp_bwd(eps, impl, res, dy):
+def _rms_norm_vjp_bwd(eps, impl, mesh, res, dy):
     del eps
     x, w, rstd = res
-    return _bwd(dy, x, w, rstd, impl)
+    return _bwd(dy, x, w, rstd, impl, mesh)
 
 
 _rms_norm.defvjp(_rms_norm_vjp_fwd, _rms_norm_vjp_bwd)
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float = 1e-6, *, impl: str | None = None) -> jax.Array:
+def rms_norm(x: jax.Array, w: jax.Array, eps: float = 1e-6, *, impl: str | None = None,
+             mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
     """RMSNorm of x [..., D] with weight w [D]; returns x.dtype.
 
     impl: None/"auto" (CUDA kernel on GPU, reference elsewhere), "ffi" or "ref"; the environment
-    variable SUROGATE_JAX_OPS=ref forces the reference. The output is tagged
+    variable SUROGATE_JAX_OPS=ref forces the reference. mesh: rows are split over its data axes
+    (ops/_sharding.py; None: one call on the whole x). The output is tagged
     `checkpoint_name(y, "rms_norm")` for remat policies.
     """
     if x.ndim < 1 or w.shape != x.shape[-1:]:
@@ -139,5 +142,5 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float = 1e-6, *, impl: str | None 
         if impl == "ffi":
             raise TypeError(f"rms_norm: impl='ffi' supports float32/bfloat16/float16, got {x.dtype}")
         impl = "ref"
-    y = _rms_norm(x, w.astype(x.dtype), float(eps), impl)
+    y = _rms_norm(x, w.astype(x.dtype), float(eps), impl, mesh)
     return checkpoint_name(y, "rms_norm")

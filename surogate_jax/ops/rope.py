@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AbstractMesh, Mesh
 
 from surogate_jax.ops._loader import pick, resolve_impl
 from surogate_jax.ops._sharding import on_shards
@@ -186,27 +187,27 @@ def _by_positions(a) -> bool:
 
 # The reference also runs per shard (on_shards) so CPU tests on a multi-device mesh exercise the
 # same split/psum wiring as the kernels. Batched (split) operands: x, dy, positions, the tables.
-def _fwd(x, a, b, w, *, eps, norm, inverse, impl):
+def _fwd(x, a, b, w, *, eps, norm, inverse, impl, mesh):
     kw = {"eps": eps, "norm": norm, "inverse": inverse}
     ref = functools.partial(_fwd_ref, **kw)
     if x.size == 0:
         return ref(x, a, b, w)
     fn = pick(impl, functools.partial(_fwd_ffi, **kw), ref, OP, "fwd")
     (y,) = on_shards(
-        lambda *args: (fn(*args),), x, a, b, w,
+        lambda *args: (fn(*args),), x, a, b, w, mesh=mesh,
         batched=(True, True, not _by_positions(a), False), out_batched=(True,),
     )
     return y
 
 
-def _bwd(dy, x, a, b, w, *, eps, impl):
+def _bwd(dy, x, a, b, w, *, eps, impl, mesh):
     ref = functools.partial(_bwd_ref, eps=eps)
     if x.size == 0:
         return ref(dy, x, a, b, w)
     fn = pick(impl, functools.partial(_bwd_ffi, eps=eps), ref, OP, "bwd")
     # dx is per row; dw sums over all rows, so the shards' partial dw are added.
     return on_shards(
-        fn, dy, x, a, b, w,
+        fn, dy, x, a, b, w, mesh=mesh,
         batched=(True, True, True, not _by_positions(a), False), out_batched=(True, False),
         out_summed=(False, True),
     )
@@ -216,97 +217,99 @@ def _no_norm_w(x):
     return jnp.zeros((0,), x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _rope(x, a, b, impl):
-    return _fwd(x, a, b, _no_norm_w(x), eps=0.0, norm=False, inverse=False, impl=impl)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _rope(x, a, b, impl, mesh):
+    return _fwd(x, a, b, _no_norm_w(x), eps=0.0, norm=False, inverse=False, impl=impl, mesh=mesh)
 
 
-def _rope_vjp_fwd(x, a, b, impl):
-    return _rope(x, a, b, impl), (a, b)
+def _rope_vjp_fwd(x, a, b, impl, mesh):
+    return _rope(x, a, b, impl, mesh), (a, b)
 
 
-def _rope_vjp_bwd(impl, res, dy):
+def _rope_vjp_bwd(impl, mesh, res, dy):
     a, b = res
-    dx = _fwd(dy, a, b, _no_norm_w(dy), eps=0.0, norm=False, inverse=True, impl=impl)
+    dx = _fwd(dy, a, b, _no_norm_w(dy), eps=0.0, norm=False, inverse=True, impl=impl, mesh=mesh)
     return dx, None, None
 
 
 _rope.defvjp(_rope_vjp_fwd, _rope_vjp_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _norm_rope(x, a, b, w, eps, impl):
-    return _fwd(x, a, b, w, eps=eps, norm=True, inverse=False, impl=impl)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _norm_rope(x, a, b, w, eps, impl, mesh):
+    return _fwd(x, a, b, w, eps=eps, norm=True, inverse=False, impl=impl, mesh=mesh)
 
 
-def _norm_rope_vjp_fwd(x, a, b, w, eps, impl):
-    return _norm_rope(x, a, b, w, eps, impl), (x, a, b, w)
+def _norm_rope_vjp_fwd(x, a, b, w, eps, impl, mesh):
+    return _norm_rope(x, a, b, w, eps, impl, mesh), (x, a, b, w)
 
 
-def _norm_rope_vjp_bwd(eps, impl, res, dy):
+def _norm_rope_vjp_bwd(eps, impl, mesh, res, dy):
     x, a, b, w = res
-    dx, dw = _bwd(dy, x, a, b, w, eps=eps, impl=impl)
+    dx, dw = _bwd(dy, x, a, b, w, eps=eps, impl=impl, mesh=mesh)
     return dx, None, None, dw
 
 
 _norm_rope.defvjp(_norm_rope_vjp_fwd, _norm_rope_vjp_bwd)
 
 
-def _qk_fwd(q, k, a, b, wq, wk, *, eps, norm, inverse, impl):
+def _qk_fwd(q, k, a, b, wq, wk, *, eps, norm, inverse, impl, mesh):
     kw = {"eps": eps, "norm": norm, "inverse": inverse}
     ref = functools.partial(_qk_fwd_ref, **kw)
     if q.size == 0 or k.size == 0:
         return ref(q, k, a, b, wq, wk)
     fn = pick(impl, functools.partial(_qk_fwd_ffi, **kw), ref, OP, "fwd")
     pos = _by_positions(a)
-    return on_shards(fn, q, k, a, b, wq, wk, batched=(True, True, True, not pos, False, False),
+    return on_shards(fn, q, k, a, b, wq, wk, mesh=mesh, batched=(True, True, True, not pos, False, False),
                      out_batched=(True, True))
 
 
-def _qk_bwd(dyq, dyk, q, k, a, b, wq, wk, *, eps, impl):
+def _qk_bwd(dyq, dyk, q, k, a, b, wq, wk, *, eps, impl, mesh):
     ref = functools.partial(_qk_bwd_ref, eps=eps)
     if q.size == 0 or k.size == 0:
         return ref(dyq, dyk, q, k, a, b, wq, wk)
     fn = pick(impl, functools.partial(_qk_bwd_ffi, eps=eps), ref, OP, "bwd")
     pos = _by_positions(a)
     return on_shards(
-        fn, dyq, dyk, q, k, a, b, wq, wk,
+        fn, dyq, dyk, q, k, a, b, wq, wk, mesh=mesh,
         batched=(True, True, True, True, True, not pos, False, False), out_batched=(True, True, False, False),
         out_summed=(False, False, True, True),
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _rope_qk(q, k, a, b, impl):
-    return _qk_fwd(q, k, a, b, _no_norm_w(q), _no_norm_w(k), eps=0.0, norm=False, inverse=False, impl=impl)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _rope_qk(q, k, a, b, impl, mesh):
+    return _qk_fwd(q, k, a, b, _no_norm_w(q), _no_norm_w(k), eps=0.0, norm=False, inverse=False, impl=impl,
+                   mesh=mesh)
 
 
-def _rope_qk_vjp_fwd(q, k, a, b, impl):
-    return _rope_qk(q, k, a, b, impl), (a, b)
+def _rope_qk_vjp_fwd(q, k, a, b, impl, mesh):
+    return _rope_qk(q, k, a, b, impl, mesh), (a, b)
 
 
-def _rope_qk_vjp_bwd(impl, res, dys):
+def _rope_qk_vjp_bwd(impl, mesh, res, dys):
     a, b = res
     dyq, dyk = dys
-    dq, dk = _qk_fwd(dyq, dyk, a, b, _no_norm_w(dyq), _no_norm_w(dyk), eps=0.0, norm=False, inverse=True, impl=impl)
+    dq, dk = _qk_fwd(dyq, dyk, a, b, _no_norm_w(dyq), _no_norm_w(dyk), eps=0.0, norm=False, inverse=True, impl=impl,
+                     mesh=mesh)
     return dq, dk, None, None
 
 
 _rope_qk.defvjp(_rope_qk_vjp_fwd, _rope_qk_vjp_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _norm_rope_qk(q, k, a, b, wq, wk, eps, impl):
-    return _qk_fwd(q, k, a, b, wq, wk, eps=eps, norm=True, inverse=False, impl=impl)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _norm_rope_qk(q, k, a, b, wq, wk, eps, impl, mesh):
+    return _qk_fwd(q, k, a, b, wq, wk, eps=eps, norm=True, inverse=False, impl=impl, mesh=mesh)
 
 
-def _norm_rope_qk_vjp_fwd(q, k, a, b, wq, wk, eps, impl):
-    return _norm_rope_qk(q, k, a, b, wq, wk, eps, impl), (q, k, a, b, wq, wk)
+def _norm_rope_qk_vjp_fwd(q, k, a, b, wq, wk, eps, impl, mesh):
+    return _norm_rope_qk(q, k, a, b, wq, wk, eps, impl, mesh), (q, k, a, b, wq, wk)
 
 
-def _norm_rope_qk_vjp_bwd(eps, impl, res, dys):
+def _norm_rope_qk_vjp_bwd(eps, impl, mesh, res, dys):
     q, k, a, b, wq, wk = res
-    dq, dk, dwq, dwk = _qk_bwd(dys[0], dys[1], q, k, a, b, wq, wk, eps=eps, impl=impl)
+    dq, dk, dwq, dwk = _qk_bwd(dys[0], dys[1], q, k, a, b, wq, wk, eps=eps, impl=impl, mesh=mesh)
     return dq, dk, None, None, dwq, dwk
 
 
@@ -370,12 +373,14 @@ def rope(
     norm_w: jax.Array | None = None,
     eps: float = 1e-6,
     impl: str | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
 ) -> jax.Array:
     """RoPE of x [..., H, K]: angles from `positions` [...] x `inv_freq` [K/2], or from
     `table=(cos, sin)` ([..., S] float32, S >= K/2). With `norm_w` [K], RMSNorm over K (eps) first.
 
     impl: None/"auto" (CUDA kernel on GPU, reference elsewhere), "ffi" or "ref"; the environment
-    variable SUROGATE_JAX_OPS=ref forces the reference. Returns x.dtype, tagged
+    variable SUROGATE_JAX_OPS=ref forces the reference. mesh: tokens are split over its data axes
+    (ops/_sharding.py; None: one call on the whole x). Returns x.dtype, tagged
     `checkpoint_name(y, "rope")` for remat policies.
     """
     _check_x("rope", "x", x)
@@ -383,9 +388,9 @@ def rope(
     _check_w("rope", "norm_w", norm_w, x.shape[-1])
     impl = _impl_for("rope", x, impl)
     if norm_w is None:
-        y = _rope(x, a, b, impl)
+        y = _rope(x, a, b, impl, mesh)
     else:
-        y = _norm_rope(x, a, b, norm_w.astype(x.dtype), float(eps), impl)
+        y = _norm_rope(x, a, b, norm_w.astype(x.dtype), float(eps), impl, mesh)
     return checkpoint_name(y, "rope")
 
 
@@ -400,12 +405,13 @@ def rope_qk(
     norm_wk: jax.Array | None = None,
     eps: float = 1e-6,
     impl: str | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`rope` of a layer's q [..., Hq, K] and k [..., Hk, K] (same leading dims, dtype and K; the
     heads may differ): (rope(q, norm_w=norm_wq), rope(k, norm_w=norm_wk)) with the same angles,
     computed by one kernel launch forward and one (+ the weight gradients' sum) backward, so the
     small k tensor does not pay a launch ramp of its own. Give both norm weights or neither.
-    Same impl rules and checkpoint name ("rope", on both outputs) as `rope`.
+    Same impl and mesh rules and checkpoint name ("rope", on both outputs) as `rope`.
     """
     _check_x("rope_qk", "q", q)
     _check_x("rope_qk", "k", k)
@@ -421,7 +427,7 @@ def rope_qk(
     _check_w("rope_qk", "norm_wk", norm_wk, K)
     impl = _impl_for("rope_qk", q, impl)
     if norm_wq is None:
-        yq, yk = _rope_qk(q, k, a, b, impl)
+        yq, yk = _rope_qk(q, k, a, b, impl, mesh)
     else:
-        yq, yk = _norm_rope_qk(q, k, a, b, norm_wq.astype(q.dtype), norm_wk.astype(q.dtype), float(eps), impl)
+        yq, yk = _norm_rope_qk(q, k, a, b, norm_wq.astype(q.dtype), norm_wk.astype(q.dtype), float(eps), impl, mesh)
     return checkpoint_name(yq, "rope"), checkpoint_name(yk, "rope")

@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AbstractMesh, Mesh
 
 from surogate_jax.ops._loader import pick, resolve_impl
 from surogate_jax.ops._sharding import on_shards
@@ -98,7 +99,7 @@ def _packed_bwd_ffi(dh, gate_up):
     return call(dh.astype(gate_up.dtype), gate_up)
 
 
-def _run(impl, ffi, ref, *args, n_out, phase):
+def _run(impl, mesh, ffi, ref, *args, n_out, phase):
     """Runs fwd or bwd per data shard: every operand and output is split along its leading (row)
     axis; a rank-1 operand is a single row and is not split (its halves matter when packed)."""
     if any(a.size == 0 for a in args):
@@ -106,39 +107,39 @@ def _run(impl, ffi, ref, *args, n_out, phase):
     fn = pick(impl, ffi, ref, OP, phase)
     tupled = (lambda *a: (fn(*a),)) if n_out == 1 else (lambda *a: tuple(fn(*a)))
     split = all(a.ndim >= 2 for a in args)
-    out = on_shards(tupled, *args, batched=(split,) * len(args), out_batched=(split,) * n_out)
+    out = on_shards(tupled, *args, mesh=mesh, batched=(split,) * len(args), out_batched=(split,) * n_out)
     return out[0] if n_out == 1 else tuple(out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _swiglu(gate, up, impl):
-    return _run(impl, _fwd_ffi, _fwd_ref, gate, up, n_out=1, phase="fwd")
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _swiglu(gate, up, impl, mesh):
+    return _run(impl, mesh, _fwd_ffi, _fwd_ref, gate, up, n_out=1, phase="fwd")
 
 
-def _swiglu_vjp_fwd(gate, up, impl):
-    return _swiglu(gate, up, impl), (gate, up)
+def _swiglu_vjp_fwd(gate, up, impl, mesh):
+    return _swiglu(gate, up, impl, mesh), (gate, up)
 
 
-def _swiglu_vjp_bwd(impl, res, dh):
+def _swiglu_vjp_bwd(impl, mesh, res, dh):
     gate, up = res
-    return _run(impl, _bwd_ffi, _bwd_ref, dh, gate, up, n_out=2, phase="bwd")
+    return _run(impl, mesh, _bwd_ffi, _bwd_ref, dh, gate, up, n_out=2, phase="bwd")
 
 
 _swiglu.defvjp(_swiglu_vjp_fwd, _swiglu_vjp_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _swiglu_packed(gate_up, impl):
-    return _run(impl, _packed_fwd_ffi, _packed_fwd_ref, gate_up, n_out=1, phase="fwd")
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _swiglu_packed(gate_up, impl, mesh):
+    return _run(impl, mesh, _packed_fwd_ffi, _packed_fwd_ref, gate_up, n_out=1, phase="fwd")
 
 
-def _swiglu_packed_vjp_fwd(gate_up, impl):
-    return _swiglu_packed(gate_up, impl), (gate_up,)
+def _swiglu_packed_vjp_fwd(gate_up, impl, mesh):
+    return _swiglu_packed(gate_up, impl, mesh), (gate_up,)
 
 
-def _swiglu_packed_vjp_bwd(impl, res, dh):
+def _swiglu_packed_vjp_bwd(impl, mesh, res, dh):
     (gate_up,) = res
-    return (_run(impl, _packed_bwd_ffi, _packed_bwd_ref, dh, gate_up, n_out=1, phase="bwd"),)
+    return (_run(impl, mesh, _packed_bwd_ffi, _packed_bwd_ref, dh, gate_up, n_out=1, phase="bwd"),)
 
 
 _swiglu_packed.defvjp(_swiglu_packed_vjp_fwd, _swiglu_packed_vjp_bwd)
@@ -155,28 +156,31 @@ def _impl_for(name: str, dtype, impl: str | None) -> str:
     return impl
 
 
-def swiglu(gate: jax.Array, up: jax.Array, *, impl: str | None = None) -> jax.Array:
+def swiglu(gate: jax.Array, up: jax.Array, *, impl: str | None = None,
+           mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
     """silu(gate) * up for gate, up [..., F] (promoted to one float dtype); returns that dtype.
 
     impl: None/"auto" (CUDA kernel on GPU, reference elsewhere), "ffi" or "ref"; the environment
-    variable SUROGATE_JAX_OPS=ref forces the reference. Tagged `checkpoint_name(h, "swiglu")`.
+    variable SUROGATE_JAX_OPS=ref forces the reference. mesh: rows are split over its data axes
+    (ops/_sharding.py; None: one call on the whole input). Tagged `checkpoint_name(h, "swiglu")`.
     """
     if gate.shape != up.shape or gate.ndim < 1:
         raise ValueError(f"swiglu: gate {gate.shape} and up {up.shape} must have one shape (rank >= 1)")
     dtype = jnp.result_type(gate, up)
     impl = _impl_for("swiglu", dtype, impl)
-    h = _swiglu(gate.astype(dtype), up.astype(dtype), impl)
+    h = _swiglu(gate.astype(dtype), up.astype(dtype), impl, mesh)
     return checkpoint_name(h, "swiglu")
 
 
-def swiglu_packed(gate_up: jax.Array, *, impl: str | None = None) -> jax.Array:
+def swiglu_packed(gate_up: jax.Array, *, impl: str | None = None,
+                  mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
     """silu(gate) * up with gate, up = the two halves of gate_up [..., 2F]; returns [..., F].
 
-    Same numerics, impl and checkpoint name ("swiglu") as `swiglu`; one input buffer, so a fused
+    Same numerics, impl, mesh and checkpoint name ("swiglu") as `swiglu`; one input buffer, so a fused
     gate/up projection needs no split copy.
     """
     if gate_up.ndim < 1 or gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu_packed: gate_up's last dimension must be even, got {gate_up.shape}")
     impl = _impl_for("swiglu_packed", gate_up.dtype, impl)
-    h = _swiglu_packed(gate_up, impl)
+    h = _swiglu_packed(gate_up, impl, mesh)
     return checkpoint_name(h, "swiglu")

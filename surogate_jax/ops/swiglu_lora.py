@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AbstractMesh, Mesh
 
 from surogate_jax.ops._loader import pick, resolve_impl
 from surogate_jax.ops._sharding import on_shards
@@ -118,7 +119,7 @@ def _pass_ffi(dhs, base, xa, lora_b, *, scale):
     return tuple(call(*(d.astype(dtype) for d in dhs), *base, xa, lora_b, scale=np.float32(scale)))
 
 
-def _run(impl, phase, scale, dhs, base, xa, lora_b):
+def _run(impl, mesh, phase, scale, dhs, base, xa, lora_b):
     """One pass per data shard: every operand but lora_b is split along its rows."""
     ffi, ref = (functools.partial(f, scale=scale) for f in (_pass_ffi, _pass_ref))  # static
     nd, nb = len(dhs), len(base)
@@ -131,7 +132,7 @@ def _run(impl, phase, scale, dhs, base, xa, lora_b):
 
     split = all(a.ndim >= 2 for a in args[:-1])
     batched = (split,) * (len(args) - 1) + (False,)
-    return on_shards(call, *args, batched=batched, out_batched=(split,) * n_out)
+    return on_shards(call, *args, mesh=mesh, batched=batched, out_batched=(split,) * n_out)
 
 
 def _factor_grads(dbase, xa, lora_b, scale):
@@ -157,19 +158,19 @@ def _factor_grads(dbase, xa, lora_b, scale):
     return dbase, d_xa.astype(xa.dtype), d_b.astype(lora_b.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _swiglu_lora(base, xa, lora_b, scale, impl):
-    (h,) = _run(impl, "fwd", scale, (), base, xa, lora_b)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _swiglu_lora(base, xa, lora_b, scale, impl, mesh):
+    (h,) = _run(impl, mesh, "fwd", scale, (), base, xa, lora_b)
     return h
 
 
-def _vjp_fwd(base, xa, lora_b, scale, impl):
-    return _swiglu_lora(base, xa, lora_b, scale, impl), (base, xa, lora_b)
+def _vjp_fwd(base, xa, lora_b, scale, impl, mesh):
+    return _swiglu_lora(base, xa, lora_b, scale, impl, mesh), (base, xa, lora_b)
 
 
-def _vjp_bwd(scale, impl, res, dh):
+def _vjp_bwd(scale, impl, mesh, res, dh):
     base, xa, lora_b = res
-    return _factor_grads(_run(impl, "bwd", scale, (dh,), base, xa, lora_b), xa, lora_b, scale)
+    return _factor_grads(_run(impl, mesh, "bwd", scale, (dh,), base, xa, lora_b), xa, lora_b, scale)
 
 
 _swiglu_lora.defvjp(_vjp_fwd, _vjp_bwd)
@@ -177,33 +178,34 @@ _swiglu_lora.defvjp(_vjp_fwd, _vjp_bwd)
 
 # split_output: h returned twice, for two consumers (the down projection's frozen GEMM and its
 # LoRA), so their gradients reach the kernel as two operands instead of a materialized sum.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _swiglu_lora_split(base, xa, lora_b, scale, impl):
-    h = _swiglu_lora(base, xa, lora_b, scale, impl)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _swiglu_lora_split(base, xa, lora_b, scale, impl, mesh):
+    h = _swiglu_lora(base, xa, lora_b, scale, impl, mesh)
     return h, h
 
 
-def _split_vjp_fwd(base, xa, lora_b, scale, impl):
-    return _swiglu_lora_split(base, xa, lora_b, scale, impl), (base, xa, lora_b)
+def _split_vjp_fwd(base, xa, lora_b, scale, impl, mesh):
+    return _swiglu_lora_split(base, xa, lora_b, scale, impl, mesh), (base, xa, lora_b)
 
 
-def _split_vjp_bwd(scale, impl, res, cts):
+def _split_vjp_bwd(scale, impl, mesh, res, cts):
     base, xa, lora_b = res
-    return _factor_grads(_run(impl, "bwd", scale, tuple(cts), base, xa, lora_b), xa, lora_b, scale)
+    return _factor_grads(_run(impl, mesh, "bwd", scale, tuple(cts), base, xa, lora_b), xa, lora_b, scale)
 
 
 _swiglu_lora_split.defvjp(_split_vjp_fwd, _split_vjp_bwd)
 
 
 def swiglu_lora(gate_up, xa: jax.Array, lora_b: jax.Array, scale: float, *,
-                impl: str | None = None, split_output: bool = False):
+                impl: str | None = None, split_output: bool = False, mesh: Mesh | AbstractMesh | None = None):
     """silu(gate) * up with gate, up = the base GEMM output(s) plus their LoRA updates (module docstring).
 
     gate_up: one array [..., 2F] (gate | up) or a (gate, up) pair of [..., F] arrays; xa [..., 2R];
     lora_b [2, R, F]; one float dtype; scale: LoRA alpha / r. The gradient of gate_up comes in
     the same form. impl: None/"auto" (CUDA kernel on GPU, reference elsewhere), "ffi" or "ref";
     the environment variable SUROGATE_JAX_OPS=ref forces the reference. Tagged
-    `checkpoint_name(h, "swiglu")`.
+    `checkpoint_name(h, "swiglu")`. mesh: rows are split over its data axes (ops/_sharding.py;
+    None: one call on the whole input).
     split_output: return (h, h), the same values for two consumers; their gradients then enter
     the backward kernel separately (no [..., F] add pass for autodiff's sum of them).
     """
@@ -236,7 +238,7 @@ def swiglu_lora(gate_up, xa: jax.Array, lora_b: jax.Array, scale: float, *,
             raise TypeError(f"swiglu_lora: impl='ffi' supports float32/bfloat16/float16, got {dtype}")
         impl = "ref"
     if split_output:
-        h, h2 = _swiglu_lora_split(base, xa, lora_b, float(scale), impl)
+        h, h2 = _swiglu_lora_split(base, xa, lora_b, float(scale), impl, mesh)
         return checkpoint_name(h, "swiglu"), checkpoint_name(h2, "swiglu")
-    h = _swiglu_lora(base, xa, lora_b, float(scale), impl)
+    h = _swiglu_lora(base, xa, lora_b, float(scale), impl, mesh)
     return checkpoint_name(h, "swiglu")

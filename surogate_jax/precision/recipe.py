@@ -224,18 +224,19 @@ def mixed_linear(x2: jax.Array, w2: jax.Array, matmul_dtype, gradient_dtype, out
     return _mixed(x2, w2, jnp.dtype(matmul_dtype), jnp.dtype(gradient_dtype), jnp.dtype(out_dtype))
 
 
-def _quantized_2d(recipe: QuantRecipe, x2, w2, state, kernel_scale, key, dtype):
-    """The recipe's GEMM on x2 [M, K] (dtype) and w2 [K, N]; output [M, N] in dtype."""
+def _quantized_2d(recipe: QuantRecipe, x2, w2, state, kernel_scale, key, dtype, mesh):
+    """The recipe's GEMM on x2 [M, K] (dtype) and w2 [K, N]; output [M, N] in dtype; the quantized
+    ops split x2's rows over mesh's data axes."""
     from surogate_jax.ops.fp8_matmul import fp8_matmul, fp8_matmul_frozen
 
     if recipe.name == "fp8-hybrid":
         if kernel_scale is not None:  # frozen, cached E4M3 (kept in the model dtype when layers are skipped)
             wq = w2 if w2.dtype == jnp.dtype(fp8_formats.E4M3) else w2.astype(fp8_formats.E4M3)
-            return fp8_matmul_frozen(x2, wq, kernel_scale, state, impl=recipe.fp8_impl, out_dtype=dtype)
-        return fp8_matmul(x2, w2, state, impl=recipe.fp8_impl, out_dtype=dtype)
+            return fp8_matmul_frozen(x2, wq, kernel_scale, state, impl=recipe.fp8_impl, out_dtype=dtype, mesh=mesh)
+        return fp8_matmul(x2, w2, state, impl=recipe.fp8_impl, out_dtype=dtype, mesh=mesh)
     if recipe.name == "nvfp4":
         kw = {"four_over_six": recipe.fp4_four_over_six, "stochastic_grad": recipe.fp4_stochastic,
-              "impl": recipe.fp4_impl}
+              "impl": recipe.fp4_impl, "mesh": mesh}
         if kernel_scale is not None:
             return nvfp4_matmul.nvfp4_linear_frozen(x2, w2, key, **kw).astype(dtype)
         return nvfp4_matmul.nvfp4_linear_emulated(x2, w2, key, **kw).astype(dtype)
@@ -246,13 +247,15 @@ def _quantized_2d(recipe: QuantRecipe, x2, w2, state, kernel_scale, key, dtype):
 
 def linear(recipe: QuantRecipe, x: jax.Array, kernel: jax.Array, *, in_dims: int, dtype: Any,
            fp8_state: fp8_formats.Fp8MatmulState | None = None, kernel_scale: jax.Array | None = None,
-           key: jax.Array | None = None, layer: jax.Array | None = None, num_layers: int | None = None) -> jax.Array:
+           key: jax.Array | None = None, layer: jax.Array | None = None, num_layers: int | None = None,
+           mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None) -> jax.Array:
     """y [..., out...] = x [..., in...] @ kernel [in..., out...] under `recipe` (one projection of
     one decoder layer; the caller fetches state, kernel_scale and key, this function is pure).
 
     x is cast to `dtype` (the model dtype), reshaped to [N, prod(in)] and the kernel to
     [prod(in), prod(out)] (o_proj contracts two dims). With skip counts > 0 and `layer` given,
-    `lax.cond` picks the plain GEMM (the model's exact bf16 expression) for skipped layers."""
+    `lax.cond` picks the plain GEMM (the model's exact bf16 expression) for skipped layers.
+    mesh: the device mesh the fp8 / nvfp4 ops split rows over (DecoderConfig.mesh; None: whole)."""
     n_in = x.ndim - in_dims
     in_shape, out_shape = x.shape[n_in:], kernel.shape[in_dims:]
     if tuple(kernel.shape[:in_dims]) != tuple(in_shape):
@@ -260,7 +263,8 @@ def linear(recipe: QuantRecipe, x: jax.Array, kernel: jax.Array, *, in_dims: int
     k, n = math.prod(in_shape), math.prod(out_shape)
 
     def quant(x, kernel, state, scale, key):
-        y2 = _quantized_2d(recipe, x.astype(dtype).reshape(-1, k), kernel.reshape(k, n), state, scale, key, dtype)
+        y2 = _quantized_2d(recipe, x.astype(dtype).reshape(-1, k), kernel.reshape(k, n), state, scale, key, dtype,
+                           mesh)
         return y2.reshape(*x.shape[:n_in], *out_shape)
 
     def plain(x, kernel, state, scale, key):

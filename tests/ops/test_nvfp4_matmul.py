@@ -168,7 +168,8 @@ def test_one_log_line_says_emulated_and_that_native_is_unrun(caplog):
 def fake_native(monkeypatch):
     calls = []
 
-    def native(a, b, out_dtype=jnp.bfloat16):
+    def native(a, b, out_dtype=jnp.bfloat16, *, mesh=None):
+        assert mesh is None  # these tests run without a mesh (no per-shard split)
         # what the handler demands: 2-D operands sharing K, quantized along K, K % 32, N % 16
         assert len(a.shape) == 2 and len(b.shape) == 2 and a.shape[1] == b.shape[1]
         assert g.native_shape_ok(a.shape[1], b.shape[0]), (a.shape, b.shape)

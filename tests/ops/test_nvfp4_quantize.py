@@ -508,10 +508,9 @@ for arr, tile_2d, mesh in ((x, False, auto), (x, True, auto), (w, True, auto), (
                            (x, False, explicit), (w, True, explicit)):
     want = nvfp4_quantize.quantize_ref(arr, tile_2d=tile_2d)
     xs = jax.device_put(arr, NamedSharding(mesh, P("data")))
-    with jax.set_mesh(mesh):
-        f = jax.jit(lambda a: nvfp4_quantize._quantize_sharded(a, tile_2d, True, False, None, None, None, "ref"))
-        got = f(xs)
-        hlo = f.lower(xs).as_text()
+    f = jax.jit(lambda a: nvfp4_quantize._quantize_sharded(a, tile_2d, True, False, None, None, None, "ref", mesh))
+    got = f(xs)
+    hlo = f.lower(xs).as_text()
     if arr.shape[0] % (16 * 4) == 0 or arr.ndim > 2:
         assert "shard_map" in hlo or "manual_computation" in hlo, hlo[:2000]
     np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(want.codes))

@@ -1,0 +1,73 @@
+"""DecoderConfig.mesh: every op of the decoder (norms, q/k RoPE, the residual add + norm, SwiGLU or
+SwiGLU+LoRA, the recipe GEMMs) and the LM-head loss run per data shard of that mesh, with the loss
+and gradients of the unsplit model; without it (even inside jax.set_mesh) nothing splits; and the
+train / eval step builders attach the layout's mesh themselves. On a 4-device CPU mesh."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+SCRIPT = r'''
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from surogate_jax import train as T
+from surogate_jax.models import Decoder, DecoderConfig, LoraSpec
+from surogate_jax.parallel import Layout
+from surogate_jax.precision.recipe import QuantRecipe
+assert len(jax.devices()) == 4
+base = DecoderConfig(model_type="qwen3", vocab_size=67, hidden_size=32, intermediate_size=48, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, initializer_range=0.2,
+                     kernels=("rope", "rms_norm", "add_rms_norm", "swiglu", "swiglu_lora"))
+mesh = T.make_mesh()
+rng = np.random.default_rng(0)
+batch = {k: jnp.asarray(rng.integers(1, 67, (8, 16)), jnp.int32) for k in ("input_ids", "targets")}
+batch["positions"] = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (8, 16))
+batch["segment_ids"] = jnp.ones((8, 16), jnp.int32)
+batch["loss_mask"] = jnp.asarray(rng.random((8, 16)) < 0.7, jnp.float32)
+sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+spec = LoraSpec(rank=4, alpha=8.0, targets=("gate_proj", "up_proj", "down_proj"))
+for name, cfg in {"full": base, "lora (swiglu_lora)": base.replace(lora=spec),
+                  "fp8-hybrid": base.replace(recipe=QuantRecipe("fp8-hybrid", fp8_impl="ref")),
+                  # round-to-nearest: stochastic rounding draws other bits per shard (by design)
+                  "nvfp4": base.replace(recipe=QuantRecipe("nvfp4", fp4_stochastic=False), hidden_size=64,
+                                        intermediate_size=96, head_dim=16)}.items():
+    model = Decoder(cfg)
+    v = model.init({"params": jax.random.key(0), "lora": jax.random.key(1)}, jnp.zeros((1, 4), jnp.int32))
+    params, trainable = (v["params"], v["lora"]) if cfg.lora else ({}, v["params"])
+    quant = v.get("fp8", {})
+
+    def loss(model, trainable, quant, batch):
+        l, n = T.batch_loss(model, params, trainable, batch, None, quant)
+        return l / n
+
+    grad = jax.value_and_grad(loss, argnums=(1, 2))
+    want_l, want_g = grad(model, trainable, quant, batch)
+    split = Decoder(cfg.replace(mesh=mesh))
+    jaxpr = str(jax.make_jaxpr(lambda *a: grad(split, *a))(trainable, quant, sharded))
+    with jax.set_mesh(mesh):  # the ambient mesh alone splits nothing
+        whole = str(jax.make_jaxpr(lambda *a: grad(model, *a))(trainable, quant, sharded))
+    n = jaxpr.count("shard_map")
+    assert n >= 5, (name, n)  # rms_norm, rope_qk, add_rms_norm, swiglu(_lora), lm_head_ce (+ recipe GEMMs)
+    assert "shard_map" not in whole, name
+    got_l, got_g = jax.jit(lambda *a: grad(split, *a))(trainable, quant, sharded)
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5, err_msg=name)
+    for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6, err_msg=name)
+    print("ok", name, n)
+# the step builders attach the layout's mesh to the model they trace
+state = T.TrainState(step=jnp.zeros((), jnp.int32), params=params, trainable=trainable, opt_state=(),
+                     rng=jax.random.key_data(jax.random.key(0)), quant=quant)
+ev = str(jax.make_jaxpr(T.make_eval_step(model, Layout(mesh)))(state, sharded))
+assert "shard_map" in ev and "shard_map" not in str(jax.make_jaxpr(T.make_eval_step(model))(state, sharded))
+assert T.with_mesh(model, mesh).config.mesh == mesh and T.with_mesh(model, None) is model
+print("ok")
+'''
+
+
+def test_model_ops_split_over_the_config_mesh():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", SCRIPT], check=False, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr[-3000:]
