@@ -10,7 +10,8 @@ recompute), one process, several kernel sets (comma lists of DecoderConfig.kerne
 `--pack-max-bytes=N` sets models.llamalike.PACK_GATE_UP_MAX_BYTES (swiglu_lora's gate/up as one
 GEMM over the concatenated kernels up to N bytes, two GEMMs above): 0 forces two everywhere.
 A set may end in `@<op>.<pass>,...`: those passes run XLA's fusion of the reference
-(SUROGATE_JAX_OPS=ref:<op>.<pass>), e.g. the rope kernel forward with the XLA-fused backward.
+(SUROGATE_JAX_OPS=ref:<op>.<pass>, set per set through ops._loader.force_ref), e.g. the rope kernel
+forward with the XLA-fused backward.
 
 Prints one JSON line per set (step ms, tokens/s, counts of custom calls / fusions / copies in the
 compiled HLO) and writes the HLO text to $OUT/hlo_<size>_<set>.txt (or /tmp) to read what XLA fused.
@@ -35,6 +36,7 @@ import sft_throughput as S  # noqa: E402
 from surogate_jax import train as T  # noqa: E402
 from surogate_jax.lora import init_adapters  # noqa: E402
 from surogate_jax.models import Decoder, llamalike  # noqa: E402
+from surogate_jax.ops import _loader  # noqa: E402
 
 out = os.environ.get("OUT", "/tmp")
 
@@ -59,15 +61,10 @@ recompute = "--no-recompute" not in sys.argv  # default: the seed config's full 
 size = args[0]
 sets = args[1:]
 res = []
-user_ops = os.environ.get("SUROGATE_JAX_OPS")  # kept for the sets without "@"
 for ks in sets:
     ks_kernels, _, forced = ks.partition("@")
-    if forced:
-        os.environ["SUROGATE_JAX_OPS"] = "ref:" + forced
-    elif user_ops is None:
-        os.environ.pop("SUROGATE_JAX_OPS", None)
-    else:
-        os.environ["SUROGATE_JAX_OPS"] = user_ops
+    # the set's passes on the reference; a set without "@" keeps the environment's SUROGATE_JAX_OPS
+    _loader.force_ref("ref:" + forced if forced else None)
     kernels = tuple(k for k in ks_kernels.split(",") if k and k != "none")
     cfg = S.qwen3(size, recompute).replace(kernels=kernels)
     model = Decoder(cfg)

@@ -9,7 +9,10 @@ the "surogate_jax" logger says why). `SUROGATE_JAX_OPS=ref` in the environment f
 everywhere, whatever the caller asked for (used by CPU-only tests and for debugging);
 `SUROGATE_JAX_OPS=ref:rope,swiglu` forces it only for the named ops (for A/B measurements), and
 `SUROGATE_JAX_OPS=ref:rms_norm.bwd` only for one pass of an op (its kernel forward with XLA's fusion
-of the reference backward, or `.fwd` the other way round); see `pick`.
+of the reference backward, or `.fwd` the other way round); see `pick`. The variable is read once per
+process, when the first op is traced (a malformed value raises ValueError there); `force_ref(spec)`
+sets the same switch from code (tests, benchmarks, library users) and `force_ref(None)` re-reads the
+environment. It applies to ops traced afterwards: an already jitted function keeps its choice.
 
 `SUROGATE_JAX_FFI_GRAPHS=0` registers handlers that do not declare command-buffer compatibility, so
 XLA runs each of our calls outside its CUDA graphs (default 1: XLA records them into the graphs of
@@ -91,18 +94,45 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
-def forced_ref(op: str | None, phase: str | None = None) -> bool:
-    """Whether SUROGATE_JAX_OPS forces the reference for `op` ("ref" = all, "ref:a,b" = those;
-    with `phase` ("fwd" / "bwd") also "ref:a.fwd" / "ref:a.bwd", that pass of `a` only)."""
-    forced = os.environ.get(ENV_VAR, "").strip().lower()
-    if forced in ("", "auto"):
-        return False
-    if forced == "ref":
+_UNREAD = object()
+# The parsed switch: None (nothing forced), True (every op) or a frozenset of "<op>" / "<op>.<pass>";
+# _UNREAD until the first op reads the environment (or force_ref sets it).
+_forced: object = _UNREAD
+
+
+def _parse(spec: str, source: str) -> bool | frozenset[str] | None:
+    v = spec.strip().lower()
+    if v in ("", "auto"):
+        return None
+    if v == "ref":
         return True
-    if forced.startswith("ref:"):
-        names = {n.strip() for n in forced[4:].split(",") if n.strip()}
-        return op is not None and (op in names or (phase is not None and f"{op}.{phase}" in names))
-    raise ValueError(f"{ENV_VAR}={forced!r} is not understood; use 'ref', 'ref:<op>,<op>' or leave it unset")
+    if v.startswith("ref:"):
+        return frozenset(n.strip() for n in v[4:].split(",") if n.strip())
+    raise ValueError(f"{source}{v!r} is not understood; use 'ref', 'ref:<op>,<op>' or leave {ENV_VAR} unset")
+
+
+def force_ref(spec: str | None) -> None:
+    """Forces the reference like SUROGATE_JAX_OPS, from code: "ref" (every op), "ref:a,b" (those),
+    "ref:a.fwd" / "ref:a.bwd" (one pass), "" or "auto" (none); None goes back to the environment's
+    value (read again now). A malformed spec raises ValueError and changes nothing. Ops traced
+    afterwards see it; a function jitted before keeps what it traced."""
+    global _forced
+    if spec is None:
+        _forced = _parse(os.environ.get(ENV_VAR, ""), f"{ENV_VAR}=")
+    else:
+        _forced = _parse(spec, f"force_ref: {ENV_VAR} value ")
+
+
+def forced_ref(op: str | None, phase: str | None = None) -> bool:
+    """Whether SUROGATE_JAX_OPS (read once, at the first call) or force_ref forces the reference for
+    `op` ("ref" = all, "ref:a,b" = those; with `phase` ("fwd" / "bwd") also "ref:a.fwd" / "ref:a.bwd",
+    that pass of `a` only)."""
+    if _forced is _UNREAD:
+        force_ref(None)
+    forced = _forced
+    if forced is None or forced is True:
+        return forced is True
+    return op is not None and (op in forced or (phase is not None and f"{op}.{phase}" in forced))
 
 
 def resolve_impl(impl: str | None, op: str | None = None) -> str:

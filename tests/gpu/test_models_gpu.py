@@ -68,7 +68,7 @@ def test_packed_rows_with_cudnn():
         start += n
 
 
-def test_kernels_inside_model_match_reference(monkeypatch):
+def test_kernels_inside_model_match_reference(force_ref):
     ids, params = _setup(2)
     cfg = CFG.replace(attention_impl="xla", dtype=jnp.float32, kernels=MODEL_KERNELS)
     fwd = jax.jit(lambda p: Decoder(cfg).apply({"params": p}, ids))
@@ -80,7 +80,7 @@ def test_kernels_inside_model_match_reference(monkeypatch):
     # Full fp32 matmuls: TF32 (the GPU default) turns 1-ulp norm differences into ~1e-3 ones.
     with jax.default_matmul_precision("highest"):
         ffi, g_ffi = fwd(params), grad(params)
-        monkeypatch.setenv("SUROGATE_JAX_OPS", "ref")
+        force_ref("ref")
         ref = jax.jit(lambda p: Decoder(cfg).apply({"params": p}, ids))(params)
         g_ref = jax.jit(jax.grad(lambda p: _loss(p, cfg, ids)))(params)
     assert _rel(ffi, ref) < 1e-5

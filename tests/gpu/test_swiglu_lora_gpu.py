@@ -144,7 +144,7 @@ def test_deterministic():
 
 
 @pytest.mark.parametrize("form", ["packed", "sep"])
-def test_model_uses_kernel_and_matches_reference(form, monkeypatch):
+def test_model_uses_kernel_and_matches_reference(form, monkeypatch, force_ref):
     lora = LoraSpec(rank=8, alpha=16.0, targets=("q_proj", "gate_proj", "up_proj", "down_proj"))
     cfg = DecoderConfig(model_type="qwen3", vocab_size=1001, hidden_size=256, intermediate_size=704,
                         num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64, qk_norm=True,
@@ -170,7 +170,7 @@ def test_model_uses_kernel_and_matches_reference(form, monkeypatch):
     assert f"{pre}fwd" in text and f"{pre}bwd_split" in text  # down_proj has LoRA
     with jax.default_matmul_precision("highest"):
         l_ffi, g_ffi = grad(lo)
-        monkeypatch.setenv("SUROGATE_JAX_OPS", "ref")
+        force_ref("ref")
         l_ref, g_ref = jax.jit(jax.value_and_grad(loss))(lo)
     np.testing.assert_allclose(float(l_ffi), float(l_ref), rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_ffi)[0], jax.tree.leaves(g_ref), strict=True):

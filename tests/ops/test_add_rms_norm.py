@@ -96,8 +96,8 @@ def test_weight_dtype_differs_from_x(assert_close):
     assert_close(dw, dw_ref, jnp.bfloat16)
 
 
-def test_env_forces_reference(monkeypatch):
-    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref")
+def test_env_forces_reference(force_ref):
+    force_ref("ref")
     jaxpr = jax.make_jaxpr(lambda x, r, w: add_rms_norm(x, r, w, impl="ffi"))(
         jnp.ones((2, 8)), jnp.ones((2, 8)), jnp.ones(8)
     )

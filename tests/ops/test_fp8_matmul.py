@@ -193,7 +193,7 @@ def test_zero_rows():
     assert float(ds.x.scale) == 0.0 and float(ds.w.scale) == 1.0
 
 
-def test_errors_and_impl_resolution(monkeypatch):
+def test_errors_and_impl_resolution(force_ref):
     st = _state(1.0, 1.0, 1.0)
     x = jnp.ones((4, 32), jnp.bfloat16)
     with pytest.raises(ValueError, match="w \\[K, N\\]"):
@@ -213,17 +213,17 @@ def test_errors_and_impl_resolution(monkeypatch):
         with pytest.raises(RuntimeError, match="unavailable"):
             resolve_fp8_impl("ffi", 32, 16)
     assert resolve_fp8_impl("xla", 24, 40) == "xla"
-    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref")
+    force_ref("ref")
     assert resolve_fp8_impl("xla", 32, 16) == "ref" and resolve_fp8_impl("ffi", 32, 16) == "ref"
     jaxpr = str(jax.make_jaxpr(lambda x: fp8_matmul(x, jnp.ones((32, 16)), st, impl="xla"))(x))
     assert "surogate_fp8" not in jaxpr and "HIGHEST" in jaxpr  # the reference's fp32 dot
-    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref:rope,fp8_matmul")  # the per-op form every op honours
+    force_ref("ref:rope,fp8_matmul")  # the per-op form every op honours
     assert resolve_fp8_impl("xla", 32, 16) == "ref"
-    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref:rope")  # another op's reference: fp8_matmul unchanged
+    force_ref("ref:rope")  # another op's reference: fp8_matmul unchanged
     assert resolve_fp8_impl("xla", 32, 16) == "xla"
-    monkeypatch.setenv("SUROGATE_JAX_OPS", "reff")
     with pytest.raises(ValueError, match="not understood"):
-        resolve_fp8_impl("xla", 32, 16)
+        force_ref("reff")
+    assert resolve_fp8_impl("xla", 32, 16) == "xla"  # the malformed value changed nothing
 
 
 SHARD_SCRIPT = r'''

@@ -333,7 +333,7 @@ def test_zero_tokens():
     assert dw.shape == w.shape and not np.any(np.asarray(dw))
 
 
-def test_env_forces_reference_and_ffi_selection(monkeypatch, assert_close):
+def test_env_forces_reference_and_ffi_selection(monkeypatch, force_ref, assert_close):
     h, w, t, m = _inputs(jax.random.key(11), dtype=jnp.bfloat16)
     grad = lambda impl, **kw: jax.grad(
         lambda h: lm_head_ce(h, w, t, m, chunk=CHUNK, impl=impl, **kw)[0])
@@ -354,7 +354,7 @@ def test_env_forces_reference_and_ffi_selection(monkeypatch, assert_close):
         assert_close(auto, grad("ref")(h), jnp.bfloat16)
     with pytest.raises(TypeError, match="ffi"):
         lm_head_ce(h, w, t, m, impl="ffi", logits_dtype=jnp.float16)  # bf16 -> f16 pair: no kernel
-    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref")
+    force_ref("ref")
     assert resolve_impl("ffi") == "ref"
     assert "surogate_lm_head_ce" not in _jaxpr(grad("ffi"), h)
 

@@ -378,13 +378,13 @@ def test_fake_quantize_signature_and_dtypes():
     assert nvfp4_quantize.fake_quantize(jnp.zeros((0, 16))).shape == (0, 16)
 
 
-def test_env_override_forces_reference(monkeypatch):
-    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref")
+def test_env_override_forces_reference(force_ref):
+    force_ref("ref")
     x = jax.random.normal(jax.random.key(3), (5, 32))
     hlo = jax.jit(lambda x: nvfp4_quantize.fake_quantize(x)).lower(x).as_text()
     assert "surogate_nvfp4" not in hlo
     assert_bitwise(nvfp4_quantize.fake_quantize(x, impl="auto"), nvfp4_quantize.fake_quantize_ref(x))
-    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref:nvfp4_quantize")
+    force_ref("ref:nvfp4_quantize")
     assert nvfp4_quantize._resolve("ffi", x) == "ref"
 
 

@@ -73,27 +73,44 @@ def test_weight_dtype_differs_from_x(assert_close):
     assert_close(dw, dw_ref, jnp.bfloat16)
 
 
-def test_env_forces_reference(monkeypatch):
-    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref")
+def test_env_forces_reference(force_ref):
+    force_ref("ref")
     assert resolve_impl(None) == "ref"
     assert resolve_impl("ffi") == "ref"
     jaxpr = jax.make_jaxpr(lambda x, w: rms_norm(x, w, impl="ffi"))(jnp.ones((2, 8)), jnp.ones(8))
     assert "surogate_rms_norm" not in str(jaxpr)
-    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref:rope, rms_norm")
+    force_ref("ref:rope, rms_norm")
     assert resolve_impl("ffi", "rms_norm") == "ref"
     assert resolve_impl("ref", "swiglu") == "ref"
     jaxpr = jax.make_jaxpr(lambda x, w: rms_norm(x, w, impl="ffi"))(jnp.ones((2, 8)), jnp.ones(8))
     assert "surogate_rms_norm" not in str(jaxpr)
+    with pytest.raises(ValueError, match="SUROGATE_JAX_OPS"):
+        force_ref("bogus")
+    assert resolve_impl("ffi", "rms_norm") == "ref"  # a malformed spec changed nothing
+
+
+def test_env_read_once(monkeypatch, force_ref):
+    """SUROGATE_JAX_OPS is read at the first use (a malformed value raises there) and cached: a
+    later change of the variable takes effect only through force_ref(None)."""
+    import surogate_jax.ops._loader as loader
+    monkeypatch.setattr(loader, "ffi_available", lambda: True)
+    monkeypatch.setattr(loader, "_forced", loader._UNREAD)  # as in a fresh process
     monkeypatch.setenv("SUROGATE_JAX_OPS", "bogus")
     with pytest.raises(ValueError, match="SUROGATE_JAX_OPS"):
         resolve_impl(None)
+    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref:rms_norm")
+    assert resolve_impl("ffi", "rms_norm") == "ref"  # first successful read
+    monkeypatch.setenv("SUROGATE_JAX_OPS", "")
+    assert resolve_impl("ffi", "rms_norm") == "ref"  # cached: the change is not seen
+    force_ref(None)
+    assert resolve_impl("ffi", "rms_norm") == "ffi"  # re-read
 
 
-def test_env_forces_reference_per_op(monkeypatch):
+def test_env_forces_reference_per_op(monkeypatch, force_ref):
     """ref:<ops> forces only the named ops; the others resolve as usual."""
     import surogate_jax.ops._loader as loader
     monkeypatch.setattr(loader, "ffi_available", lambda: True)
-    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref:rope,swiglu")
+    force_ref("ref:rope,swiglu")
     assert loader.resolve_impl("ffi", "rope") == "ref"
     assert loader.resolve_impl(None, "swiglu") == "ref"
     assert loader.resolve_impl("ffi", "rms_norm") == "ffi"
@@ -103,12 +120,12 @@ def test_env_forces_reference_per_op(monkeypatch):
 @pytest.mark.parametrize("forced, fwd_kernel, bwd_kernel", [
     ("", True, True), ("ref:rms_norm.bwd", True, False), ("ref:rms_norm.fwd", False, True),
     ("ref:rope.bwd", True, True), ("ref:rms_norm", False, False)])
-def test_env_forces_reference_per_pass(monkeypatch, forced, fwd_kernel, bwd_kernel):
+def test_env_forces_reference_per_pass(monkeypatch, force_ref, forced, fwd_kernel, bwd_kernel):
     """ref:<op>.fwd / .bwd swaps the reference in for one pass; the traced program shows which
     custom calls remain (impl="ffi" traces the kernels without running them, so this runs on CPU)."""
     import surogate_jax.ops._loader as loader
     monkeypatch.setattr(loader, "ffi_available", lambda: True)
-    monkeypatch.setenv("SUROGATE_JAX_OPS", forced)
+    force_ref(forced)
     x, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones(8, jnp.bfloat16)
     fwd = str(jax.make_jaxpr(lambda x, w: rms_norm(x, w, impl="ffi"))(x, w))
     both = str(jax.make_jaxpr(jax.grad(lambda x, w: rms_norm(x, w, impl="ffi").astype(jnp.float32).sum(),

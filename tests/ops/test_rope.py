@@ -221,8 +221,8 @@ def test_weight_dtype_differs_from_x(assert_close):
     assert_close(dw, dw_ref, jnp.bfloat16)
 
 
-def test_env_forces_reference(monkeypatch):
-    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref")
+def test_env_forces_reference(force_ref):
+    force_ref("ref")
     assert resolve_impl("ffi") == "ref"
     x, pos, inv = jnp.ones((1, 2, 1, 8)), jnp.zeros((1, 2), jnp.int32), jnp.ones(4)
     jaxpr = jax.make_jaxpr(lambda x: rope(x, pos, inv, norm_w=jnp.ones(8), impl="ffi"))(x)

@@ -90,8 +90,8 @@ def test_extreme_gates_are_finite():
     np.testing.assert_allclose(np.asarray(h)[0, [0, 3, 6]], [0.0, 0.0, 1e4], atol=1e-6)
 
 
-def test_env_forces_reference(monkeypatch):
-    monkeypatch.setenv("SUROGATE_JAX_OPS", "ref")
+def test_env_forces_reference(force_ref):
+    force_ref("ref")
     jaxpr = jax.make_jaxpr(lambda g, u: swiglu(g, u, impl="ffi"))(jnp.ones((2, 8)), jnp.ones((2, 8)))
     assert "surogate_swiglu" not in str(jaxpr)
 
