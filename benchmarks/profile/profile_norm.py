@@ -4,7 +4,7 @@
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
         python3 benchmarks/profile/profile_norm.py --op rms_norm --shape 16384x1024 --pass fwd --impl ffi
 
---impl ffi: our kernel (the op's default variant, or --algo); xla: XLA's fusion of the reference
+--impl ffi: our kernel (one per pass); xla: XLA's fusion of the reference
 (forward, or jax.vjp's backward with the weight gradient); copy: an XLA element-wise fusion
 moving the pass's row bytes (rms_norm fwd y = x + 1, bwd dx = dy + x; add_rms_norm fwd
 (x + r, x - r), bwd dx = dy + ds + s), the kernel-only floor at that size.
@@ -36,7 +36,6 @@ def main() -> None:
     ap.add_argument("--op", default="rms_norm", choices=("rms_norm", "add_rms_norm"))
     ap.add_argument("--shape", type=_shape, default=(16384, 1024), help="ROWSxD (default 16384x1024)")
     ap.add_argument("--pass", dest="pass_", default="fwd", choices=("fwd", "bwd"))
-    ap.add_argument("--algo", type=int, help="fwd_algo / bwd_algo (default: the op's)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--impl", default="ffi", choices=("ffi", "xla", "copy"))
@@ -58,10 +57,10 @@ def main() -> None:
         s = x
         rstd = jax.jit(lambda x, w: mod._fwd_ref(x, w, EPS)[1])(x, w)
         fns = {
-            ("fwd", "ffi"): lambda x, r, dy, ds, s, w, rstd: mod._fwd_ffi(x, w, EPS, args.algo),
+            ("fwd", "ffi"): lambda x, r, dy, ds, s, w, rstd: mod._fwd_ffi(x, w, EPS),
             ("fwd", "xla"): lambda x, r, dy, ds, s, w, rstd: rms_norm_ref(x, w, EPS),
             ("fwd", "copy"): lambda x, r, dy, ds, s, w, rstd: x + one,
-            ("bwd", "ffi"): lambda x, r, dy, ds, s, w, rstd: mod._bwd_ffi(dy, x, w, rstd, args.algo),
+            ("bwd", "ffi"): lambda x, r, dy, ds, s, w, rstd: mod._bwd_ffi(dy, x, w, rstd),
             ("bwd", "xla"): lambda x, r, dy, ds, s, w, rstd: jax.vjp(lambda x, w: rms_norm_ref(x, w, EPS), x, w)[1](dy),
             ("bwd", "copy"): lambda x, r, dy, ds, s, w, rstd: dy + x,
         }
@@ -69,10 +68,10 @@ def main() -> None:
     else:
         _, s, rstd = jax.jit(lambda x, r, w: mod._fwd_ref(x, r, w, EPS))(x, r, w)
         fns = {
-            ("fwd", "ffi"): lambda x, r, dy, ds, s, w, rstd: mod._fwd_ffi(x, r, w, EPS, args.algo),
+            ("fwd", "ffi"): lambda x, r, dy, ds, s, w, rstd: mod._fwd_ffi(x, r, w, EPS),
             ("fwd", "xla"): lambda x, r, dy, ds, s, w, rstd: add_rms_norm_ref(x, r, w, EPS),
             ("fwd", "copy"): lambda x, r, dy, ds, s, w, rstd: (x + r, x - r),
-            ("bwd", "ffi"): lambda x, r, dy, ds, s, w, rstd: mod._bwd_ffi(dy, ds, s, w, rstd, args.algo),
+            ("bwd", "ffi"): lambda x, r, dy, ds, s, w, rstd: mod._bwd_ffi(dy, ds, s, w, rstd),
             ("bwd", "xla"): lambda x, r, dy, ds, s, w, rstd: jax.vjp(
                 lambda x, r, w: add_rms_norm_ref(x, r, w, EPS), x, r, w)[1]((dy, ds)),
             ("bwd", "copy"): lambda x, r, dy, ds, s, w, rstd: dy + ds + s,

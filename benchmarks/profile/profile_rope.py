@@ -2,7 +2,7 @@
 
     ncu --clock-control none -k regex:'rope|col_sum' --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-        python3 benchmarks/profile/profile_rope.py --shape "0.6b q" --pass bwd --algo 2 [--source table]
+        python3 benchmarks/profile/profile_rope.py --shape "0.6b q" --pass bwd [--source table]
     ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum \
         python3 benchmarks/profile/profile_rope.py --impl xla --shape "8b k" --pass bwd --source table
 
@@ -15,7 +15,7 @@ when cudart can be loaded, so ncu --profile-from-start off skips the setup's ker
 Why: the chained timings of bench_rope.py include the launch gaps and, for the norm backward, the
 dw column-sum kernel, and are not trustworthy below ~100 MB a step (calibrate_opbench.py); ncu gives
 each kernel's own duration, DRAM throughput and stall reasons. `bash benchmarks/gpu_session.sh
-ncu_rope` runs it for the default forward and backward variants, `ncu_ops` for ours / XLA / copy.
+ncu_rope` runs it for the forward and backward kernels, `ncu_ops` for ours / XLA / copy.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from surogate_jax.ops import ffi_available
-from surogate_jax.ops.rope import BWD_ALGO, FWD_ALGO, _bwd_ffi, _fwd_ffi, _qk_bwd_ffi, _qk_fwd_ffi
+from surogate_jax.ops.rope import _bwd_ffi, _fwd_ffi, _qk_bwd_ffi, _qk_fwd_ffi
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _opbench.py, bench_<op>.py
 import _opbench
@@ -41,7 +41,6 @@ def main() -> None:
     ap.add_argument("--shape", default="0.6b q", choices=[*SHAPES, *PAIRS],
                     help="a bench_rope.py shape, or a q/k pair (rope_qk's paired launch; XLA / copy: both tensors)")
     ap.add_argument("--pass", dest="pass_", default="bwd", choices=("fwd", "bwd"))
-    ap.add_argument("--algo", type=int, help="fwd_algo / bwd_algo (default: the op's)")
     ap.add_argument("--source", default="positions", choices=("positions", "table"))
     ap.add_argument("--no-norm", dest="norm", action="store_false", help="rotation only (fwd)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
@@ -70,35 +69,31 @@ def main() -> None:
         a, b = jnp.cos(ang), jnp.sin(ang)
     fwd = args.pass_ == "fwd"
     if args.impl == "copy":
-        algo = "copy"
         one = jnp.asarray(1, dtype)
         fn = jax.jit(lambda dys, xs: tuple(x + one for x in xs) if fwd else tuple(d + x for d, x in zip(dys, xs)))
     elif args.impl == "xla":
-        algo = "xla"
         if fwd:
             fn = jax.jit(lambda dys, xs: tuple(_ref(x, a, b, w if args.norm else None) for x, w in zip(xs, ws)))
         else:
             fn = jax.jit(lambda dys, xs: tuple(
                 jax.vjp(lambda x, w: _ref(x, a, b, w), x, w)[1](d) for d, x, w in zip(dys, xs, ws)))
     elif fwd:
-        algo = FWD_ALGO if args.algo is None else args.algo
         wn = ws if args.norm else (jnp.zeros((0,), dtype),) * len(xs)
-        kw = {"eps": EPS, "norm": args.norm, "inverse": False, "algo": algo}
+        kw = {"eps": EPS, "norm": args.norm, "inverse": False}
         if len(xs) == 2:  # the paired launch (rope_qk)
             fn = jax.jit(lambda dys, xs: _qk_fwd_ffi(*xs, a, b, *wn, **kw))
         else:
             fn = jax.jit(lambda dys, xs: _fwd_ffi(xs[0], a, b, wn[0], **kw))
     else:
-        algo = BWD_ALGO if args.algo is None else args.algo
         if len(xs) == 2:
-            fn = jax.jit(lambda dys, xs: _qk_bwd_ffi(*dys, *xs, a, b, *ws, eps=EPS, algo=algo))
+            fn = jax.jit(lambda dys, xs: _qk_bwd_ffi(*dys, *xs, a, b, *ws, eps=EPS))
         else:
-            fn = jax.jit(lambda dys, xs: _bwd_ffi(dys[0], xs[0], a, b, ws[0], eps=EPS, algo=algo))
+            fn = jax.jit(lambda dys, xs: _bwd_ffi(dys[0], xs[0], a, b, ws[0], eps=EPS))
     call = lambda: fn(dys, xs)  # noqa: E731
     _opbench.profile_calls(call, args.calls)
     nbytes = sum(x.nbytes for x in xs) * (2 if fwd else 3)
     heads = "+".join(str(x.shape[2]) for x in xs)
-    print(f"{args.shape} {B}x{T}x{heads}x{K} {args.pass_} algo {algo} {args.source} {dtype.name}: "
+    print(f"{args.shape} {B}x{T}x{heads}x{K} {args.pass_} {args.impl} {args.source} {dtype.name}: "
           f"{args.calls} calls, {nbytes / 1e6:.1f} MB of rows each (floor {nbytes / 3e12 * 1e6:.1f} us at 3000 GB/s)")
 
 
