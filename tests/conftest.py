@@ -85,6 +85,16 @@ def benchmark_module(name: str):
     return mod
 
 
+@pytest.fixture(name="force_ref")
+def _force_ref_fixture():
+    """SUROGATE_JAX_OPS's switch set from a test (the variable itself is read once per process), put back to the
+    environment's value when the test ends."""
+    from surogate_jax.ops import _loader  # noqa: PLC0415  (imported where used: most tests never need it)
+
+    yield _loader.force_ref
+    _loader.force_ref(None)
+
+
 @pytest.fixture(name="benchmark_module")
 def _benchmark_module_fixture():
     return benchmark_module
