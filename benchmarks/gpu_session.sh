@@ -4,7 +4,8 @@
 #   run: [SUITE=quick|full|none] bash benchmarks/gpu_session.sh [bench ...]
 #   SUITE=quick (default): the first cases of every GPU test (each kernel's forward and gradients against its
 #     reference; pytest --quick), <= 5 min on one H100.  SUITE=full: tests/gpu, tests/ops and tests/models on
-#     the GPU, every case, <= 15 min.  Both run as 4 pytest workers (pytest-xdist) sharing the GPU.
+#     the GPU, every case, <= 15 min.  Both run as $WORKERS (default 8) pytest-xdist workers sharing the GPU
+#     (the suites are bound by XLA compilation on the CPU cores).
 #   benches (default: none; benchmarks/README.md says what each measures):
 #     op benchmarks: rms_norm, add_rms_norm, rope, swiglu, swiglu_lora, lm_head_ce, fp8_matmul,
 #       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon
@@ -18,7 +19,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 B=benchmarks; P=benchmarks/profile
-SUITE="${SUITE:-quick}"
+SUITE="${SUITE:-quick}"; WORKERS="${WORKERS:-8}"
 benches=("$@")
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   echo "commit ${SUROGATE_COMMIT:-unknown} (set SUROGATE_COMMIT=\$(git rev-parse HEAD) when calling)"; date -u
@@ -41,7 +42,7 @@ case "$SUITE" in
 esac
 if (( ${#suite_args[@]} )); then
   t0=$SECONDS
-  python3 -m pytest -q -rs -n 4 -p no:cacheprovider "${suite_args[@]}" 2>&1 | tee "$OUT/tests.log" | tail -25
+  python3 -m pytest -v -rs -n "$WORKERS" --durations=25 -p no:cacheprovider "${suite_args[@]}" 2>&1 | tee "$OUT/tests.log" | tail -25
   tests_rc=${PIPESTATUS[0]}
   echo "suite $SUITE: $((SECONDS - t0)) s" | tee -a "$OUT/env.txt"
 fi

@@ -100,7 +100,7 @@ def _benchmark_module_fixture():
     return benchmark_module
 
 
-QUICK_CASES = 2  # parametrized cases kept per GPU test function under --quick
+QUICK_CASES = 1  # parametrized cases kept per GPU test function under --quick
 
 
 def pytest_addoption(parser):

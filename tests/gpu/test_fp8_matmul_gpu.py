@@ -317,6 +317,8 @@ def _fp8_gemm_count(hlo):
     return n + fused
 
 
+@pytest.mark.xfail(strict=True, reason="jax 0.11's XLA keeps the xla backend's dequantize-dot pattern as bf16/f32 "
+                   "GEMMs (README: Not done yet); strict: a jax that rewrites it fails this, to act on")
 def test_xla_backend_is_rewritten_to_fp8_gemms():
     hlo = _compiled_hlo("xla")
     n = _fp8_gemm_count(hlo)
