@@ -101,12 +101,16 @@ def _benchmark_module_fixture():
 
 
 QUICK_CASES = 1  # parametrized cases kept per GPU test function under --quick
+# Whole-model and memory-placement GPU tests (cuDNN attention, offload): no kernel-vs-reference check of their own,
+# and the slowest GPU tests (50-100 s each on an H100), so --quick leaves them to the full suite.
+QUICK_SKIPS_FILES = ("test_models_gpu.py", "test_parallel_gpu.py")
 
 
 def pytest_addoption(parser):
     parser.addoption("--quick", action="store_true",
-                     help=f"GPU quick suite: the first {QUICK_CASES} parametrized cases of each GPU test function "
-                          "(every kernel's forward and gradients against its reference, not every shape)")
+                     help=f"GPU quick suite: the first {QUICK_CASES} parametrized case(s) of each GPU test function "
+                          "(every kernel's forward and gradients against its reference, not every shape), "
+                          "without the whole-model and offload tests")
 
 
 def _quick_selection(config, items):
@@ -118,6 +122,9 @@ def _quick_selection(config, items):
             keep.append(item)
             continue
         key = (item.nodeid.split("::")[0], getattr(item, "originalname", item.name))
+        if key[0].endswith(QUICK_SKIPS_FILES):
+            drop.append(item)
+            continue
         seen[key] = seen.get(key, 0) + 1
         (keep if seen[key] <= QUICK_CASES else drop).append(item)
     if drop:
