@@ -317,12 +317,12 @@ def _fp8_gemm_count(hlo):
     return n + fused
 
 
-@pytest.mark.xfail(strict=True, reason="jax 0.11's XLA keeps the xla backend's dequantize-dot pattern as bf16/f32 "
-                   "GEMMs (README: Not done yet); strict: a jax that rewrites it fails this, to act on")
-def test_xla_backend_is_rewritten_to_fp8_gemms():
+def test_xla_backend_is_not_rewritten_to_fp8_gemms():
+    """Why `ffi` is the default FP8 backend: XLA (jax 0.11.2, H100) compiles the `xla` backend's dequantize-dot
+    pattern as plain GEMMs, no FP8 one (README, Not done yet). If a jax starts rewriting it this fails, and the
+    default should be re-measured."""
     hlo = _compiled_hlo("xla")
-    n = _fp8_gemm_count(hlo)
-    assert n >= 3, f"expected fprop, dgrad and wgrad as FP8 GEMMs, found {n}:\n{_gemm_lines(hlo)}"
+    assert _fp8_gemm_count(hlo) == 0, _gemm_lines(hlo)
 
 
 def test_ffi_backend_hlo_has_our_calls():

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.stats as stats  # a dependency of jax
 
 from surogate_jax.ops import ffi_available, hadamard, nvfp4_matmul, nvfp4_quantize
 
@@ -180,7 +181,6 @@ def test_stochastic_rounding_statistics(tile_2d, rht):
     # Unbiased: per element the count of rounds up is Binomial(n, p), p = the scaled value's position in its
     # interval. An exact two-sided test (not a normal approximation, which fails for p near 0 or 1) per element,
     # at a family-wise level of 1e-3 over the elements (Bonferroni); saturated elements excluded.
-    stats = pytest.importorskip("scipy.stats")
     n = samples.shape[0]
     gap = np.abs(hi - lo)
     p = np.where(gap > 0, np.abs(target - lo) / np.where(gap > 0, gap, 1), 0)
