@@ -30,6 +30,7 @@ own limit at that size.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import pathlib
@@ -101,6 +102,16 @@ def time_chain(step, carry, steps: int, repeats: int, rotate: int | None = None)
 
 _COPY_S: dict[tuple[int, int, int], float] = {}
 
+
+
+def chain_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The arguments every chained op benchmark takes: --out, --steps, --repeats (each adds its own after)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", help="append one JSON line per measurement to this file")
+    ap.add_argument("--steps", type=int, default=40,
+                    help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
+    ap.add_argument("--repeats", type=int, default=20)
+    return ap
 
 def copy_seconds(nbytes: int, steps: int, repeats: int) -> float:
     """Seconds per step of an element-wise pass reading nbytes/2 and writing nbytes/2 (memoized)."""

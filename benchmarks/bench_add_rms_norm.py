@@ -12,8 +12,6 @@ plus rstd); backward reads dy, ds and s and writes dx (4 x D per row, plus rstd)
 
 from __future__ import annotations
 
-import argparse
-
 import _opbench
 import jax
 import jax.numpy as jnp
@@ -32,11 +30,7 @@ def _xla_bwd(dy, ds, s, w):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", help="append one JSON line per measurement to this file")
-    ap.add_argument("--steps", type=int, default=40,
-                    help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
-    ap.add_argument("--repeats", type=int, default=20)
+    ap = _opbench.chain_parser(__doc__)
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     args = ap.parse_args()
     _opbench.require_gpu(ffi_available)

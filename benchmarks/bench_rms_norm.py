@@ -13,8 +13,6 @@ and writes dx (w and dw are negligible). "% of 3000" is of the H100's measured c
 
 from __future__ import annotations
 
-import argparse
-
 import _opbench
 import jax
 import jax.numpy as jnp
@@ -29,11 +27,7 @@ EPS = 1e-6
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", help="append one JSON line per measurement to this file")
-    ap.add_argument("--steps", type=int, default=40,
-                    help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
-    ap.add_argument("--repeats", type=int, default=20)
+    ap = _opbench.chain_parser(__doc__)
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     args = ap.parse_args()
     _opbench.require_gpu(ffi_available)

@@ -23,8 +23,6 @@ and writes dx; the norm backward reads dy and x and writes dx; plus the angle so
 
 from __future__ import annotations
 
-import argparse
-
 import _opbench
 import jax
 import jax.numpy as jnp
@@ -99,11 +97,7 @@ def _pairs(table, dtype, steps, repeats) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", help="append one JSON line per measurement to this file")
-    ap.add_argument("--steps", type=int, default=40,
-                    help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
-    ap.add_argument("--repeats", type=int, default=20)
+    ap = _opbench.chain_parser(__doc__)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     args = ap.parse_args()
     _opbench.require_gpu(ffi_available)

@@ -10,8 +10,6 @@ dup (5 x F). "% of 3000" is of the H100's measured device copy bandwidth.
 
 from __future__ import annotations
 
-import argparse
-
 import _opbench
 import jax
 import jax.numpy as jnp
@@ -47,11 +45,7 @@ def _steps(packed: bool):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", help="append one JSON line per measurement to this file")
-    ap.add_argument("--steps", type=int, default=40,
-                    help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
-    ap.add_argument("--repeats", type=int, default=20)
+    ap = _opbench.chain_parser(__doc__)
     args = ap.parse_args()
     _opbench.require_gpu(ffi_available)
     table = _opbench.Table("swiglu", args.steps, args.repeats)

@@ -25,8 +25,6 @@ is of a same-size copy per pass (fwd+bwd: two copies).
 
 from __future__ import annotations
 
-import argparse
-
 import _opbench
 import jax
 import jax.numpy as jnp
@@ -70,11 +68,7 @@ def _steps(op, nb: int, split: bool):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", help="append one JSON line per measurement to this file")
-    ap.add_argument("--steps", type=int, default=40,
-                    help="chained steps per timed call (fewer lets the per-call overhead inflate both times)")
-    ap.add_argument("--repeats", type=int, default=20)
+    ap = _opbench.chain_parser(__doc__)
     ap.add_argument("--shapes", nargs="+", default=["0.6b", "8b"], choices=list(SHAPES))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     ap.add_argument("--no-split", dest="split", action="store_false",
