@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .errors import SurogateError
+from .ops import _loader
 from .stop import Interrupted
 
 USER_ERRORS = (SurogateError, OSError, MemoryError)
@@ -60,9 +61,20 @@ def device_out_of_memory(e: BaseException) -> bool:
     return type(e).__name__ in ("XlaRuntimeError", "JaxRuntimeError") and "RESOURCE_EXHAUSTED" in str(e)
 
 
+def read_op_switches() -> None:
+    """The ops' environment switches (SUROGATE_JAX_OPS, SUROGATE_JAX_FFI_GRAPHS), read once before any work, so a
+    malformed value is one error line at start rather than a traceback from the first traced op."""
+    try:
+        _loader.force_ref(None)
+        _loader.graph_safe_handlers()
+    except ValueError as e:
+        raise SurogateError(str(e)) from None
+
+
 def run(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | None = None) -> None:
     quiet_logging()
     try:
+        read_op_switches()
         code = main(list(sys.argv[1:] if argv is None else argv))
     except USER_ERRORS as e:
         fail(describe(e))
