@@ -1,4 +1,4 @@
-"""Shared test settings: the one dtype-based tolerance rule, the `gpu` marker's auto-skip, and `--quick`.
+"""Shared test settings: the one dtype-based tolerance rule, the `gpu` and `cpu` markers' auto-skips, and `--quick`.
 
 Tolerances come only from `tolerance(dtype)`; a test that needs more must say why in a comment.
 Tests get the helpers as fixtures (`tolerance`, `assert_close`, `benchmark_module`) so they work whatever pytest's
@@ -135,6 +135,11 @@ def _quick_selection(config, items):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--quick"):
         _quick_selection(config, items)
+    if jax.default_backend() != "cpu":
+        skip_cpu = pytest.mark.skip(reason="asserts the CPU backend's exact numerics; tests/gpu holds the GPU form")
+        for item in items:
+            if item.get_closest_marker("cpu") is not None:
+                item.add_marker(skip_cpu)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items or jax.default_backend() == "gpu":
         return

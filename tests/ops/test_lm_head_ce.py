@@ -284,6 +284,7 @@ def _temp_bytes(fn, *args):
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.cpu  # the CPU compiler's buffer plan; test_lm_head_ce_gpu.py checks the GPU's
 def test_vocab_chunks_compiled_memory():
     """With a trainable head, the compiled temporaries of jit(grad) hold no [D, V] fp32 accumulator:
     far below the unfused loss's and below D * V * 4 bytes; "token_accum" at the same chunk holds

@@ -18,6 +18,8 @@ from surogate_jax.ops import swiglu_lora, swiglu_lora_ref, swiglu_ref
 # (leading dims, F, R): odd rows and widths, rank below / at / above the kernel's chunk of 16
 SHAPES = [((7,), 8, 1), ((13,), 1001, 4), ((2, 31), 96, 16), ((3, 5), 1000, 20), ((1, 1), 24, 33)]
 DTYPES = [jnp.float32, jnp.bfloat16]
+# the float32 reference's dots run in TF32 on XLA:GPU, too coarse for the float32 tolerance
+DTYPES_EXACT_FP32 = [pytest.param(jnp.float32, marks=pytest.mark.cpu), jnp.bfloat16]
 
 
 def _inputs(seed, lead, F, R, dtype):
@@ -63,7 +65,7 @@ def _to_packed(dbase):
 
 
 @pytest.mark.parametrize("form", ["packed", "sep"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", DTYPES_EXACT_FP32, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_public_op_matches_autodiff_of_reference(shape, dtype, form, assert_close):
     """Against fp32 autodiff that rounds only where the op specifies (gate and up in the dtype):
@@ -149,6 +151,7 @@ def _model_loss_and_grads(cfg, ids):
     return jax.value_and_grad(loss)(lora), model, params, lora
 
 
+@pytest.mark.cpu  # agreement to 1e-6 holds where both paths are the reference; on a GPU one is the kernel
 def test_model_mlp_same_with_fused_lora_path():
     """kernels with "swiglu_lora" route the MLP through swiglu_lora (one gate/up GEMM); on CPU both
     paths are references, so loss and LoRA gradients agree, and the parameters are the same."""
@@ -196,6 +199,7 @@ def test_split_output_gradients_sum(dtype, form, assert_close):
         assert_close(_to_packed(a), _to_packed(r), dtype, name)
 
 
+@pytest.mark.cpu  # tight agreement holds where both paths are the reference; on a GPU one is the kernel
 @pytest.mark.parametrize("big", [False, True], ids=["packed", "sep"])
 def test_model_gate_up_form_by_kernel_size(big, monkeypatch):
     """Gate/up kernels within PACK_GATE_UP_MAX_BYTES: one GEMM over the concatenated kernels;
