@@ -11,7 +11,7 @@ from surogate_jax.errors import UnsupportedConfigError
 
 from . import llama, qwen2, qwen3
 from .hf_config import check_sizes
-from .llamalike import REMAT_POLICIES, Decoder, DecoderConfig, LoraSpec, RopeScaling
+from .llamalike import REMAT_POLICIES, Decoder, DecoderConfig, LoraSpec, RopeScaling, projection_shape
 
 FAMILIES = {m.MODEL_TYPE: m for m in (llama, qwen2, qwen3)}
 ARCHITECTURES = {m.ARCHITECTURE: m for m in (llama, qwen2, qwen3)}
@@ -59,4 +59,5 @@ __all__ = [
     "check_hf_config",
     "config_from_hf",
     "config_to_hf",
+    "projection_shape",
 ]

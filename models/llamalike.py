@@ -33,6 +33,8 @@ from surogate_jax.names import PROJECTIONS, REMAT_POLICIES
 from surogate_jax.ops import add_rms_norm, fp8_formats, rms_norm, rope_qk, swiglu, swiglu_lora
 from surogate_jax.precision import recipe as recipe_lib
 from surogate_jax.precision.recipe import QuantRecipe
+from surogate_jax.qlora import base as qlora_base
+from surogate_jax.qlora.base import QloraSpec
 
 Dtype = Any
 
@@ -117,6 +119,8 @@ class DecoderConfig:
     remat_policy: str = "none"  # one of REMAT_POLICIES
     kernels: tuple[str, ...] = DEFAULT_KERNELS  # ops of MODEL_KERNELS that run our CUDA kernels on GPU
     lora: LoraSpec | None = None
+    # QLoRA: the seven projections' frozen base weights stored quantized (surogate_jax/qlora/); needs `lora`.
+    qlora: QloraSpec | None = None
     # Precision recipe of the seven projections (precision/recipe.py); None = plain model dtype (bf16).
     recipe: QuantRecipe | None = None
     # The device mesh the ops split rows over (ops/_sharding.py); set when the train/eval step is built.
@@ -137,6 +141,9 @@ class DecoderConfig:
             raise ValueError(f"remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}")
         if self.recipe is not None:
             self.recipe.check_model(self)
+        if self.qlora is not None and self.recipe is not None and self.recipe.quantizes:
+            raise ValueError(f"a QLoRA base ({self.qlora.format}) runs under recipe bf16 only for now; "
+                             f"recipe {self.recipe.name} with a quantized base is not supported yet")
 
     def impl(self, op: str) -> str | None:
         """impl argument for op: None (kernel on GPU, reference elsewhere) or "ref" (XLA fusion)."""
@@ -144,6 +151,14 @@ class DecoderConfig:
 
     def replace(self, **kw) -> DecoderConfig:
         return dataclasses.replace(self, **kw)
+
+
+def projection_shape(cfg: DecoderConfig, name: str) -> tuple[int, int]:
+    """A projection's weight shape in HF's layout [out, in] (what a QLoRA base quantizes)."""
+    D, F, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"q_proj": (q, D), "k_proj": (kv, D), "v_proj": (kv, D), "o_proj": (D, q),
+              "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F)}
+    return shapes[name]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,8 +275,15 @@ class Linear(nn.Module):
         cfg = self.cfg
         in_shape = x.shape[x.ndim - self.in_dims :]
         init = nn.initializers.normal(cfg.initializer_range)
-        kernel = _param(self, "kernel", init, (*in_shape, *self.out_shape), cfg.param_dtype)
         contract = (tuple(range(x.ndim - self.in_dims, x.ndim)), tuple(range(self.in_dims)))
+        if cfg.qlora is not None and self.name in PROJECTIONS:
+            if lora_parts:
+                raise ValueError(f"{self.name}: lora_parts needs a plain kernel, not a QLoRA base")
+            y = self._qlora_matmul(x, in_shape)
+            if cfg.lora is not None and self.name in cfg.lora.targets:
+                y = y + self._lora(x if lora_x is None else lora_x, in_shape, contract)
+            return y
+        kernel = _param(self, "kernel", init, (*in_shape, *self.out_shape), cfg.param_dtype)
         if lora_parts:
             if cfg.recipe is not None or self.use_bias or cfg.lora is None or self.name not in cfg.lora.targets:
                 raise ValueError(f"{self.name}: lora_parts needs LoRA on it, no recipe and no bias")
@@ -295,6 +317,22 @@ class Linear(nn.Module):
             scale = self.get_variable("params", recipe_lib.KERNEL_SCALE)
         return recipe_lib.linear(r, x, kernel, in_dims=self.in_dims, dtype=cfg.dtype, fp8_state=state,
                                  kernel_scale=scale, key=key, layer=layer, num_layers=cfg.num_layers, mesh=cfg.mesh)
+
+    def _qlora_matmul(self, x, in_shape):
+        """x @ W with W the quantized frozen base (HF layout [out, in], qlora.base); a fresh init quantizes a
+        normal(initializer_range) weight."""
+        cfg, spec = self.cfg, self.cfg.qlora
+        shape = (math.prod(self.out_shape), math.prod(in_shape))
+        # One key for all of the weight's parts (each param's own rng would quantize a different weight); Flax
+        # also calls the init of an existing param, abstractly, to check its shape: no key is drawn then.
+        key = self.make_rng("params") if self.is_initializing() else jax.random.key(0)
+
+        def init(_, name):
+            w0 = nn.initializers.normal(cfg.initializer_range)(key, shape, jnp.float32)
+            return qlora_base.quantize(spec, w0)[name]
+
+        qp = {k: self.param(k, init, k) for k in qlora_base.param_names(spec)}
+        return qlora_base.frozen_matmul(spec, x, qp, in_dims=self.in_dims, out_shape=self.out_shape, dtype=cfg.dtype)
 
     def _lora(self, x, in_shape, contract):
         xa, b = self._lora_factors(x, in_shape, contract)
@@ -363,7 +401,7 @@ class MLP(nn.Module):
     def _fused_lora(self) -> bool:
         """swiglu_lora applies: its kernel is on and LoRA (without a recipe) covers gate and up."""
         cfg = self.cfg
-        return ("swiglu_lora" in cfg.kernels and cfg.recipe is None and cfg.lora is not None
+        return ("swiglu_lora" in cfg.kernels and cfg.recipe is None and cfg.qlora is None and cfg.lora is not None
                 and {"gate_proj", "up_proj"} <= set(cfg.lora.targets))
 
     @nn.compact

@@ -26,7 +26,16 @@ from typing import Any
 import yaml
 
 from .errors import SurogateError
-from .names import FP4_BACKENDS, PROJECTIONS, RECIPE_ALIASES, RECIPES, RECOMPUTE_POLICIES
+from .names import (
+    FP4_BACKENDS,
+    FP8_BLOCK_SIZES,
+    NF4_BLOCK_SIZES,
+    PROJECTIONS,
+    QLORA_FORMATS,
+    RECIPE_ALIASES,
+    RECIPES,
+    RECOMPUTE_POLICIES,
+)
 
 
 class ConfigError(SurogateError, ValueError):
@@ -186,6 +195,14 @@ class LoraConfig:
     lora_dropout: float = 0.0
     lora_target_modules: tuple[str, ...] = ("all",)
     merge_adapter: bool = False
+    # QLoRA: the frozen base's seven projections stored quantized (surogate_jax/qlora/); at most one format.
+    qlora_bnb: bool = False  # NF4, bitsandbytes-exact
+    qlora_bnb_block_size: int = 64
+    qlora_bnb_double_quant: bool = True
+    qlora_fp8: bool = False  # E4M3 with one fp32 scale per square tile (HF fine-grained FP8)
+    qlora_block_size: int = 128
+    qlora_fp4: bool = False  # NVFP4, 16x16 tiles
+    qlora_four_over_six: bool = True
 
     def __post_init__(self):
         _check(self.lora_rank >= 1, f"lora_rank={self.lora_rank}: must be >= 1")
@@ -193,6 +210,19 @@ class LoraConfig:
         valid = set(PROJECTIONS) | {"all"}
         bad = [t for t in self.lora_target_modules if t not in valid]
         _check(not bad, f"lora_target_modules: unknown {bad}; use 'all' or some of {list(PROJECTIONS)}")
+        on = [k for k in QLORA_FORMATS if getattr(self, k)]
+        _check(len(on) <= 1, f"{' and '.join(on)}: pick one QLoRA base format")
+        _check(not on or self.lora, f"{on[0] if on else ''}: QLoRA trains adapters over a quantized frozen base; "
+               "it needs lora: true")
+        _check(self.qlora_bnb_block_size in NF4_BLOCK_SIZES,
+               f"qlora_bnb_block_size={self.qlora_bnb_block_size}: use one of {list(NF4_BLOCK_SIZES)}")
+        _check(self.qlora_block_size in FP8_BLOCK_SIZES,
+               f"qlora_block_size={self.qlora_block_size}: use one of {list(FP8_BLOCK_SIZES)}")
+
+    @property
+    def qlora_format(self) -> str | None:
+        """"nf4" | "fp8" | "fp4" when a qlora_* key is on, else None."""
+        return next((f for k, f in QLORA_FORMATS.items() if getattr(self, k)), None)
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -373,9 +403,7 @@ ALIASES = {"torch_dtype": "model_dtype"}
 
 # Surogate keys we recognize but whose feature is another issue's work.
 NOT_YET = frozenset(
-    """use_fused_rope qlora_bnb
-    qlora_bnb_block_size qlora_bnb_double_quant qlora_fp8 qlora_block_size qlora_fp4
-    qlora_four_over_six qlora_selective_expert_dequant qlora_offload_experts adapter_path
+    """use_fused_rope qlora_selective_expert_dequant qlora_offload_experts adapter_path
     adapter_init_mode train_router
     offload_saved_tensors offload_quants persistent_quants cpu_training
     use_zero_copy use_write_combined ep_size parallelism sequence_chunks

@@ -9,6 +9,7 @@ wrong (path, config, truncated or missing files, shapes) raises `ModelLoadError`
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -24,8 +25,11 @@ import numpy as np
 
 from .atomic import atomic_directory
 from .errors import ModelLoadError
-from .models import Decoder, check_hf_config, config_from_hf, config_to_hf
+from .models import Decoder, check_hf_config, config_from_hf, config_to_hf, projection_shape
 from .models import hf_names as names
+from .names import FP8_BLOCK_SIZES
+from .qlora import base as qlora_base
+from .qlora.base import QloraSpec
 from .safetensors_io import NAMES, CheckpointReader, write_file
 
 log = logging.getLogger("surogate_jax")
@@ -107,6 +111,94 @@ def _load_leaf(reader: CheckpointReader, path, sds, sharding) -> jax.Array:
     return out
 
 
+def checkpoint_qlora(model_dir: Path, hf_cfg: dict) -> QloraSpec | None:
+    """The QLoRA base format of a pre-quantized checkpoint (config.json's `quantization_config`), or None for a
+    plain one. Reads bitsandbytes 4-bit NF4 (its block size from the first layer's quant state) and fine-grained
+    FP8 with square tiles; any other format is a ModelLoadError naming it."""
+    qc = hf_cfg.get("quantization_config")
+    if qc is None:
+        return None
+    where = model_dir / "config.json"
+    if not isinstance(qc, dict):
+        raise ModelLoadError(f"{where}: quantization_config must be a JSON object")
+    method = qc.get("quant_method")
+    if method == "bitsandbytes":
+        if not qc.get("load_in_4bit") or qc.get("bnb_4bit_quant_type", "fp4") != "nf4":
+            raise ModelLoadError(f"{where}: a bitsandbytes checkpoint that is not 4-bit NF4 (load_in_4bit="
+                                 f"{qc.get('load_in_4bit')}, bnb_4bit_quant_type={qc.get('bnb_4bit_quant_type')!r}); "
+                                 "we read 4-bit NF4 bitsandbytes checkpoints and fine-grained fp8 ones")
+        from .qlora import nf4  # noqa: PLC0415
+
+        reader = CheckpointReader(model_dir)
+        name = names.hf_name(("layers", "self_attn", "q_proj", "kernel"), 0)
+        shape = projection_shape(config_from_hf(hf_cfg), "q_proj")
+        _, block, dq = nf4.from_hf(_prefixed(reader, name, _NF4_PARTS), shape)
+        return QloraSpec("nf4", block, dq)
+    if method == "fp8":
+        bs = qc.get("weight_block_size")
+        if not (isinstance(bs, list) and len(bs) == 2 and bs[0] == bs[1] and bs[0] in FP8_BLOCK_SIZES):
+            raise ModelLoadError(f"{where}: quantization_config.weight_block_size={bs!r}: we read square tiles of "
+                                 f"{list(FP8_BLOCK_SIZES)} ([128, 128] in the Qwen3 FP8 checkpoints)")
+        return QloraSpec("fp8", bs[0])
+    raise ModelLoadError(f"{where}: quantization_config.quant_method={method!r} is not a format we read; we read "
+                         "bitsandbytes 4-bit NF4 (quant_method bitsandbytes) and fine-grained FP8 (quant_method fp8)")
+
+
+_NF4_PARTS = ("weight", "weight.absmax", "weight.quant_map", "weight.nested_absmax", "weight.nested_quant_map",
+              "weight.quant_state.bitsandbytes__nf4")
+
+
+def _prefixed(reader: CheckpointReader, weight_name: str, parts: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """{part: tensor} of one quantized weight, e.g. 'weight.absmax' -> '<module>.weight.absmax' (parts the
+    checkpoint lacks are left out: the format's reader says which it needs)."""
+    module = weight_name.removesuffix(".weight")
+    have = set(reader.names())
+    return {p: reader.get(f"{module}.{p}") for p in parts if f"{module}.{p}" in have}
+
+
+def _load_quantized(reader: CheckpointReader, parent, sds: dict, spec: QloraSpec, shape: tuple[int, int],
+                    prequantized: bool, quantize, shardings: dict, used: set) -> dict[str, jax.Array]:
+    """One projection's stacked QLoRA parameters [L, ...]: per layer, either the checkpoint's quantized parts or
+    its bf16/fp32 weight quantized on the default device (`quantize`, jitted); host memory holds one layer's
+    weight plus the stacked quantized parts, never the stacked bf16 weights."""
+    L = next(iter(sds.values())).shape[0]
+    host = {k: np.empty(s.shape, s.dtype) for k, s in sds.items()}
+    for i in range(L):
+        name = names.hf_name((*parent, "kernel"), i)
+        if prequantized:
+            fmt = qlora_base.format_module(spec.format)
+            if spec.format == "nf4":
+                got = _prefixed(reader, name, _NF4_PARTS)
+                try:
+                    parts, block, dq = fmt.from_hf(got, shape)
+                except ValueError as e:
+                    raise ModelLoadError(f"{reader.dir}: {name}: {e}") from None
+                if (block, dq) != (spec.block_size, spec.double_quant):
+                    raise ModelLoadError(f"{reader.dir}: {name}: blocks of {block}, double quantization {dq}; layer 0"
+                                         f" has {spec.block_size}, {spec.double_quant} (one format per checkpoint)")
+            else:
+                got = _prefixed(reader, name, ("weight", "weight_scale_inv"))
+                try:
+                    parts = fmt.from_hf(got, shape, spec.block_size)
+                except ValueError as e:
+                    raise ModelLoadError(f"{reader.dir}: {name}: {e}") from None
+            used.update(f"{name.removesuffix('.weight')}.{p}" for p in got)
+        else:
+            w = reader.get(name)
+            if tuple(w.shape) != shape:
+                raise ModelLoadError(f"{reader.dir}: tensor {name!r} has shape {list(w.shape)}, config implies "
+                                     f"{list(shape)}")
+            parts = quantize(w)
+            used.add(name)
+        for k in host:
+            host[k][i] = np.asarray(parts[k])
+    out = {}
+    for k, h in host.items():
+        sh = shardings.get(k)
+        out[k] = jax.device_put(h, sh) if sh is not None else jnp.asarray(h)
+    return out
+
+
 def load_pretrained(
     path_or_id: str | os.PathLike,
     dtype: Any = jnp.float32,
@@ -115,6 +207,7 @@ def load_pretrained(
     attention_impl: str = "auto",
     remat_policy: str = "none",
     shardings: Any = None,
+    qlora: QloraSpec | None = None,
 ) -> tuple[Decoder, Any]:
     """Loads an HF Llama 3 / Qwen2.5 / Qwen3 causal LM directory or hub id.
 
@@ -122,32 +215,82 @@ def load_pretrained(
       dtype: parameter dtype (weights are converted while streaming).
       compute_dtype: activation / matmul dtype; defaults to `dtype`.
       shardings: optional pytree (like the params) of `jax.sharding.Sharding`s to place each leaf.
+      qlora: store the seven projections of every layer in this QLoRA format, quantized one layer's weight at a
+        time on the default device while loading. A pre-quantized checkpoint (bitsandbytes NF4, fine-grained
+        FP8: `checkpoint_qlora`) loads in its own format whatever this says, unless it names another format
+        (ModelLoadError).
     Returns:
       (model, params): `model.apply({"params": params}, input_ids_BT)` gives logits [B, T, vocab].
     """
     model_dir = resolve_model_dir(path_or_id)
     hf_cfg = read_hf_config(model_dir)
+    pre = checkpoint_qlora(model_dir, hf_cfg)
+    if pre is not None and qlora is not None and qlora.format != pre.format:
+        raise ModelLoadError(f"{model_dir}: the checkpoint is pre-quantized as {pre.describe()}; a {qlora.format} "
+                             f"base was asked for (leave the qlora_* keys off to train over the checkpoint's format)")
+    qlora = pre or qlora
     cfg = config_from_hf(
         hf_cfg,
         dtype=jnp.dtype(compute_dtype or dtype),
         param_dtype=jnp.dtype(dtype),
         attention_impl=attention_impl,
         remat_policy=remat_policy,
+        qlora=qlora,
     )
     model = Decoder(cfg)
     abstract = abstract_params(model)
     reader = CheckpointReader(model_dir)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     shard_leaves = treedef.flatten_up_to(shardings) if shardings is not None else [None] * len(leaves)
-    loaded = [
-        _load_leaf(reader, _leaf_path(kp), sds, sh) for (kp, sds), sh in zip(leaves, shard_leaves, strict=True)
-    ]
-    used = {names.hf_name(_leaf_path(kp), i) for kp, sds in leaves for i in (
-        range(sds.shape[0]) if names.is_stacked(_leaf_path(kp)) else [None])}
+    qnames = set(qlora_base.param_names(qlora)) if qlora is not None else set()
+    loaded, used, groups = [None] * len(leaves), set(), {}
+    for idx, ((kp, sds), sh) in enumerate(zip(leaves, shard_leaves, strict=True)):
+        path = _leaf_path(kp)
+        if path[-1] in qnames:
+            groups.setdefault(path[:-1], {})[path[-1]] = (idx, sds, sh)
+            continue
+        loaded[idx] = _load_leaf(reader, path, sds, sh)
+        used.update(names.hf_name(path, i) for i in (range(sds.shape[0]) if names.is_stacked(path) else [None]))
+    quantize = jax.jit(lambda w: qlora_base.quantize(qlora, w)) if qlora is not None else None
+    for parent, group in groups.items():
+        arrays = _load_quantized(reader, parent, {k: g[1] for k, g in group.items()}, qlora,
+                                 projection_shape(cfg, parent[-1]), pre is not None, quantize,
+                                 {k: g[2] for k, g in group.items()}, used)
+        for k, (idx, _, _) in group.items():
+            loaded[idx] = arrays[k]
     unused = sorted(set(reader.names()) - used)
     if unused:
         log.info("%s: %d checkpoint tensors not used (e.g. %s)", model_dir, len(unused), unused[:3])
     return model, jax.tree_util.tree_unflatten(treedef, loaded)
+
+
+def dequantize_base(model: Decoder, params: Any, dtype: Any = None) -> tuple[Decoder, Any]:
+    """A QLoRA model's frozen base as a plain one: (model without `qlora`, params whose seven projections are
+    `kernel` leaves again, dequantized into `dtype` (default: the model's param dtype)). One stacked projection
+    at a time; a plain model comes back unchanged."""
+    cfg = model.config
+    if cfg.qlora is None:
+        return model, params
+    plain = Decoder(cfg.replace(qlora=None))
+    dtype = jnp.dtype(dtype or cfg.param_dtype)
+    shapes = {_leaf_path(kp): sds for kp, sds in jax.tree_util.tree_flatten_with_path(abstract_params(plain))[0]}
+    qnames = set(qlora_base.param_names(cfg.qlora))
+
+    def convert(tree, path=()):
+        if not isinstance(tree, dict):
+            return tree
+        if qnames & set(tree):
+            kernel = shapes[(*path, "kernel")]
+            per_layer = kernel.shape[1:] if names.is_stacked((*path, "kernel")) else kernel.shape
+            n_in = 2 if path[-1] == "o_proj" else 1
+            one = functools.partial(qlora_base.base_kernel, cfg.qlora, in_shape=per_layer[:n_in],
+                                    out_shape=per_layer[n_in:], dtype=dtype)
+            q = {k: tree[k] for k in qnames}
+            fn = jax.jit(jax.vmap(one) if names.is_stacked((*path, "kernel")) else one)
+            return {**{k: v for k, v in tree.items() if k not in qnames}, "kernel": fn(q)}
+        return {k: convert(v, (*path, k)) for k, v in tree.items()}
+
+    return plain, convert(nn.meta.unbox(params))
 
 
 def _hf_entries(params, save_dtype):
@@ -188,6 +331,9 @@ def save_pretrained(
     existing non-empty `out_dir` is refused unless `overwrite=True`."""
     out = Path(out_dir).expanduser()
     cfg = model.config
+    if cfg.qlora is not None:
+        raise ValueError("save_pretrained writes plain weights; this model's base is QLoRA-quantized "
+                         f"({cfg.qlora.describe()}): merge or dequantize it first (lora.merge)")
     params = nn.meta.unbox(params)
     entries = _hf_entries(params, dtype)
     save_np = entries[0][1]

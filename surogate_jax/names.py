@@ -15,3 +15,8 @@ FP4_BACKENDS = ("cutlass", "cudnn")
 # from its own key).
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_residual")
 RECOMPUTE_POLICIES = REMAT_POLICIES[:4]
+
+# QLoRA base-weight formats (surogate_jax/qlora/): the config key that selects each, and its block sizes.
+QLORA_FORMATS = {"qlora_bnb": "nf4", "qlora_fp8": "fp8", "qlora_fp4": "fp4"}
+NF4_BLOCK_SIZES = (64, 128, 256, 512)  # qlora_bnb_block_size: bitsandbytes' blockwise absmax blocks
+FP8_BLOCK_SIZES = (64, 128, 256)  # qlora_block_size: square tiles sharing one FP8 scale

@@ -29,7 +29,15 @@ from .atomic import atomic_file, probe_creatable
 from .checkpoint import Checkpointer, abstract_like
 from .config import ConfigError, SFTConfig
 from .errors import ModelLoadError, SurogateError
-from .hf import abstract_params, load_pretrained, read_hf_config, resolve_model_dir, save_pretrained
+from .hf import (
+    abstract_params,
+    checkpoint_qlora,
+    dequantize_base,
+    load_pretrained,
+    read_hf_config,
+    resolve_model_dir,
+    save_pretrained,
+)
 from .lock import OutputLock, is_marked
 from .lora import DTYPES, count, init_adapters, lora_spec, merge, save_peft
 from .metrics import (
@@ -43,8 +51,10 @@ from .metrics import (
 )
 from .metrics import truncate as truncate_metrics
 from .models import Decoder, config_from_hf, config_to_hf
+from .names import QLORA_FORMATS
 from .optim import make_optimizer
 from .precision import recipe as recipe_lib
+from .qlora.base import QloraSpec
 from .stop import Interrupted, StopSignals
 
 log = logging.getLogger("surogate_jax")
@@ -130,6 +140,31 @@ def quant_recipe(cfg: SFTConfig) -> recipe_lib.QuantRecipe | None:
     return recipe_lib.QuantRecipe.from_config(cfg.precision)
 
 
+def qlora_spec(cfg: SFTConfig, model_dir: Path) -> QloraSpec | None:
+    """The QLoRA base format of this run: a pre-quantized checkpoint's own (it needs lora: true, and a qlora_* key,
+    if any, must name the same format), else the one the qlora_* keys ask for, else None. Refused before any
+    work: QLoRA from scratch (no base to quantize) and a quantized base under recipe fp8-hybrid or nvfp4."""
+    try:
+        pre = checkpoint_qlora(model_dir, read_hf_config(model_dir))
+    except ModelLoadError as e:
+        raise ConfigError(str(e)) from None
+    asked = QloraSpec.from_config(cfg.lora)
+    if pre is not None and not cfg.lora.lora:
+        raise ConfigError(f"model={cfg.model.model}: a pre-quantized checkpoint ({pre.describe()}) trains only "
+                          "adapters over its frozen base: set lora: true")
+    if pre is not None and asked is not None and asked.format != pre.format:
+        key = next(k for k, f in QLORA_FORMATS.items() if f == asked.format)
+        raise ConfigError(f"{key}: model={cfg.model.model} is pre-quantized as {pre.describe()}; remove {key} to "
+                          "train over the checkpoint's own format")
+    spec = pre or asked
+    if spec is not None and cfg.model.from_scratch:
+        raise ConfigError("qlora_*: from_scratch starts from random weights; QLoRA needs a pretrained base")
+    r = quant_recipe(cfg)
+    if spec is not None and r is not None and r.quantizes:
+        raise ConfigError(f"recipe={r.name}: a QLoRA base ({spec.describe()}) runs under recipe bf16 for now")
+    return spec
+
+
 def with_recipe(model: Decoder, recipe: recipe_lib.QuantRecipe | None) -> Decoder:
     try:
         return Decoder(model.config.replace(recipe=recipe))
@@ -151,6 +186,7 @@ def _build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout 
     master = DTYPES[cfg.precision.master_dtype or "fp32"]
     remat = par.remat_policy(cfg.run.recompute, cfg.parallel.offload_residual)
     spec = lora_spec(cfg.lora, cfg.precision.lora_dtype)
+    qspec = qlora_spec(cfg, model_dir)
     if cfg.model.from_scratch:
         dcfg = config_from_hf(read_hf_config(model_dir), dtype=model_dtype, param_dtype=master, remat_policy=remat)
         model = Decoder(dcfg)
@@ -159,8 +195,12 @@ def _build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout 
                            zero_projections=cfg.model.init_projections_to_zero)
         params = init(jax.random.key(cfg.run.train_seed))
     elif spec is not None:
-        model, params = load_pretrained(model_dir, dtype=model_dtype, remat_policy=remat,
-                                        shardings=_weight_shardings(model_dir, model_dtype, layout, trainable=False))
+        model, params = load_pretrained(model_dir, dtype=model_dtype, remat_policy=remat, qlora=qspec,
+                                        shardings=_weight_shardings(model_dir, model_dtype, layout, trainable=False,
+                                                                    qlora=qspec))
+        if qspec is not None:
+            log.info("qlora: %s, quantized %s", qspec.describe(),
+                     "in the checkpoint" if checkpoint_qlora(model_dir, read_hf_config(model_dir)) else "while loading")
     else:
         model, params = load_pretrained(model_dir, dtype=master, compute_dtype=model_dtype, remat_policy=remat,
                                         shardings=_weight_shardings(model_dir, master, layout, trainable=True))
@@ -193,10 +233,12 @@ def random_init(model: Decoder, layout: par.Layout | None, *, trainable: bool, d
     return jax.jit(init, out_shardings=shardings)
 
 
-def _weight_shardings(model_dir: Path, dtype, layout: par.Layout | None, *, trainable: bool):
+def _weight_shardings(model_dir: Path, dtype, layout: par.Layout | None, *, trainable: bool,
+                      qlora: QloraSpec | None = None):
     if layout is None:
         return None
-    abstract = abstract_params(Decoder(config_from_hf(read_hf_config(model_dir), dtype=dtype, param_dtype=dtype)))
+    abstract = abstract_params(Decoder(config_from_hf(read_hf_config(model_dir), dtype=dtype, param_dtype=dtype,
+                                                      qlora=qlora)))
     return layout.weight_shardings(abstract, trainable=trainable)
 
 
@@ -207,6 +249,9 @@ def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
     meta = {"mode": mode, "model": json.dumps(arch, sort_keys=True),
             "lora": None if spec is None else f"r={spec.rank},alpha={spec.alpha},targets={sorted(spec.targets)}",
             "sequence_len": cfg.model.sequence_len, "optimizer": cfg.optim.optimizer}
+    qspec = qlora_spec(cfg, model_dir)
+    if qspec is not None:  # the quantized base is not in the checkpoint, but the adapters were trained over it
+        meta["qlora"] = qspec.describe()
     r = quant_recipe(cfg)
     if r is not None and r.quantizes:  # its state / cached base are part of the checkpoint (bf16: key absent)
         meta["recipe"] = f"{r.name},amax_history={r.amax_history},skip={r.skip_first}/{r.skip_last}"
@@ -430,7 +475,12 @@ def evaluate(eval_fn, state, docs, *, rows: int, seq: int, mesh) -> float:
 def unquantized_base(cfg: SFTConfig, model_dir: Path, params, model: Decoder):
     """The frozen base as loaded (for merging / generation) when the state holds the recipe's
     quantized cache: re-read from model_dir (a random from-scratch base cannot be re-read: its
-    dequantized cache is used, with a warning)."""
+    dequantized cache is used, with a warning). A QLoRA base is re-read too when model_dir holds bf16 weights;
+    a pre-quantized checkpoint has no other weights than its quantized ones: those are dequantized."""
+    if model.config.qlora is not None:
+        if checkpoint_qlora(model_dir, read_hf_config(model_dir)) is not None:
+            return dequantize_base(model, params, DTYPES[cfg.precision.model_dtype])[1]
+        return load_pretrained(model_dir, dtype=DTYPES[cfg.precision.model_dtype])[1]
     if not recipe_lib.is_cached(params):
         return params
     if cfg.model.from_scratch:
@@ -443,7 +493,7 @@ def unquantized_base(cfg: SFTConfig, model_dir: Path, params, model: Decoder):
 
 def export(cfg: SFTConfig, model: Decoder, model_dir: Path, state, out: Path) -> dict:
     spec = model.config.lora
-    base = dataclasses.replace(model.config, lora=None, recipe=None)
+    base = dataclasses.replace(model.config, lora=None, recipe=None, qlora=None)
     if spec is not None:
         adapter = save_peft(out / "adapter", model, state.trainable, base_model=cfg.model.model, overwrite=True)
         res = {"adapter": str(adapter)}
@@ -492,7 +542,7 @@ def exact_match_report(cfg: SFTConfig, model: Decoder, state, tokenizer) -> floa
     path = Path(cfg.run.exact_match_file)
     rows = exact_match_rows(cfg)
     spec = model.config.lora
-    plain = Decoder(dataclasses.replace(model.config, lora=None, recipe=None))  # generation runs unquantized
+    plain = Decoder(dataclasses.replace(model.config, lora=None, recipe=None, qlora=None))  # generation: unquantized
     params = (merge(unquantized_base(cfg, resolve_model(cfg.model.model), state.params, model), state.trainable, spec)
               if spec is not None else T.variables(model, {}, state.trainable)["params"])
     acc, examples = exact_match(plain, params, tokenizer, rows, max_samples=cfg.run.exact_match_samples)

@@ -1,0 +1,166 @@
+"""The quantized frozen base of QLoRA: which format, its parameters, and a projection's GEMM through it.
+
+A projection's base weight W [out, in] (HF layout, `in` the GEMM reduction axis) is stored in one of three formats,
+each a module of this package with the same functions (`quantize`, `dequantize`, `param_shapes`):
+  nf4  bitsandbytes NF4 with absmax blocks (64..512) and optional double quantization (qlora/nf4.py);
+  fp8  E4M3 with one fp32 scale per square tile, HF's fine-grained FP8 (qlora/fp8_block.py);
+  fp4  NVFP4 with 16x16 tiles (qlora/fp4.py, the recipe nvfp4's weight quantizer).
+Only the seven projections of every decoder layer are quantized; embeddings, lm_head, norms and biases keep the
+model dtype (surogate_inventory.md 3.6).
+
+The GEMM (`frozen_matmul`) dequantizes W into the compute dtype and multiplies; its backward gives dX only (the
+base is frozen) and dequantizes again instead of saving W, so no layer's dequantized copy outlives its GEMM: the
+activations saved for the backward are those of a plain LoRA step, the base costs its quantized bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from surogate_jax.names import FP8_BLOCK_SIZES, NF4_BLOCK_SIZES
+
+FORMATS = ("nf4", "fp8", "fp4")
+FP4_BLOCK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class QloraSpec:
+    """A QLoRA base format and its knobs (hashable: part of DecoderConfig).
+
+    format: "nf4" | "fp8" | "fp4". block_size: nf4's absmax block (qlora_bnb_block_size) or fp8's square tile
+    (qlora_block_size); fp4's tiles are 16x16. double_quant: nf4's second-level absmax quantization.
+    four_over_six: fp4's 4/6 block-scale choice."""
+
+    format: str
+    block_size: int = 64
+    double_quant: bool = True
+    four_over_six: bool = True
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"QLoRA format {self.format!r}: use one of {FORMATS}")
+        sizes = {"nf4": NF4_BLOCK_SIZES, "fp8": FP8_BLOCK_SIZES, "fp4": (FP4_BLOCK,)}[self.format]
+        if self.block_size not in sizes:
+            raise ValueError(f"QLoRA {self.format} block size {self.block_size}: use one of {list(sizes)}")
+
+    @classmethod
+    def from_config(cls, lc: Any) -> QloraSpec | None:
+        """The spec a `config.LoraConfig` asks for (its qlora_* keys), or None."""
+        fmt = lc.qlora_format
+        if fmt is None:
+            return None
+        block = {"nf4": lc.qlora_bnb_block_size, "fp8": lc.qlora_block_size, "fp4": FP4_BLOCK}[fmt]
+        return cls(fmt, block, lc.qlora_bnb_double_quant, lc.qlora_four_over_six)
+
+    def describe(self) -> str:
+        if self.format == "nf4":
+            return f"NF4 base, blocks of {self.block_size}, double quantization {'on' if self.double_quant else 'off'}"
+        if self.format == "fp8":
+            return f"FP8 E4M3 base, {self.block_size}x{self.block_size} tiles"
+        return f"NVFP4 base, 16x16 tiles, 4/6 {'on' if self.four_over_six else 'off'}"
+
+    def bits_per_weight(self) -> float:
+        """Stored bits per base weight, scales included (for memory estimates)."""
+        if self.format == "nf4":
+            scales = 8 / self.block_size + 32 / (self.block_size * 256) if self.double_quant else 32 / self.block_size
+            return 4 + scales
+        if self.format == "fp8":
+            return 8 + 32 / self.block_size**2
+        return 4 + 8 / FP4_BLOCK**2
+
+
+_MODULES = {"nf4": "nf4", "fp8": "fp8_block", "fp4": "fp4"}
+
+
+def format_module(fmt: str):
+    """The format's module, imported on first use (fp4 pulls in the NVFP4 op)."""
+    return importlib.import_module(f"surogate_jax.qlora.{_MODULES[fmt]}")
+
+
+def _kw(spec: QloraSpec) -> dict:
+    if spec.format == "nf4":
+        return {"block_size": spec.block_size, "double_quant": spec.double_quant}
+    if spec.format == "fp8":
+        return {"block_size": spec.block_size}
+    return {}
+
+
+def param_shapes(spec: QloraSpec, shape: tuple[int, int]) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of one weight's parameters (shape: the weight's [out, in])."""
+    return format_module(spec.format).param_shapes(tuple(shape), **_kw(spec))
+
+
+def param_names(spec: QloraSpec) -> tuple[str, ...]:
+    return tuple(sorted(param_shapes(spec, (FP4_BLOCK, FP4_BLOCK))))
+
+
+def quantize(spec: QloraSpec, w: jax.Array) -> dict[str, jax.Array]:
+    """w [out, in] (any float dtype) -> the format's parameters (jnp, jit-able)."""
+    kw = _kw(spec)
+    if spec.format == "fp4":
+        kw = {"four_over_six": spec.four_over_six}
+    return format_module(spec.format).quantize(w, **kw)
+
+
+def dequantize(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int], dtype: Any) -> jax.Array:
+    """The weight [out, in] in `dtype` (fp32 math, one rounding)."""
+    return format_module(spec.format).dequantize(params, tuple(shape), dtype=dtype, **_kw(spec))
+
+
+def _zero_cotangent(a: jax.Array):
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+        return jnp.zeros_like(a)
+    return np.zeros(a.shape, jax.dtypes.float0)
+
+
+def _plain_dot(x, kernel, in_dims: int, dtype):
+    """x [..., in...] @ kernel [in..., out...] exactly as the model's plain projection computes it."""
+    contract = (tuple(range(x.ndim - in_dims, x.ndim)), tuple(range(in_dims)))
+    return jax.lax.dot_general(x.astype(dtype), kernel, (contract, ((), ())))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _frozen(x, params, spec, dims, dtype):
+    in_shape, out_shape = dims
+    return _plain_dot(x, base_kernel(spec, params, in_shape, out_shape, dtype), len(in_shape), dtype)
+
+
+def _frozen_fwd(x, params, spec, dims, dtype):
+    return _frozen(x, params, spec, dims, dtype), (params, jnp.zeros((0,), x.dtype))  # x's dtype, not its values
+
+
+def _frozen_bwd(spec, dims, dtype, res, dy):
+    params, x_dtype = res
+    in_shape, out_shape = dims
+    kernel = base_kernel(spec, params, in_shape, out_shape, dtype)
+    x_sds = jax.ShapeDtypeStruct((*dy.shape[:dy.ndim - len(out_shape)], *in_shape), x_dtype.dtype)
+    (dx,) = jax.linear_transpose(lambda x: _plain_dot(x, kernel, len(in_shape), dtype), x_sds)(dy)
+    return dx, jax.tree.map(_zero_cotangent, params)
+
+
+_frozen.defvjp(_frozen_fwd, _frozen_bwd)
+
+
+def frozen_matmul(spec: QloraSpec, x: jax.Array, params: Mapping[str, jax.Array], *, in_dims: int,
+                  out_shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """y [..., out...] = x [..., in...] @ W^T in `dtype`, W [prod(out), prod(in)] = dequantize(params); the same
+    GEMM as a plain projection over the dequantized kernel, forward and dX alike (bit for bit). The backward
+    dequantizes again (W is never saved) and gives no gradient for the base."""
+    in_shape = tuple(x.shape[x.ndim - in_dims:])
+    return _frozen(x, dict(params), spec, (in_shape, tuple(out_shape)), jnp.dtype(dtype))
+
+
+def base_kernel(spec: QloraSpec, params: Mapping[str, jax.Array], in_shape: tuple[int, ...],
+                out_shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """The dequantized weight in our kernel layout [in..., out...] (for merging adapters and exports)."""
+    w = dequantize(spec, params, (math.prod(out_shape), math.prod(in_shape)), dtype)
+    return w.T.reshape(*in_shape, *out_shape)

@@ -1,0 +1,200 @@
+"""QLoRA inside the model: loading (online and pre-quantized), the frozen GEMM, gradients, dequantized bases."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from surogate_jax.errors import ModelLoadError
+from surogate_jax.hf import dequantize_base, load_pretrained, save_pretrained
+from surogate_jax.models import Decoder, projection_shape
+from surogate_jax.models import hf_names as names
+from surogate_jax.names import PROJECTIONS
+from surogate_jax.qlora import base as qlora_base
+from surogate_jax.qlora.base import QloraSpec
+from surogate_jax.safetensors_io import CheckpointReader, write_file
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
+from tiny import CFG, SPEC, base_params  # noqa: E402
+
+SPECS = [QloraSpec("nf4", 64, True), QloraSpec("nf4", 128, False), QloraSpec("fp8", 64), QloraSpec("fp4", 16)]
+
+
+@pytest.fixture(scope="module", name="model_dir")
+def _model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny") / "model"
+    save_pretrained(d, Decoder(CFG), base_params(3))
+    return d
+
+
+def _lora_params(model, seed=5):
+    """Adapters with non-zero B, so gradients flow through both LoRA factors and the frozen base."""
+    v = model.init({"params": jax.random.key(0), "lora": jax.random.key(seed)}, jnp.zeros((1, 4), jnp.int32))
+    lora = nn.meta.unbox(v["lora"])
+    return jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(seed + 1), a.shape, a.dtype), lora)
+
+
+def _loss_and_grads(model, params, lora, ids):
+    def loss(lora):
+        logits = model.apply({"params": params, "lora": lora}, ids)
+        return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0] ** 2)
+
+    return jax.jit(jax.value_and_grad(loss))(lora)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.format}-{s.block_size}-{int(s.double_quant)}")
+def test_lora_grads_equal_those_over_the_dequantized_base(model_dir, spec, assert_close):
+    """The QLoRA step is the LoRA step over dequantize(base): the loss bit for bit; LoRA gradients to fp32
+    accumulation order (the plain graph lets XLA merge the q/k/v dX GEMMs, which sums in another order)."""
+    model_q, params_q = load_pretrained(model_dir, qlora=spec)
+    model_p, params_p = dequantize_base(model_q, params_q)
+    assert model_p.config.qlora is None
+    q_proj = params_q["layers"]["self_attn"]["q_proj"]
+    assert "kernel" not in q_proj and set(q_proj) == set(qlora_base.param_names(spec))
+    assert params_q["embedding"].dtype == jnp.float32 and "kernel" in params_p["layers"]["self_attn"]["q_proj"]
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 7)), jnp.int32)
+    mq, mp = Decoder(model_q.config.replace(lora=SPEC)), Decoder(model_p.config.replace(lora=SPEC))
+    lora = _lora_params(mp)
+    (lq, gq), (lp, gp) = _loss_and_grads(mq, params_q, lora, ids), _loss_and_grads(mp, params_p, lora, ids)
+    assert float(lq) == float(lp)
+    for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gp), strict=True):
+        assert_close(a, b, jnp.float32)
+    assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(gq))
+
+
+@pytest.mark.parametrize("spec", SPECS[::2], ids=lambda s: s.format)
+def test_online_quantization_is_the_format_of_each_layer_weight(model_dir, spec):
+    """Each stacked slot holds quantize(the checkpoint's [out, in] weight of that layer)."""
+    _, params_q = load_pretrained(model_dir, qlora=spec)
+    reader = CheckpointReader(model_dir)
+    for proj in ("o_proj", "down_proj"):
+        parent = ("layers", "self_attn" if proj == "o_proj" else "mlp", proj)
+        for layer in range(CFG.num_layers):
+            w = reader.get(names.hf_name((*parent, "kernel"), layer))
+            assert w.shape == projection_shape(CFG, proj)
+            want = qlora_base.quantize(spec, jnp.asarray(w))
+            got = params_q[parent[0]][parent[1]][proj]
+            for k, v in want.items():
+                np.testing.assert_array_equal(np.asarray(got[k][layer]).view(np.uint8),
+                                              np.asarray(v).view(np.uint8), err_msg=f"{proj} {layer} {k}")
+
+
+def _write_prequantized(src: Path, dst: Path, parts_of, quantization_config: dict) -> None:
+    """An HF checkpoint whose seven projections are stored as `parts_of(w)` ({suffix: array}), with
+    config.json's quantization_config, the rest copied."""
+    reader = CheckpointReader(src)
+    entries, arrays = [], []
+    for name in reader.names():
+        w = reader.get(name)
+        if any(f".{p}.weight" in name for p in PROJECTIONS):
+            for suffix, a in parts_of(w.astype(np.float32)).items():
+                entries.append((f"{name.removesuffix('.weight')}.{suffix}", a.dtype, a.shape))
+                arrays.append(a)
+        else:
+            entries.append((name, w.dtype, w.shape))
+            arrays.append(w)
+    dst.mkdir(parents=True)
+    write_file(dst / "model.safetensors", entries, iter(arrays))
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": quantization_config}))
+
+
+def _dequantized_logits_match(model_dir_q, plain_kernels, ids):
+    """load_pretrained of a pre-quantized checkpoint gives the dequantized model's logits (to fp32 rounding)."""
+    from conftest import assert_close  # noqa: PLC0415
+    model, params = load_pretrained(model_dir_q)
+    reader = CheckpointReader(model_dir_q)
+    plain = nn.meta.unbox(params)
+    shapes = jax.eval_shape(Decoder(CFG).init, jax.random.key(0), ids)["params"]["layers"]
+    for group, projs in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                         ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+        for proj in projs:
+            path = ("layers", group, proj, "kernel")
+            per_layer = []
+            for layer in range(CFG.num_layers):
+                w = plain_kernels(reader, names.hf_name(path, layer))  # float32 [out, in]
+                per_layer.append(w.T.reshape(shapes[group][proj]["kernel"].shape[1:]))
+            plain["layers"][group][proj] = {"kernel": jnp.asarray(np.stack(per_layer))}
+    got = jax.jit(model.apply)({"params": params}, ids)
+    want = jax.jit(Decoder(model.config.replace(qlora=None)).apply)({"params": plain}, ids)
+    assert_close(got, want, jnp.float32)
+    return model
+
+
+def test_prequantized_bnb_checkpoint_loads_as_its_dequantized_model(model_dir, tmp_path):
+    from surogate_jax.qlora import nf4
+
+    qdir = tmp_path / "bnb"
+    _write_prequantized(model_dir, qdir, lambda w: nf4.quantize_nf4(w, block_size=128, double_quant=True),
+                        {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                         "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16"})
+
+    def kernels(reader, name):
+        module = name.removesuffix(".weight")
+        parts = {p: reader.get(f"{module}.{p}") for p in ("weight", "weight.absmax", "weight.quant_map",
+                 "weight.nested_absmax", "weight.nested_quant_map", "weight.quant_state.bitsandbytes__nf4")}
+        return nf4.dequantize_nf4(parts)
+
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 5)), jnp.int32)
+    model = _dequantized_logits_match(qdir, kernels, ids)
+    assert model.config.qlora == QloraSpec("nf4", 128, True)
+
+
+def test_prequantized_fp8_checkpoint_loads_as_its_dequantized_model(model_dir, tmp_path):
+    from surogate_jax.qlora import fp8_block
+
+    qdir = tmp_path / "fp8"
+    shape_of = {}
+
+    def parts(w):
+        q = fp8_block.quantize(jnp.asarray(w), block_size=128)
+        return fp8_block.to_hf({k: np.asarray(v) for k, v in q.items()}, w.shape, block_size=128)
+
+    _write_prequantized(model_dir, qdir, parts, {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                  "activation_scheme": "dynamic"})
+
+    def kernels(reader, name):
+        module = name.removesuffix(".weight")
+        w = reader.get(name)
+        shape_of[name] = w.shape
+        p = fp8_block.from_hf({"weight": w, "weight_scale_inv": reader.get(f"{module}.weight_scale_inv")}, w.shape, 128)
+        return np.asarray(fp8_block.dequantize({k: jnp.asarray(v) for k, v in p.items()}, w.shape, block_size=128,
+                                               dtype=jnp.float32))
+
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, (2, 5)), jnp.int32)
+    model = _dequantized_logits_match(qdir, kernels, ids)
+    assert model.config.qlora == QloraSpec("fp8", 128)
+
+
+def test_unknown_quantization_is_refused_naming_it(model_dir, tmp_path):
+    qdir = tmp_path / "gptq"
+    _write_prequantized(model_dir, qdir, lambda w: {"weight": w}, {"quant_method": "gptq", "bits": 4})
+    with pytest.raises(ModelLoadError, match="quant_method='gptq'"):
+        load_pretrained(qdir)
+
+
+def test_asking_another_format_than_the_checkpoints_is_refused(model_dir, tmp_path):
+    from surogate_jax.qlora import fp8_block
+
+    qdir = tmp_path / "fp8b"
+    _write_prequantized(model_dir, qdir, lambda w: fp8_block.to_hf(
+        {k: np.asarray(v) for k, v in fp8_block.quantize(jnp.asarray(w), block_size=128).items()}, w.shape,
+        block_size=128), {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(ModelLoadError, match="pre-quantized as FP8"):
+        load_pretrained(qdir, qlora=QloraSpec("nf4"))
+
+
+def test_save_pretrained_refuses_a_quantized_base(model_dir, tmp_path):
+    model, params = load_pretrained(model_dir, qlora=QloraSpec("fp8", 64))
+    with pytest.raises(ValueError, match="QLoRA-quantized"):
+        save_pretrained(tmp_path / "out", model, params)
+    plain, plain_params = dequantize_base(model, params)
+    save_pretrained(tmp_path / "out", plain, plain_params)
+    assert (tmp_path / "out" / "model.safetensors").is_file()

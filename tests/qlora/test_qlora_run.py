@@ -1,0 +1,120 @@
+"""QLoRA end to end through `python -m surogate_jax.sft` on the builtin tiny model: each base format trains and
+exports, resume is exact, and every refused combination is one error line that leaves output_dir untouched."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
+from sft_cli import cli_env, losses, sft, write_config  # noqa: E402
+
+from surogate_jax.builtin_models import resolve  # noqa: E402
+from surogate_jax.names import PROJECTIONS  # noqa: E402
+from surogate_jax.safetensors_io import CheckpointReader, write_file  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return cli_env(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.mark.parametrize("key", ["qlora_bnb", "qlora_fp8", "qlora_fp4"])
+def test_each_format_trains_and_exports(tmp_path, env, key):
+    cfg = write_config(tmp_path, **{key: True}, merge_adapter=True, max_steps=8, save_steps=8, eval_steps=0)
+    r = sft(cfg, env)
+    out = tmp_path / "out"
+    for f in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json", "merged/model.safetensors"):
+        assert (out / f).exists(), f
+    assert "qlora:" in r.stderr + r.stdout
+    loss = losses(out)
+    assert np.mean([loss[s] for s in (7, 8)]) < np.mean([loss[s] for s in (1, 2)]) - 0.05, loss
+
+
+def test_resume_is_exact(tmp_path, env):
+    cfg = write_config(tmp_path, qlora_bnb=True)
+    sft(cfg, env)
+    out = tmp_path / "out"
+    first = losses(out)
+    shutil.rmtree(out / "checkpoints" / "6")
+    shutil.rmtree(out / "adapter")
+    (out / "metrics.jsonl").write_text("")
+    sft(cfg, env)
+    again = losses(out)
+    assert sorted(again) == [4, 5, 6] and all(again[s] == first[s] for s in (4, 5, 6)), (again, first)
+
+
+def _prequantized_tiny(dst: Path, env) -> Path:
+    """The builtin tiny model as a fine-grained FP8 checkpoint (HF layout), tokenizer files copied."""
+    import os
+
+    os.environ["SUROGATE_JAX_CACHE"] = env["SUROGATE_JAX_CACHE"]
+    from surogate_jax.qlora import fp8_block
+
+    src = resolve("builtin:tiny-qwen3")
+    reader = CheckpointReader(src)
+    entries, arrays = [], []
+    for name in reader.names():
+        w = reader.get(name)
+        if any(f".{p}.weight" in name for p in PROJECTIONS):
+            q = fp8_block.quantize(jnp.asarray(w.astype(np.float32)), block_size=128)
+            parts = fp8_block.to_hf({k: np.asarray(v) for k, v in q.items()}, w.shape, block_size=128)
+            for suffix, a in parts.items():
+                entries.append((f"{name.removesuffix('.weight')}.{suffix}", a.dtype, a.shape))
+                arrays.append(a)
+        else:
+            entries.append((name, w.dtype, w.shape))
+            arrays.append(w)
+    dst.mkdir(parents=True)
+    write_file(dst / "model.safetensors", entries, iter(arrays))
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("model.safetensors", "config.json"):
+            shutil.copy2(f, dst / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                  "activation_scheme": "dynamic"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_prequantized_checkpoint_trains_in_its_own_format(tmp_path, env):
+    model = _prequantized_tiny(tmp_path / "fp8model", env)
+    r = sft(write_config(tmp_path, model=str(model), max_steps=2, save_steps=2, eval_steps=0,
+                         merge_adapter=True), env)
+    assert "FP8 E4M3 base" in r.stderr + r.stdout
+    assert (tmp_path / "out" / "merged" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"qlora_bnb": True, "qlora_fp8": True}, "qlora_bnb and qlora_fp8: pick one"),
+    ({"qlora_fp4": True, "lora": False}, "it needs lora: true"),
+    ({"qlora_bnb": True, "qlora_bnb_block_size": 32}, "qlora_bnb_block_size=32"),
+    ({"qlora_fp8": True, "qlora_block_size": 96}, "qlora_block_size=96"),
+    ({"qlora_fp8": True, "recipe": "fp8-hybrid"}, "runs under recipe bf16"),
+    ({"qlora_bnb": True, "from_scratch": True}, "QLoRA needs a pretrained base"),
+])
+def test_refused_combinations_are_one_error_line(tmp_path, env, over, message):
+    r = sft(write_config(tmp_path, **over), env, check=False)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [x for x in r.stderr.strip().splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], r.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"lora": False}, "set lora: true"),
+    ({"qlora_bnb": True}, "remove qlora_bnb"),
+])
+def test_prequantized_checkpoint_refusals(tmp_path, env, over, message):
+    model = _prequantized_tiny(tmp_path / "fp8model", env)
+    r = sft(write_config(tmp_path, model=str(model), **over), env, check=False)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [x for x in r.stderr.strip().splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], r.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
