@@ -118,3 +118,17 @@ def test_prequantized_checkpoint_refusals(tmp_path, env, over, message):
     lines = [x for x in r.stderr.strip().splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], r.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_zero3_on_four_devices_matches_one(tmp_path, env):
+    """The quantized base shards like any frozen weight: ZeRO-3 on 4 CPU devices gives one device's losses."""
+    runs = {}
+    for name, n, extra in (("one", 1, ()), ("z3", 4, ("zero_level=3", "gpus=0", "per_device_train_batch_size=1"))):
+        d = tmp_path / name
+        d.mkdir()
+        env_n = {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+        r = sft(write_config(d, qlora_fp8=True, qlora_block_size=64, max_steps=3, save_steps=3, eval_steps=0), env_n, *extra)
+        if n == 4:
+            assert "zero: optimizer,gradients,weights" in r.stderr and "4 device(s)" in r.stderr, r.stderr[-2000:]
+        runs[name] = losses(d / "out")
+    np.testing.assert_allclose([runs["z3"][s] for s in (1, 2, 3)], [runs["one"][s] for s in (1, 2, 3)], rtol=1e-4)
