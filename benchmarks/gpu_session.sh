@@ -5,7 +5,8 @@
 #   SUITE=quick (default): the first cases of every GPU test (each kernel's forward and gradients against its
 #     reference; pytest --quick), <= 5 min on one H100.  SUITE=full: tests/gpu and tests/models on the GPU,
 #     every case, <= 15 min (tests/ops are the ops' CPU-reference tests, which CI runs).  Both run as $WORKERS
-#     (default 8) pytest-xdist workers sharing the GPU (the suites are bound by XLA compilation on the CPU cores).
+#     pytest-xdist workers sharing the GPU (default 8 for quick, 14 for full: the suites are bound by XLA
+#     compilation, one core per worker, and the machine has 16).
 #   benches (default: none; benchmarks/README.md says what each measures):
 #     op benchmarks: rms_norm, add_rms_norm, rope, swiglu, swiglu_lora, lm_head_ce, fp8_matmul,
 #       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon
@@ -19,7 +20,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 B=benchmarks; P=benchmarks/profile
-SUITE="${SUITE:-quick}"; WORKERS="${WORKERS:-8}"
+SUITE="${SUITE:-quick}"; WORKERS="${WORKERS:-$([[ $SUITE == full ]] && echo 14 || echo 8)}"
 benches=("$@")
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   echo "commit ${SUROGATE_COMMIT:-unknown} (set SUROGATE_COMMIT=\$(git rev-parse HEAD) when calling)"; date -u
