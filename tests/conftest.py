@@ -135,6 +135,8 @@ def _quick_selection(config, items):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--quick"):
         _quick_selection(config, items)
+    # slow tests first: under xdist a minute-long test started last ends the suite alone
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if jax.default_backend() != "cpu":
         skip_cpu = pytest.mark.skip(reason="asserts the CPU backend's exact numerics; tests/gpu holds the GPU form")
         for item in items:

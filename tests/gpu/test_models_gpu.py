@@ -40,6 +40,7 @@ def _loss(params, cfg, ids, **kw):
     return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, ids[..., None], -1)[..., 0])
 
 
+@pytest.mark.slow
 def test_cudnn_matches_xla_forward_and_grads():
     ids, params = _setup(0)
     fp32 = CFG.replace(dtype=jnp.float32, attention_impl="xla")
@@ -68,6 +69,7 @@ def test_packed_rows_with_cudnn():
         start += n
 
 
+@pytest.mark.slow
 def test_kernels_inside_model_match_reference(force_ref):
     ids, params = _setup(2)
     cfg = CFG.replace(attention_impl="xla", dtype=jnp.float32, kernels=MODEL_KERNELS)

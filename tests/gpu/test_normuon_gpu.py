@@ -27,6 +27,7 @@ def _np_ns(x):
     return np.swapaxes(x, -1, -2) if tall else x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(1024, 3072), (3072, 1024), (2, 1024, 2048), (1000, 1500)])
 def test_bf16_newton_schulz_band_on_gpu(shape):
     """Fresh Gaussian inputs whose normalized singular values are all >= 2e-3 (checked; true for

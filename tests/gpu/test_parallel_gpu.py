@@ -70,6 +70,7 @@ def _sgd():
     return optax.sgd(0.05, momentum=0.9)
 
 
+@pytest.mark.slow
 def test_optimizer_and_master_offload_free_device_memory():
     dev = jax.devices()[:1]
     ref, mem0, _, _ = _run(dev, tx=_sgd())

@@ -124,6 +124,7 @@ def test_fp8_matmul_frozen_ffi_matches_reference(m, k, n, dtype, assert_close):
     assert float(ds.w.scale) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["ffi", "xla"])
 def test_fp8_model_matches_reference_loss_and_grads(impl):
     params, ids = _params(0), _ids(1)
@@ -177,6 +178,7 @@ def test_fp8_model_matches_reference_loss_and_grads(impl):
         assert dev <= rtol, (name, dev, rtol)
 
 
+@pytest.mark.slow
 def test_fp8_lora_cache_through_ffi_matches_reference():
     params, ids = _params(0), _ids(2)
     base = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)

@@ -143,6 +143,7 @@ def test_deterministic():
     np.testing.assert_array_equal(np.asarray(f(dh, gu, xa, b)[0]), np.asarray(f(dh, gu, xa, b)[0]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["packed", "sep"])
 def test_model_uses_kernel_and_matches_reference(form, monkeypatch, force_ref):
     lora = LoraSpec(rank=8, alpha=16.0, targets=("q_proj", "gate_proj", "up_proj", "down_proj"))
