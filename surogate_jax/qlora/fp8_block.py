@@ -58,7 +58,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-BLOCK_SIZES = (64, 128, 256)
+from surogate_jax.names import FP8_BLOCK_SIZES as BLOCK_SIZES
+
 FP8_MAX = 448.0
 # Tiles with amax below TINY_AMAX are quantized as zero tiles; at or above HUGE_AMAX the scale is one division (the
 # module docstring says why). Both keep every scale and scale_inv a normal float32.
