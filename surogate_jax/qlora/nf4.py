@@ -61,6 +61,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from surogate_jax.names import NF4_BLOCK_SIZES
+
 __all__ = [
     "BLOCK_SIZES",
     "DYNAMIC_MAP",
@@ -75,7 +77,7 @@ __all__ = [
     "to_hf",
 ]
 
-BLOCK_SIZES = (64, 128, 256, 512)
+BLOCK_SIZES = NF4_BLOCK_SIZES
 NESTED_BLOCK = 256
 
 # The 16 NF4 values, exactly bnb's `get_4bit_type("nf4")` (normal quantiles with offset 0.9677083, scaled to [-1, 1]).

@@ -127,7 +127,8 @@ def test_zero3_on_four_devices_matches_one(tmp_path, env):
         d = tmp_path / name
         d.mkdir()
         env_n = {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
-        r = sft(write_config(d, qlora_fp8=True, qlora_block_size=64, max_steps=3, save_steps=3, eval_steps=0), env_n, *extra)
+        cfg = write_config(d, qlora_fp8=True, qlora_block_size=64, max_steps=3, save_steps=3, eval_steps=0)
+        r = sft(cfg, env_n, *extra)
         if n == 4:
             assert "zero: optimizer,gradients,weights" in r.stderr and "4 device(s)" in r.stderr, r.stderr[-2000:]
         runs[name] = losses(d / "out")
