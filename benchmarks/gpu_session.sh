@@ -10,7 +10,7 @@
 #   benches (default: none; benchmarks/README.md says what each measures):
 #     op benchmarks: rms_norm, add_rms_norm, rope, swiglu, swiglu_lora, lm_head_ce, fp8_matmul,
 #       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon
-#     model: forward, sft:<size>[,<size>...] (one fresh process per size)
+#     model: forward, sft:<size>[,<size>...] (one fresh process per size; SFT_ARGS="--qlora bnb ..." adds flags)
 #     profilers: calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the
 #       RoPE kernels), ncu_ops (kernel-only ours / XLA / same-bytes copy for rope_qk, swiglu, the
 #       norms), ncu_swiglu_lora (the same for swiglu_lora, both forms)
@@ -110,7 +110,7 @@ for b in "${benches[@]}"; do
              done ;;
     sft:*) sizes=${b#sft:}   # e.g. "sft:0.6b,1.7b": one fresh process per size
            for s in ${sizes//,/ }; do
-             python3 "$B/sft_throughput.py" --size "$s" --out "$OUT/sft_throughput.jsonl" 2>&1 | tail -2
+             python3 "$B/sft_throughput.py" --size "$s" ${SFT_ARGS:-} --out "$OUT/sft_throughput.jsonl" 2>&1 | tail -2
            done ;;
     *) echo "unknown bench $b" ;;
   esac

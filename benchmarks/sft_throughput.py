@@ -49,11 +49,13 @@ QWEN3 = {  # from the Qwen3 config.json files: hidden, intermediate, layers, hea
     "4b": (2560, 9728, 36, 32, 8, True),
     "8b": (4096, 12288, 36, 32, 8, False),
     "14b": (5120, 17408, 40, 40, 8, False),
+    "32b": (5120, 25600, 64, 64, 8, False),
     "tiny": (64, 128, 2, 4, 2, True),  # CPU smoke test of this script only (small vocab too)
 }
 SEED_H100 = {  # seed table, NVIDIA H100 80GB HBM3, total tokens/s (Surogate BF16, Unsloth BF16)
     "0.6b": (53.9e3, 21.3e3), "1.7b": (32.8e3, 20.8e3), "4b": (15.9e3, 12.4e3),
-    "8b": (10.2e3, 8.9e3), "14b": (6.0e3, 5.6e3), "tiny": (float("nan"), float("nan")),
+    "8b": (10.2e3, 8.9e3), "14b": (6.0e3, 5.6e3), "32b": (float("nan"), float("nan")),
+    "tiny": (float("nan"), float("nan")),
 }
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 OFFLOADS = ("optimizer", "master", "grads", "residual")
@@ -129,8 +131,14 @@ def compiled_memory_gb(compiled) -> dict:
 
 def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int, gpus: int = 1,
         zero_level: int = 1, offload: tuple[str, ...] = (), full_ft: bool = False, optimizer: str = "adamw",
-        baseline_tps: float | None = None, recipe: str = "bf16", kernels: tuple[str, ...] | None = None) -> dict:
+        baseline_tps: float | None = None, recipe: str = "bf16", kernels: tuple[str, ...] | None = None,
+        qlora: str | None = None) -> dict:
     cfg = qwen3(size, recompute, full_ft, "residual" in offload)
+    if qlora is not None:  # the frozen base's projections stored quantized (the config keys' defaults)
+        from surogate_jax.qlora.base import QloraSpec
+
+        cfg = cfg.replace(qlora={"bnb": QloraSpec("nf4", 64, True), "fp8": QloraSpec("fp8", 128),
+                                 "fp4": QloraSpec("fp4", 16)}[qlora])
     if kernels is not None:  # which model ops run our CUDA kernels (DecoderConfig.kernels)
         cfg = cfg.replace(kernels=kernels)
     if recipe != "bf16":  # precision recipe of the seven projections (LoRA: frozen base quantized once)
@@ -178,7 +186,8 @@ def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int
                mfu=mfu, peak_gb=max(known) if known else 0.0, compile_s=compile_s, losses=losses,
                seed_surogate_bf16=SEED_H100[size][0], seed_unsloth_bf16=SEED_H100[size][1],
                gpus=len(devices), tokens_per_s_per_gpu=tps / len(devices), peak_gb_per_gpu=peaks,
-               mode="full" if full_ft else "lora", recipe=recipe, zero_level=zero_level, offload=list(offload),
+               mode="full" if full_ft else ("qlora-" + qlora if qlora else "lora"), recipe=recipe,
+               zero_level=zero_level, offload=list(offload),
                optimizer=optimizer,
                init_peak_gb_per_gpu=init_peaks, compiled_gb=mem,
                parallel=layout.describe(), remat=cfg.remat_policy, baseline_tps=baseline_tps,
@@ -218,6 +227,7 @@ def main():
     ap.add_argument("--optimizer", choices=("adamw", "adamw_8bit"), default="adamw")
     ap.add_argument("--baseline-tps", type=float, help="1-GPU tokens/s: report the scaling efficiency")
     ap.add_argument("--recipe", choices=("bf16", "fp8-hybrid", "nvfp4"), default="bf16", help="precision recipe")
+    ap.add_argument("--qlora", choices=("bnb", "fp8", "fp4"), help="QLoRA base format (LoRA only)")
     ap.add_argument("--kernels", help="comma list of DecoderConfig.kernels ('none' for all-XLA; default: the model's)")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -225,8 +235,8 @@ def main():
     offload = tuple(o for o in OFFLOADS if getattr(a, f"offload_{o}"))
     res = run(a.size, a.steps, a.recompute, a.batch, a.accum, a.seq, gpus=a.gpus, zero_level=a.zero_level,
               offload=offload, full_ft=a.full_ft, optimizer=a.optimizer, baseline_tps=a.baseline_tps,
-              recipe=a.recipe, kernels=kernels)
-    plain = res["gpus"] == 1 and not (offload or a.full_ft or a.optimizer != "adamw" or a.baseline_tps)
+              recipe=a.recipe, kernels=kernels, qlora=a.qlora)
+    plain = res["gpus"] == 1 and not (offload or a.full_ft or a.optimizer != "adamw" or a.baseline_tps or a.qlora)
     print(json.dumps(res))
     print(table_line(res, plain))
     if a.out:

@@ -1,6 +1,6 @@
 """benchmarks/sft_throughput.py's multi-device options on 4 CPU devices (--size tiny): a full
-fine-tuning ZeRO-3 run with every offload option and an offload-free LoRA run both train and print
-their table line and json (the GPU matrix in benchmarks/multi_gpu_session.sh runs the same code)."""
+fine-tuning ZeRO-3 run with every offload option, an offload-free LoRA run and a ZeRO-3 QLoRA (NF4) run all
+train and print their table line and json (the GPU matrix in benchmarks/multi_gpu_session.sh runs the same code)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ CASES = [
     SMALL + ["--zero-level", "3", "--full-ft", "--offload-optimizer", "--offload-master", "--offload-grads",
              "--offload-residual", "--baseline-tps", "1000"],
     SMALL + ["--zero-level", "1"],
+    SMALL + ["--zero-level", "3", "--qlora", "bnb"],
 ]
 # Both cases in one process (one jax start-up); each through the script's own main().
 SCRIPT = r'''
@@ -34,19 +35,20 @@ def test_gpus_zero3_offload_full_ft_and_lora_on_4_cpu_devices(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=600,
                        cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    full, lora = [json.loads(x) for x in out.read_text().splitlines()]
+    full, lora, qlora = [json.loads(x) for x in out.read_text().splitlines()]
     assert full["gpus"] == 4 and full["mode"] == "full" and full["zero_level"] == 3
     assert full["offload"] == ["optimizer", "master", "grads", "residual"] and full["remat"] == "offload_residual"
     assert "zero: optimizer,gradients,weights" in full["parallel"] and "pinned_host" in full["parallel"]
     assert abs(full["scaling_efficiency"] - full["tokens_per_s_per_gpu"] / 1000) < 1e-9
     assert lora["mode"] == "lora" and lora["offload"] == [] and lora["parallel"] == "4 device(s); zero: optimizer"
-    for res in (full, lora):
+    assert qlora["mode"] == "qlora-bnb" and "zero: optimizer,gradients,weights" in qlora["parallel"]
+    for res in (full, lora, qlora):
         assert res["tokens_per_s"] > 0 and len(res["peak_gb_per_gpu"]) == 4
         assert len(res["losses"]) == 2 and all(0 < x < 20 for x in res["losses"]), res["losses"]
         # 4 GPUs x 1 row x 2 micro-batches x 64 tokens per step
         assert abs(res["tokens_per_s"] * res["step_s"] - 4 * 2 * 64) < 1e-6
     lines = [x for x in r.stdout.splitlines() if x.startswith("| Qwen3-TINY |")]
-    assert len(lines) == 2 and "| full | 4 | zero 3 |" in lines[0] and "| lora | 4 | zero 1 | none |" in lines[1], lines
+    assert len(lines) == 3 and "| full | 4 | zero 3 |" in lines[0] and "| lora | 4 | zero 1 | none |" in lines[1], lines
 
 
 def test_multi_gpu_session_plans_the_matrix_and_skips_what_does_not_fit(tmp_path):
