@@ -107,9 +107,8 @@ def _write_prequantized(src: Path, dst: Path, parts_of, quantization_config: dic
     (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": quantization_config}))
 
 
-def _dequantized_logits_match(model_dir_q, plain_kernels, ids):
+def _dequantized_logits_match(model_dir_q, plain_kernels, ids, assert_close):
     """load_pretrained of a pre-quantized checkpoint gives the dequantized model's logits (to fp32 rounding)."""
-    from conftest import assert_close  # noqa: PLC0415
     model, params = load_pretrained(model_dir_q)
     reader = CheckpointReader(model_dir_q)
     plain = nn.meta.unbox(params)
@@ -129,7 +128,7 @@ def _dequantized_logits_match(model_dir_q, plain_kernels, ids):
     return model
 
 
-def test_prequantized_bnb_checkpoint_loads_as_its_dequantized_model(model_dir, tmp_path):
+def test_prequantized_bnb_checkpoint_loads_as_its_dequantized_model(model_dir, tmp_path, assert_close):
     from surogate_jax.qlora import nf4
 
     qdir = tmp_path / "bnb"
@@ -144,11 +143,11 @@ def test_prequantized_bnb_checkpoint_loads_as_its_dequantized_model(model_dir, t
         return nf4.dequantize_nf4(parts)
 
     ids = jnp.asarray(np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 5)), jnp.int32)
-    model = _dequantized_logits_match(qdir, kernels, ids)
+    model = _dequantized_logits_match(qdir, kernels, ids, assert_close)
     assert model.config.qlora == QloraSpec("nf4", 128, True)
 
 
-def test_prequantized_fp8_checkpoint_loads_as_its_dequantized_model(model_dir, tmp_path):
+def test_prequantized_fp8_checkpoint_loads_as_its_dequantized_model(model_dir, tmp_path, assert_close):
     from surogate_jax.qlora import fp8_block
 
     qdir = tmp_path / "fp8"
@@ -170,7 +169,7 @@ def test_prequantized_fp8_checkpoint_loads_as_its_dequantized_model(model_dir, t
                                                dtype=jnp.float32))
 
     ids = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, (2, 5)), jnp.int32)
-    model = _dequantized_logits_match(qdir, kernels, ids)
+    model = _dequantized_logits_match(qdir, kernels, ids, assert_close)
     assert model.config.qlora == QloraSpec("fp8", 128)
 
 
