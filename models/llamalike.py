@@ -141,9 +141,9 @@ class DecoderConfig:
             raise ValueError(f"remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}")
         if self.recipe is not None:
             self.recipe.check_model(self)
-        if self.qlora is not None and self.recipe is not None and self.recipe.quantizes:
-            raise ValueError(f"a QLoRA base ({self.qlora.format}) runs under recipe bf16 only for now; "
-                             f"recipe {self.recipe.name} with a quantized base is not supported yet")
+        if self.qlora is not None and self.recipe is not None and self.recipe.skips:
+            raise ValueError("skip_quant_first_layers / skip_quant_last_layers keep layers' exact weights, which a "
+                             f"QLoRA base ({self.qlora.format}) does not have; leave them at 0")
 
     def impl(self, op: str) -> str | None:
         """impl argument for op: None (kernel on GPU, reference elsewhere) or "ref" (XLA fusion)."""
@@ -279,7 +279,7 @@ class Linear(nn.Module):
         if cfg.qlora is not None and self.name in PROJECTIONS:
             if lora_parts:
                 raise ValueError(f"{self.name}: lora_parts needs a plain kernel, not a QLoRA base")
-            y = self._qlora_matmul(x, in_shape)
+            y = self._qlora_matmul(x, in_shape, layer)
             if cfg.lora is not None and self.name in cfg.lora.targets:
                 y = y + self._lora(x if lora_x is None else lora_x, in_shape, contract)
             return y
@@ -300,7 +300,7 @@ class Linear(nn.Module):
             y = y + self._lora(x if lora_x is None else lora_x, in_shape, contract)
         return y
 
-    def _recipe_matmul(self, x, kernel, layer):
+    def _recipe_matmul(self, x, kernel, layer, kernel_scale=None):
         """The projection's GEMM under cfg.recipe: fetches its fp8 state ("fp8" collection), the
         frozen cache's kernel_scale and an rng for NVFP4 stochastic rounding, then calls the pure
         recipe_lib.linear."""
@@ -312,15 +312,16 @@ class Linear(nn.Module):
         key = None
         if r.name == "nvfp4":  # only the backward uses it; eval without the rng gets a fixed key
             key = self.make_rng(recipe_lib.QUANT_RNG) if self.has_rng(recipe_lib.QUANT_RNG) else jax.random.key(0)
-        scale = None
-        if self.has_variable("params", recipe_lib.KERNEL_SCALE):
+        scale = kernel_scale
+        if scale is None and self.has_variable("params", recipe_lib.KERNEL_SCALE):
             scale = self.get_variable("params", recipe_lib.KERNEL_SCALE)
         return recipe_lib.linear(r, x, kernel, in_dims=self.in_dims, dtype=cfg.dtype, fp8_state=state,
                                  kernel_scale=scale, key=key, layer=layer, num_layers=cfg.num_layers, mesh=cfg.mesh)
 
-    def _qlora_matmul(self, x, in_shape):
+    def _qlora_matmul(self, x, in_shape, layer):
         """x @ W with W the quantized frozen base (HF layout [out, in], qlora.base); a fresh init quantizes a
-        normal(initializer_range) weight."""
+        normal(initializer_range) weight. Under a recipe the dequantized W goes through the recipe's GEMM: fp8-hybrid
+        and nvfp4 first quantize it as their frozen cache does (train.prepare_frozen), here per step and layer."""
         cfg, spec = self.cfg, self.cfg.qlora
         shape = (math.prod(self.out_shape), math.prod(in_shape))
         # One key for all of the weight's parts (each param's own rng would quantize a different weight); Flax
@@ -332,7 +333,14 @@ class Linear(nn.Module):
             return qlora_base.quantize(spec, w0)[name]
 
         qp = {k: self.param(k, init, k) for k in qlora_base.param_names(spec)}
-        return qlora_base.frozen_matmul(spec, x, qp, in_dims=self.in_dims, out_shape=self.out_shape, dtype=cfg.dtype)
+        if cfg.recipe is None:
+            return qlora_base.frozen_matmul(spec, x, qp, in_dims=self.in_dims, out_shape=self.out_shape,
+                                            dtype=cfg.dtype)
+        kernel = qlora_base.base_kernel(spec, qp, in_shape, self.out_shape, cfg.dtype)
+        if not cfg.recipe.quantizes:
+            return self._recipe_matmul(x, kernel, layer)
+        wq, scale = recipe_lib.cache_kernel(cfg.recipe, self.name, kernel[None], 1)
+        return self._recipe_matmul(x, wq[0], layer, kernel_scale=scale[0])
 
     def _lora(self, x, in_shape, contract):
         xa, b = self._lora_factors(x, in_shape, contract)

@@ -143,7 +143,7 @@ def quant_recipe(cfg: SFTConfig) -> recipe_lib.QuantRecipe | None:
 def qlora_spec(cfg: SFTConfig, model_dir: Path) -> QloraSpec | None:
     """The QLoRA base format of this run: a pre-quantized checkpoint's own (it needs lora: true, and a qlora_* key,
     if any, must name the same format), else the one the qlora_* keys ask for, else None. Refused before any
-    work: QLoRA from scratch (no base to quantize) and a quantized base under recipe fp8-hybrid or nvfp4."""
+    work: QLoRA from scratch (no base to quantize) and skip_quant_* layers (they need the exact weights)."""
     try:
         pre = checkpoint_qlora(model_dir, read_hf_config(model_dir))
     except ModelLoadError as e:
@@ -160,8 +160,9 @@ def qlora_spec(cfg: SFTConfig, model_dir: Path) -> QloraSpec | None:
     if spec is not None and cfg.model.from_scratch:
         raise ConfigError("qlora_*: from_scratch starts from random weights; QLoRA needs a pretrained base")
     r = quant_recipe(cfg)
-    if spec is not None and r is not None and r.quantizes:
-        raise ConfigError(f"recipe={r.name}: a QLoRA base ({spec.describe()}) runs under recipe bf16 for now")
+    if spec is not None and r is not None and r.skips:
+        raise ConfigError("skip_quant_first_layers / skip_quant_last_layers keep layers' exact weights, which a "
+                          f"QLoRA base ({spec.describe()}) does not have; leave them at 0")
     return spec
 
 

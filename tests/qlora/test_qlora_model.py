@@ -198,3 +198,35 @@ def test_save_pretrained_refuses_a_quantized_base(model_dir, tmp_path):
     plain, plain_params = dequantize_base(model, params)
     save_pretrained(tmp_path / "out", plain, plain_params)
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("recipe", ["fp8-hybrid", "nvfp4"])
+def test_quantizing_recipe_over_a_qlora_base_equals_its_frozen_cache(model_dir, recipe, assert_close):
+    """Under fp8-hybrid / nvfp4 the dequantized base goes through the recipe's frozen GEMM as the LoRA cache of the
+    dequantized base does (train.prepare_frozen): same loss and LoRA gradients, to fp32 accumulation order."""
+    from tiny import random_batch
+
+    from surogate_jax import train as T
+    from surogate_jax.precision import recipe as recipe_lib
+    from surogate_jax.precision.recipe import QuantRecipe
+
+    r = QuantRecipe(recipe)
+    model_q, params_q = load_pretrained(model_dir, qlora=QloraSpec("nf4", 64, True))
+    model_p, params_p = dequantize_base(model_q, params_q)
+    mq, mp = (Decoder(m.config.replace(lora=SPEC, recipe=r)) for m in (model_q, model_p))
+    params_c = recipe_lib.cache_frozen_weights(params_p, r, CFG.num_layers)
+    lora = _lora_params(Decoder(model_p.config.replace(lora=SPEC)))
+    quant = recipe_lib.init_quant_state(mq)
+    assert jax.tree.structure(quant) == jax.tree.structure(recipe_lib.init_quant_state(mp))
+    batch = {k: jnp.asarray(v) for k, v in random_batch(np.random.default_rng(3), 2, 12, CFG.vocab_size).items()}
+
+    def run(model, params):
+        def loss(lora):
+            s, c = T.batch_loss(model, params, lora, batch, jax.random.key(9), quant)
+            return s / c
+        return jax.jit(jax.value_and_grad(loss))(lora)
+
+    (lq, gq), (lc, gc) = run(mq, params_q), run(mp, params_c)
+    assert_close(lq, lc, jnp.float32)
+    for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gc), strict=True):
+        assert_close(a, b, jnp.float32)

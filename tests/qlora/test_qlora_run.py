@@ -37,6 +37,15 @@ def test_each_format_trains_and_exports(tmp_path, env, key):
     assert np.mean([loss[s] for s in (7, 8)]) < np.mean([loss[s] for s in (1, 2)]) - 0.05, loss
 
 
+@pytest.mark.parametrize(("key", "recipe"), [("qlora_bnb", "fp8-hybrid"), ("qlora_fp4", "nvfp4")])
+def test_quantized_base_under_a_quantizing_recipe_trains(tmp_path, env, key, recipe):
+    cfg = write_config(tmp_path, **{key: True}, recipe=recipe, max_steps=8, save_steps=8, eval_steps=0)
+    sft(cfg, env)
+    loss = losses(tmp_path / "out")
+    assert np.mean([loss[s] for s in (7, 8)]) < np.mean([loss[s] for s in (1, 2)]) - 0.05, loss
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+
+
 def test_resume_is_exact(tmp_path, env):
     cfg = write_config(tmp_path, qlora_bnb=True)
     sft(cfg, env)
@@ -96,7 +105,7 @@ def test_prequantized_checkpoint_trains_in_its_own_format(tmp_path, env):
     ({"qlora_fp4": True, "lora": False}, "it needs lora: true"),
     ({"qlora_bnb": True, "qlora_bnb_block_size": 32}, "qlora_bnb_block_size=32"),
     ({"qlora_fp8": True, "qlora_block_size": 96}, "qlora_block_size=96"),
-    ({"qlora_fp8": True, "recipe": "fp8-hybrid"}, "runs under recipe bf16"),
+    ({"qlora_fp8": True, "recipe": "fp8-hybrid", "skip_quant_first_layers": 1}, "leave them at 0"),
     ({"qlora_bnb": True, "from_scratch": True}, "QLoRA needs a pretrained base"),
 ])
 def test_refused_combinations_are_one_error_line(tmp_path, env, over, message):
