@@ -142,3 +142,16 @@ def test_zero3_on_four_devices_matches_one(tmp_path, env):
             assert "zero: optimizer,gradients,weights" in r.stderr and "4 device(s)" in r.stderr, r.stderr[-2000:]
         runs[name] = losses(d / "out")
     np.testing.assert_allclose([runs["z3"][s] for s in (1, 2, 3)], [runs["one"][s] for s in (1, 2, 3)], rtol=1e-4)
+
+
+def test_offload_gives_the_plain_runs_losses(tmp_path, env):
+    """Residual and optimizer offload over a quantized base: the same losses as without them."""
+    runs = {}
+    for name, over in (("plain", {}), ("offload", {"offload_residual": True, "zero_level": 3,
+                                                   "offload_optimizer": True})):
+        d = tmp_path / name
+        d.mkdir()
+        sft(write_config(d, qlora_bnb=True, max_steps=3, save_steps=3, eval_steps=0, **over), env)
+        runs[name] = losses(d / "out")
+    np.testing.assert_allclose([runs["offload"][s] for s in (1, 2, 3)], [runs["plain"][s] for s in (1, 2, 3)],
+                               rtol=1e-5)
