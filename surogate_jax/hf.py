@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -252,12 +253,15 @@ def load_pretrained(
         loaded[idx] = _load_leaf(reader, path, sds, sh)
         used.update(names.hf_name(path, i) for i in (range(sds.shape[0]) if names.is_stacked(path) else [None]))
     quantize = jax.jit(lambda w: qlora_base.quantize(qlora, w)) if qlora is not None else None
-    for parent, group in groups.items():
+    for n, (parent, group) in enumerate(groups.items(), 1):
+        t0 = time.perf_counter()
         arrays = _load_quantized(reader, parent, {k: g[1] for k, g in group.items()}, qlora,
                                  projection_shape(cfg, parent[-1]), pre is not None, quantize,
                                  {k: g[2] for k, g in group.items()}, used)
         for k, (idx, _, _) in group.items():
             loaded[idx] = arrays[k]
+        log.info("qlora: %s %s (%d/%d) in %.1f s", "read" if pre is not None else "quantized", "/".join(parent),
+                 n, len(groups), time.perf_counter() - t0)
     unused = sorted(set(reader.names()) - used)
     if unused:
         log.info("%s: %d checkpoint tensors not used (e.g. %s)", model_dir, len(unused), unused[:3])
