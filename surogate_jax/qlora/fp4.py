@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..ops import nvfp4_quantize as nvfp4
+from . import _checks
 
 BLOCK = nvfp4.BLOCK  # 16
 CODES = "fp4_codes"
@@ -31,9 +32,7 @@ GLOBAL_SCALE = "fp4_global_scale"
 
 
 def _check_shape(shape, fn: str) -> tuple[int, int]:
-    shape = tuple(int(d) for d in shape)
-    if len(shape) != 2 or min(shape) < 1:
-        raise ValueError(f"fp4.{fn}: a weight shape must be 2-D [out, in] with positive dims, got {shape}")
+    shape = _checks.weight_shape(shape, f"fp4.{fn}")
     if shape[1] % BLOCK:
         raise ValueError(f"fp4.{fn}: the weight's `in` dim (the reduction axis, shape[1]) must be a multiple of "
                          f"{BLOCK} for NVFP4, got shape {shape}")

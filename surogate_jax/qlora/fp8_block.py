@@ -59,6 +59,7 @@ import ml_dtypes
 import numpy as np
 
 from surogate_jax.names import FP8_BLOCK_SIZES as BLOCK_SIZES
+from surogate_jax.qlora import _checks
 
 FP8_MAX = 448.0
 # Tiles with amax below TINY_AMAX are quantized as zero tiles; at or above HUGE_AMAX the scale is one division (the
@@ -79,17 +80,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check_block(block_size) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size not in BLOCK_SIZES:
-        raise ValueError(f"fp8_block: block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
-    return int(block_size)
+def _check_block(size) -> int:
+    return _checks.block_size(size, BLOCK_SIZES, "fp8_block")
 
 
 def _check_shape(shape) -> tuple[int, int]:
-    shape = tuple(int(d) for d in shape)
-    if len(shape) != 2 or min(shape) < 1:
-        raise ValueError(f"fp8_block: a weight shape must be 2-D [out, in] with positive dims, got {shape}")
-    return shape
+    return _checks.weight_shape(shape, "fp8_block")
 
 
 def scale_shape(shape, *, block_size: int = 128) -> tuple[int, int]:

@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from surogate_jax.names import NF4_BLOCK_SIZES
+from surogate_jax.qlora import _checks
 
 __all__ = [
     "BLOCK_SIZES",
@@ -349,17 +350,12 @@ def _count_below(v, bounds: np.ndarray, *, inclusive: bool):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_block_size(block_size) -> int:
-    if isinstance(block_size, bool) or block_size not in BLOCK_SIZES:
-        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
-    return int(block_size)
+def _check_block_size(size) -> int:
+    return _checks.block_size(size, BLOCK_SIZES, "nf4")
 
 
 def _check_shape(shape) -> tuple[int, int]:
-    shape = tuple(int(s) for s in shape)
-    if len(shape) != 2 or min(shape) < 1:
-        raise ValueError(f"shape must be a 2-D weight shape [out, in] with positive sizes, got {shape}")
-    return shape
+    return _checks.weight_shape(shape, "nf4")
 
 
 def _sizes(shape, block_size: int) -> tuple[int, int, int]:
