@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,12 +15,12 @@ from surogate_jax.errors import ModelLoadError
 from surogate_jax.hf import dequantize_base, load_pretrained, save_pretrained
 from surogate_jax.models import Decoder, projection_shape
 from surogate_jax.models import hf_names as names
-from surogate_jax.names import PROJECTIONS
 from surogate_jax.qlora import base as qlora_base
 from surogate_jax.qlora.base import QloraSpec
-from surogate_jax.safetensors_io import CheckpointReader, write_file
+from surogate_jax.safetensors_io import CheckpointReader
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
+from qlora_checkpoints import FP8_CONFIG, fp8_parts, write_prequantized  # noqa: E402
 from tiny import CFG, SPEC, base_params  # noqa: E402
 
 SPECS = [QloraSpec("nf4", 64, True), QloraSpec("nf4", 128, False), QloraSpec("fp8", 64), QloraSpec("fp4", 16)]
@@ -87,26 +86,6 @@ def test_online_quantization_is_the_format_of_each_layer_weight(model_dir, spec)
                 np.testing.assert_array_equal(*bits, err_msg=f"{proj} {layer} {k}")
 
 
-def _write_prequantized(src: Path, dst: Path, parts_of, quantization_config: dict) -> None:
-    """An HF checkpoint whose seven projections are stored as `parts_of(w)` ({suffix: array}), with
-    config.json's quantization_config, the rest copied."""
-    reader = CheckpointReader(src)
-    entries, arrays = [], []
-    for name in reader.names():
-        w = reader.get(name)
-        if any(f".{p}.weight" in name for p in PROJECTIONS):
-            for suffix, a in parts_of(w.astype(np.float32)).items():
-                entries.append((f"{name.removesuffix('.weight')}.{suffix}", a.dtype, a.shape))
-                arrays.append(a)
-        else:
-            entries.append((name, w.dtype, w.shape))
-            arrays.append(w)
-    dst.mkdir(parents=True)
-    write_file(dst / "model.safetensors", entries, iter(arrays))
-    cfg = json.loads((src / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": quantization_config}))
-
-
 def _dequantized_logits_match(model_dir_q, plain_kernels, ids, assert_close):
     """load_pretrained of a pre-quantized checkpoint gives the dequantized model's logits (to fp32 rounding)."""
     model, params = load_pretrained(model_dir_q)
@@ -132,7 +111,7 @@ def test_prequantized_bnb_checkpoint_loads_as_its_dequantized_model(model_dir, t
     from surogate_jax.qlora import nf4
 
     qdir = tmp_path / "bnb"
-    _write_prequantized(model_dir, qdir, lambda w: nf4.quantize_nf4(w, block_size=128, double_quant=True),
+    write_prequantized(model_dir, qdir, lambda w: nf4.quantize_nf4(w, block_size=128, double_quant=True),
                         {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
                          "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16"})
 
@@ -150,20 +129,11 @@ def test_prequantized_bnb_checkpoint_loads_as_its_dequantized_model(model_dir, t
 def test_prequantized_fp8_checkpoint_loads_as_its_dequantized_model(model_dir, tmp_path, assert_close):
     from surogate_jax.qlora import fp8_block
 
-    qdir = tmp_path / "fp8"
-    shape_of = {}
-
-    def parts(w):
-        q = fp8_block.quantize(jnp.asarray(w), block_size=128)
-        return fp8_block.to_hf({k: np.asarray(v) for k, v in q.items()}, w.shape, block_size=128)
-
-    _write_prequantized(model_dir, qdir, parts, {"quant_method": "fp8", "weight_block_size": [128, 128],
-                                                  "activation_scheme": "dynamic"})
+    qdir = write_prequantized(model_dir, tmp_path / "fp8", fp8_parts, FP8_CONFIG)
 
     def kernels(reader, name):
         module = name.removesuffix(".weight")
         w = reader.get(name)
-        shape_of[name] = w.shape
         p = fp8_block.from_hf({"weight": w, "weight_scale_inv": reader.get(f"{module}.weight_scale_inv")}, w.shape, 128)
         return np.asarray(fp8_block.dequantize({k: jnp.asarray(v) for k, v in p.items()}, w.shape, block_size=128,
                                                dtype=jnp.float32))
@@ -175,18 +145,13 @@ def test_prequantized_fp8_checkpoint_loads_as_its_dequantized_model(model_dir, t
 
 def test_unknown_quantization_is_refused_naming_it(model_dir, tmp_path):
     qdir = tmp_path / "gptq"
-    _write_prequantized(model_dir, qdir, lambda w: {"weight": w}, {"quant_method": "gptq", "bits": 4})
+    write_prequantized(model_dir, qdir, lambda w: {"weight": w}, {"quant_method": "gptq", "bits": 4})
     with pytest.raises(ModelLoadError, match="quant_method='gptq'"):
         load_pretrained(qdir)
 
 
 def test_asking_another_format_than_the_checkpoints_is_refused(model_dir, tmp_path):
-    from surogate_jax.qlora import fp8_block
-
-    qdir = tmp_path / "fp8b"
-    _write_prequantized(model_dir, qdir, lambda w: fp8_block.to_hf(
-        {k: np.asarray(v) for k, v in fp8_block.quantize(jnp.asarray(w), block_size=128).items()}, w.shape,
-        block_size=128), {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    qdir = write_prequantized(model_dir, tmp_path / "fp8b", fp8_parts, FP8_CONFIG)
     with pytest.raises(ModelLoadError, match="pre-quantized as FP8"):
         load_pretrained(qdir, qlora=QloraSpec("nf4"))
 

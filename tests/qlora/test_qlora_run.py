@@ -3,21 +3,18 @@ exports, resume is exact, and every refused combination is one error line that l
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
+from qlora_checkpoints import FP8_CONFIG, fp8_parts, write_prequantized  # noqa: E402
 from sft_cli import cli_env, losses, sft, write_config  # noqa: E402
 
 from surogate_jax.builtin_models import resolve  # noqa: E402
-from surogate_jax.names import PROJECTIONS  # noqa: E402
-from surogate_jax.safetensors_io import CheckpointReader, write_file  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -59,41 +56,14 @@ def test_resume_is_exact(tmp_path, env):
     assert sorted(again) == [4, 5, 6] and all(again[s] == first[s] for s in (4, 5, 6)), (again, first)
 
 
-def _prequantized_tiny(dst: Path, env) -> Path:
+def _prequantized_tiny(dst: Path, env, monkeypatch) -> Path:
     """The builtin tiny model as a fine-grained FP8 checkpoint (HF layout), tokenizer files copied."""
-    import os
-
-    os.environ["SUROGATE_JAX_CACHE"] = env["SUROGATE_JAX_CACHE"]
-    from surogate_jax.qlora import fp8_block
-
-    src = resolve("builtin:tiny-qwen3")
-    reader = CheckpointReader(src)
-    entries, arrays = [], []
-    for name in reader.names():
-        w = reader.get(name)
-        if any(f".{p}.weight" in name for p in PROJECTIONS):
-            q = fp8_block.quantize(jnp.asarray(w.astype(np.float32)), block_size=128)
-            parts = fp8_block.to_hf({k: np.asarray(v) for k, v in q.items()}, w.shape, block_size=128)
-            for suffix, a in parts.items():
-                entries.append((f"{name.removesuffix('.weight')}.{suffix}", a.dtype, a.shape))
-                arrays.append(a)
-        else:
-            entries.append((name, w.dtype, w.shape))
-            arrays.append(w)
-    dst.mkdir(parents=True)
-    write_file(dst / "model.safetensors", entries, iter(arrays))
-    for f in src.iterdir():
-        if f.is_file() and f.name not in ("model.safetensors", "config.json"):
-            shutil.copy2(f, dst / f.name)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
-                                  "activation_scheme": "dynamic"}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+    monkeypatch.setenv("SUROGATE_JAX_CACHE", env["SUROGATE_JAX_CACHE"])
+    return write_prequantized(resolve("builtin:tiny-qwen3"), dst, fp8_parts, FP8_CONFIG)
 
 
-def test_prequantized_checkpoint_trains_in_its_own_format(tmp_path, env):
-    model = _prequantized_tiny(tmp_path / "fp8model", env)
+def test_prequantized_checkpoint_trains_in_its_own_format(tmp_path, env, monkeypatch):
+    model = _prequantized_tiny(tmp_path / "fp8model", env, monkeypatch)
     r = sft(write_config(tmp_path, model=str(model), max_steps=2, save_steps=2, eval_steps=0,
                          merge_adapter=True), env)
     assert "FP8 E4M3 base" in r.stderr + r.stdout
@@ -120,8 +90,8 @@ def test_refused_combinations_are_one_error_line(tmp_path, env, over, message):
     ({"lora": False}, "set lora: true"),
     ({"qlora_bnb": True}, "remove qlora_bnb"),
 ])
-def test_prequantized_checkpoint_refusals(tmp_path, env, over, message):
-    model = _prequantized_tiny(tmp_path / "fp8model", env)
+def test_prequantized_checkpoint_refusals(tmp_path, env, over, message, monkeypatch):
+    model = _prequantized_tiny(tmp_path / "fp8model", env, monkeypatch)
     r = sft(write_config(tmp_path, model=str(model), **over), env, check=False)
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [x for x in r.stderr.strip().splitlines() if x.startswith("error:")]
