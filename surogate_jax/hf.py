@@ -112,13 +112,18 @@ def _load_leaf(reader: CheckpointReader, path, sds, sharding) -> jax.Array:
     return out
 
 
+def is_prequantized(hf_cfg: dict) -> bool:
+    """Whether config.json declares quantized weights (`checkpoint_qlora` says which format, or refuses it)."""
+    return hf_cfg.get("quantization_config") is not None
+
+
 def checkpoint_qlora(model_dir: Path, hf_cfg: dict) -> QloraSpec | None:
     """The QLoRA base format of a pre-quantized checkpoint (config.json's `quantization_config`), or None for a
     plain one. Reads bitsandbytes 4-bit NF4 (its block size from the first layer's quant state) and fine-grained
     FP8 with square tiles; any other format is a ModelLoadError naming it."""
-    qc = hf_cfg.get("quantization_config")
-    if qc is None:
+    if not is_prequantized(hf_cfg):
         return None
+    qc = hf_cfg["quantization_config"]
     where = model_dir / "config.json"
     if not isinstance(qc, dict):
         raise ModelLoadError(f"{where}: quantization_config must be a JSON object")

@@ -33,6 +33,7 @@ from .hf import (
     abstract_params,
     checkpoint_qlora,
     dequantize_base,
+    is_prequantized,
     load_pretrained,
     read_hf_config,
     resolve_model_dir,
@@ -201,7 +202,7 @@ def _build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout 
                                                                     qlora=qspec))
         if qspec is not None:
             log.info("qlora: %s, quantized %s", qspec.describe(),
-                     "in the checkpoint" if checkpoint_qlora(model_dir, read_hf_config(model_dir)) else "while loading")
+                     "in the checkpoint" if is_prequantized(read_hf_config(model_dir)) else "while loading")
     else:
         model, params = load_pretrained(model_dir, dtype=master, compute_dtype=model_dtype, remat_policy=remat,
                                         shardings=_weight_shardings(model_dir, master, layout, trainable=True))
@@ -479,7 +480,7 @@ def unquantized_base(cfg: SFTConfig, model_dir: Path, params, model: Decoder):
     dequantized cache is used, with a warning). A QLoRA base is re-read too when model_dir holds bf16 weights;
     a pre-quantized checkpoint has no other weights than its quantized ones: those are dequantized."""
     if model.config.qlora is not None:
-        if checkpoint_qlora(model_dir, read_hf_config(model_dir)) is not None:
+        if is_prequantized(read_hf_config(model_dir)):
             return dequantize_base(model, params, DTYPES[cfg.precision.model_dtype])[1]
         return load_pretrained(model_dir, dtype=DTYPES[cfg.precision.model_dtype])[1]
     if not recipe_lib.is_cached(params):
