@@ -130,19 +130,18 @@ def _plain_dot(x, kernel, in_dims: int, dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _frozen(x, params, spec, dims, dtype):
-    in_shape, out_shape = dims
+    in_shape, out_shape, _ = dims
     return _plain_dot(x, base_kernel(spec, params, in_shape, out_shape, dtype), len(in_shape), dtype)
 
 
 def _frozen_fwd(x, params, spec, dims, dtype):
-    return _frozen(x, params, spec, dims, dtype), (params, jnp.zeros((0,), x.dtype))  # x's dtype, not its values
+    return _frozen(x, params, spec, dims, dtype), params  # W is dequantized again in the backward, never saved
 
 
-def _frozen_bwd(spec, dims, dtype, res, dy):
-    params, x_dtype = res
-    in_shape, out_shape = dims
+def _frozen_bwd(spec, dims, dtype, params, dy):
+    in_shape, out_shape, x_dtype = dims
     kernel = base_kernel(spec, params, in_shape, out_shape, dtype)
-    x_sds = jax.ShapeDtypeStruct((*dy.shape[:dy.ndim - len(out_shape)], *in_shape), x_dtype.dtype)
+    x_sds = jax.ShapeDtypeStruct((*dy.shape[:dy.ndim - len(out_shape)], *in_shape), x_dtype)
     (dx,) = jax.linear_transpose(lambda x: _plain_dot(x, kernel, len(in_shape), dtype), x_sds)(dy)
     return dx, jax.tree.map(_zero_cotangent, params)
 
@@ -152,11 +151,11 @@ _frozen.defvjp(_frozen_fwd, _frozen_bwd)
 
 def frozen_matmul(spec: QloraSpec, x: jax.Array, params: Mapping[str, jax.Array], *, in_dims: int,
                   out_shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """y [..., out...] = x [..., in...] @ W^T in `dtype`, W [prod(out), prod(in)] = dequantize(params); the same
-    GEMM as a plain projection over the dequantized kernel, forward and dX alike (bit for bit). The backward
+    """y [..., out...] = x [..., in...] @ W^T in `dtype`, W [prod(out), prod(in)] = dequantize(params): the plain
+    projection's dot expression over the dequantized kernel, its dX the transpose of that expression. The backward
     dequantizes again (W is never saved) and gives no gradient for the base."""
     in_shape = tuple(x.shape[x.ndim - in_dims:])
-    return _frozen(x, dict(params), spec, (in_shape, tuple(out_shape)), jnp.dtype(dtype))
+    return _frozen(x, dict(params), spec, (in_shape, tuple(out_shape), jnp.dtype(x.dtype)), jnp.dtype(dtype))
 
 
 def base_kernel(spec: QloraSpec, params: Mapping[str, jax.Array], in_shape: tuple[int, ...],
