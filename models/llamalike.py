@@ -276,23 +276,21 @@ class Linear(nn.Module):
         in_shape = x.shape[x.ndim - self.in_dims :]
         init = nn.initializers.normal(cfg.initializer_range)
         contract = (tuple(range(x.ndim - self.in_dims, x.ndim)), tuple(range(self.in_dims)))
-        if cfg.qlora is not None and self.name in PROJECTIONS:
+        if cfg.qlora is not None and self.name in PROJECTIONS:  # a quantized base replaces the kernel's GEMM
             if lora_parts:
                 raise ValueError(f"{self.name}: lora_parts needs a plain kernel, not a QLoRA base")
             y = self._qlora_matmul(x, in_shape, layer)
-            if cfg.lora is not None and self.name in cfg.lora.targets:
-                y = y + self._lora(x if lora_x is None else lora_x, in_shape, contract)
-            return y
-        kernel = _param(self, "kernel", init, (*in_shape, *self.out_shape), cfg.param_dtype)
-        if lora_parts:
-            if cfg.recipe is not None or self.use_bias or cfg.lora is None or self.name not in cfg.lora.targets:
-                raise ValueError(f"{self.name}: lora_parts needs LoRA on it, no recipe and no bias")
-            xa, b = self._lora_factors(x, in_shape, contract)
-            return kernel.astype(cfg.dtype), xa, b
-        if cfg.recipe is not None and self.name in PROJECTIONS:
-            y = self._recipe_matmul(x, kernel, layer)
         else:
-            y = jax.lax.dot_general(x.astype(cfg.dtype), kernel.astype(cfg.dtype), (contract, ((), ())))
+            kernel = _param(self, "kernel", init, (*in_shape, *self.out_shape), cfg.param_dtype)
+            if lora_parts:
+                if cfg.recipe is not None or self.use_bias or cfg.lora is None or self.name not in cfg.lora.targets:
+                    raise ValueError(f"{self.name}: lora_parts needs LoRA on it, no recipe and no bias")
+                xa, b = self._lora_factors(x, in_shape, contract)
+                return kernel.astype(cfg.dtype), xa, b
+            if cfg.recipe is not None and self.name in PROJECTIONS:
+                y = self._recipe_matmul(x, kernel, layer)
+            else:
+                y = jax.lax.dot_general(x.astype(cfg.dtype), kernel.astype(cfg.dtype), (contract, ((), ())))
         if self.use_bias:
             bias = _param(self, "bias", nn.initializers.zeros, self.out_shape, cfg.param_dtype)
             y = y + bias.astype(cfg.dtype)

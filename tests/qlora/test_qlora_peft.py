@@ -24,11 +24,16 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("spec", [QloraSpec("nf4", 64, True), QloraSpec("fp8", 64)], ids=lambda s: s.format)
-def test_qlora_adapter_loads_in_peft(spec, tmp_path):
-    hf = build_hf("qwen3_qknorm_head_dim")
+@pytest.mark.parametrize(("spec", "case"), [(QloraSpec("nf4", 64, True), "qwen3_qknorm_head_dim"),
+                                            (QloraSpec("fp8", 64), "qwen2_bias_tied")],  # q/k/v biases kept
+                         ids=["nf4-qwen3", "fp8-qwen2"])
+def test_qlora_adapter_loads_in_peft(spec, case, tmp_path):
+    hf = build_hf(case)
     hf.save_pretrained(tmp_path / "base")
     base_q, params_q = surogate_jax.load_pretrained(tmp_path / "base", qlora=spec)
+    if base_q.config.qkv_bias:  # biases stay plain beside a quantized base
+        got = np.asarray(params_q["layers"]["self_attn"]["q_proj"]["bias"][0])
+        np.testing.assert_array_equal(got, hf.model.layers[0].self_attn.q_proj.bias.detach().numpy().reshape(got.shape))
     lora = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                 "down_proj"))
     model = Decoder(base_q.config.replace(lora=lora))
@@ -48,5 +53,5 @@ def test_qlora_adapter_loads_in_peft(spec, tmp_path):
     assert rel_err(hf_logits(peft.PeftModel.from_pretrained(hf_dq, str(out)).eval(), ids), ours) < 1e-4
     # Over the original base (what a user serves) it loads and the adapter acts (the rest is the base's quantization
     # error, large on this random tiny model).
-    over_bf16 = hf_logits(peft.PeftModel.from_pretrained(build_hf("qwen3_qknorm_head_dim"), str(out)).eval(), ids)
-    assert np.isfinite(over_bf16).all() and rel_err(over_bf16, hf_logits(build_hf("qwen3_qknorm_head_dim"), ids)) > 1e-2
+    over_bf16 = hf_logits(peft.PeftModel.from_pretrained(build_hf(case), str(out)).eval(), ids)
+    assert np.isfinite(over_bf16).all() and rel_err(over_bf16, hf_logits(build_hf(case), ids)) > 1e-2
