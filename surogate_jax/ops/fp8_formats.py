@@ -78,6 +78,14 @@ def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return jax.lax.optimization_barrier(jnp.clip(xs, -m, m).astype(dtype))
 
 
+def current_scale(am: jax.Array) -> jax.Array:
+    """E4M3 current scaling of a tensor whose max |x| is `am` (any shape): 448 / am, or 1 where am is 0 or not
+    finite (an all-zero or broken tensor keeps its values)."""
+    am = jnp.asarray(am, jnp.float32)
+    ok = (am > 0) & jnp.isfinite(am)
+    return jnp.where(ok, E4M3_MAX / jnp.where(ok, am, 1.0), 1.0).astype(jnp.float32)
+
+
 def inverse_scale(scale: jax.Array) -> jax.Array:
     """The dequantization factor 1 / scale in f32 (what the GEMMs multiply by)."""
     return 1.0 / jnp.asarray(scale, jnp.float32)

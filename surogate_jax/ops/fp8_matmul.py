@@ -99,6 +99,7 @@ class _Cfg(NamedTuple):
     x_dtype: jnp.dtype
     w_dtype: jnp.dtype
     frozen: bool = False  # w is already E4M3 (fp8_matmul_frozen): no weight cast, no dw
+    w_nk: bool = False  # frozen w arrives as [N, K] (K-major, e.g. a QLoRA base's HF layout), not [K, N]
     mesh: Mesh | AbstractMesh | None = None  # ref/ffi: rows split over its data axes (on_shards); None: whole
 
 
@@ -155,7 +156,7 @@ def _fwd_ref(x2, w, scales, cfg):
 
     def local(x2, wq, inv, scales):
         xq = quantize(x2, scales[0], E4M3)
-        y = _scaled_dot_f32(xq, wq, ((1,), (0,)), inv[0] * inv[1], cfg.out_dtype)
+        y = _scaled_dot_f32(xq, wq, ((1,), (1 if cfg.w_nk else 0,)), inv[0] * inv[1], cfg.out_dtype)
         return y, xq, amax(x2)[None]
 
     y, xq, ax = on_shards(local, x2, wq, inv, scales, mesh=cfg.mesh, batched=(True, False, False, False),
@@ -170,7 +171,8 @@ def _bwd_ref(res, dy, cfg):
     if cfg.frozen:
         def local_dx(dy, wq, inv, scales):
             gq = quantize(dy, scales[2], E5M2)
-            return _scaled_dot_f32(gq, wq, ((1,), (1,)), inv[2] * inv[1], cfg.x_dtype), amax(dy)[None]
+            dims = ((1,), (0 if cfg.w_nk else 1,))
+            return _scaled_dot_f32(gq, wq, dims, inv[2] * inv[1], cfg.x_dtype), amax(dy)[None]
 
         dx, ag = on_shards(local_dx, dy, wq, inv, scales, mesh=cfg.mesh, batched=(True, False, False, False),
                            out_batched=(True, True))
@@ -200,7 +202,7 @@ def _fwd_xla(x2, w, scales, cfg):
     xq = quantize(x2, scales[0], E4M3)
     wq, amax_w = _w_q(w, scales, cfg)
     y = jax.lax.dot_general(_dequant_bf16(xq, scales[0]), _dequant_bf16(wq, scales[1]),
-                            (((1,), (0,)), ((), ())), preferred_element_type=cfg.out_dtype)
+                            (((1,), (1 if cfg.w_nk else 0,)), ((), ())), preferred_element_type=cfg.out_dtype)
     return y, (xq, wq, scales, jnp.stack([amax(x2), amax_w]))
 
 
@@ -208,7 +210,7 @@ def _bwd_xla(res, dy, cfg):
     xq, wq, scales, amax_xw = res
     gq = quantize(dy, scales[2], E5M2)
     g = _dequant_bf16(gq, scales[2])
-    dx = jax.lax.dot_general(g, _dequant_bf16(wq, scales[1]), (((1,), (1,)), ((), ())),
+    dx = jax.lax.dot_general(g, _dequant_bf16(wq, scales[1]), (((1,), (0 if cfg.w_nk else 1,)), ((), ())),
                              preferred_element_type=cfg.x_dtype)
     if cfg.frozen:
         return dx, None, jnp.concatenate([amax_xw, amax(dy)[None]])
@@ -260,7 +262,8 @@ def _gemm_ffi(a, b, a_inv, b_inv, out_dtype, fast_accum: bool):
 def _fwd_ffi(x2, w, scales, cfg):
     inv = inverse_scale(scales)
     if cfg.frozen:  # the cached E4M3 weight [K, N]; the forward GEMM wants it K-major: one f8 transpose
-        wq, wq_t, amax_w = w, _transpose_ffi(w), jnp.zeros((), jnp.float32)  # wq_t [N, K]
+        wq_t = w if cfg.w_nk else _transpose_ffi(w)  # wq_t [N, K]
+        wq, amax_w = w, jnp.zeros((), jnp.float32)  # the residual is w as given
     else:
         wq, wq_t, amax_w = _quantize_ffi(w, scales[1], E4M3, transposed=True)  # wq_t [N, K]
 
@@ -287,6 +290,8 @@ def _bwd_ffi(res, dy, cfg):
             gq, _, ag = _quantize_ffi(dy, scales[2], E5M2, transposed=False)
             return _gemm_ffi(gq, wq, inv[2], inv[1], cfg.x_dtype, fast_accum=False), ag[None]
 
+        if cfg.w_nk:  # dx = gq @ w wants w [N, K] as the GEMM's [K, N] operand: transposed here, not saved
+            wq = _transpose_ffi(wq)
         dx, ag = on_shards(local_dx, dy, wq, inv, scales, mesh=cfg.mesh, batched=(True, False, False, False),
                            out_batched=(True, True))
         return dx, None, jnp.concatenate([amax_xw, jnp.max(ag)[None]])
@@ -386,17 +391,24 @@ def fp8_matmul(x: jax.Array, w: jax.Array, state: Fp8MatmulState, *, impl: str |
 
 
 def fp8_matmul_frozen(x: jax.Array, wq: jax.Array, w_scale: jax.Array, state: Fp8MatmulState, *,
-                      impl: str | None = None, out_dtype=None, mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
+                      impl: str | None = None, out_dtype=None, mesh: Mesh | AbstractMesh | None = None,
+                      w_layout: str = "kn") -> jax.Array:
     """y [..., N] = x [..., K] @ (wq / w_scale) for a FROZEN weight cached in E4M3.
 
     wq: float8_e4m3fn [K, N] quantized once (q = saturate(w * w_scale), e.g. current scaling
     w_scale = 448 / max|w|, precision.recipe.cache_frozen_weights); w_scale: f32 scalar. The
     activation x and the gradient dY use the delayed scales of `state` exactly as in
     `fp8_matmul`; the weight is neither cast (its state.w is unused, its observed amax reported
-    as 0) nor differentiated: the backward computes dx only (no wgrad GEMM, and on the ffi path no
-    transposed copy of x). dx comes back in x.dtype. mesh: as for `fp8_matmul`."""
-    if wq.ndim != 2 or x.ndim < 1 or x.shape[-1] != wq.shape[0]:
-        raise ValueError(f"fp8_matmul_frozen: need x [..., K] and wq [K, N], got x {x.shape} and wq {wq.shape}")
+    as 0) nor differentiated: the backward computes dx only (no wgrad GEMM and on the ffi path no
+    transposed copy of x). dx comes back in x.dtype. mesh: as for `fp8_matmul`.
+    w_layout "nk": wq is [N, K] instead (a QLoRA base dequantized in its HF layout), the forward GEMM's own
+    K-major layout: the ffi path transposes it only in the backward, for dx."""
+    if w_layout not in ("kn", "nk"):
+        raise ValueError(f"fp8_matmul_frozen: w_layout must be 'kn' or 'nk', got {w_layout!r}")
+    nk = w_layout == "nk"
+    if wq.ndim != 2 or x.ndim < 1 or x.shape[-1] != wq.shape[1 if nk else 0]:
+        want = "wq [N, K]" if nk else "wq [K, N]"
+        raise ValueError(f"fp8_matmul_frozen: need x [..., K] and {want}, got x {x.shape} and wq {wq.shape}")
     if jnp.dtype(wq.dtype) != jnp.dtype(E4M3):
         raise TypeError(f"fp8_matmul_frozen: wq must be float8_e4m3fn (pre-quantized), got {wq.dtype}")
     if jnp.dtype(x.dtype) not in KERNEL_DTYPES:
@@ -406,13 +418,13 @@ def fp8_matmul_frozen(x: jax.Array, wq: jax.Array, w_scale: jax.Array, state: Fp
         raise TypeError(f"fp8_matmul_frozen: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
     if jnp.shape(w_scale) != ():
         raise ValueError(f"fp8_matmul_frozen: w_scale must be a scalar, got shape {jnp.shape(w_scale)}")
-    k, n = wq.shape
+    n, k = wq.shape if nk else wq.shape[::-1]
     resolved = resolve_fp8_impl(impl, k, n)
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0 or n == 0 or k == 0:
         resolved = "ref"
     scales = jnp.stack([jnp.asarray(state.x.scale, jnp.float32), jnp.asarray(w_scale, jnp.float32),
                         jnp.asarray(state.g.scale, jnp.float32)])
-    cfg = _Cfg(resolved, out_dtype, jnp.dtype(x.dtype), jnp.dtype(E4M3), frozen=True, mesh=mesh)
+    cfg = _Cfg(resolved, out_dtype, jnp.dtype(x.dtype), jnp.dtype(E4M3), frozen=True, mesh=mesh, w_nk=nk)
     y = _fp8_mm(x2, wq, scales, cfg).reshape(*x.shape[:-1], n)
     return checkpoint_name(y, "fp8_matmul")

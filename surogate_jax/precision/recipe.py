@@ -224,15 +224,16 @@ def mixed_linear(x2: jax.Array, w2: jax.Array, matmul_dtype, gradient_dtype, out
     return _mixed(x2, w2, jnp.dtype(matmul_dtype), jnp.dtype(gradient_dtype), jnp.dtype(out_dtype))
 
 
-def _quantized_2d(recipe: QuantRecipe, x2, w2, state, kernel_scale, key, dtype, mesh):
-    """The recipe's GEMM on x2 [M, K] (dtype) and w2 [K, N]; output [M, N] in dtype; the quantized
-    ops split x2's rows over mesh's data axes."""
+def _quantized_2d(recipe: QuantRecipe, x2, w2, state, kernel_scale, key, dtype, mesh, w_layout="kn"):
+    """The recipe's GEMM on x2 [M, K] (dtype) and w2 [K, N] (w_layout "nk": a frozen E4M3 w2 [N, K]); output
+    [M, N] in dtype; the quantized ops split x2's rows over mesh's data axes."""
     from surogate_jax.ops.fp8_matmul import fp8_matmul, fp8_matmul_frozen
 
     if recipe.name == "fp8-hybrid":
         if kernel_scale is not None:  # frozen, cached E4M3 (kept in the model dtype when layers are skipped)
             wq = w2 if w2.dtype == jnp.dtype(fp8_formats.E4M3) else w2.astype(fp8_formats.E4M3)
-            return fp8_matmul_frozen(x2, wq, kernel_scale, state, impl=recipe.fp8_impl, out_dtype=dtype, mesh=mesh)
+            return fp8_matmul_frozen(x2, wq, kernel_scale, state, impl=recipe.fp8_impl, out_dtype=dtype, mesh=mesh,
+                                     w_layout=w_layout)
         return fp8_matmul(x2, w2, state, impl=recipe.fp8_impl, out_dtype=dtype, mesh=mesh)
     if recipe.name == "nvfp4":
         kw = {"four_over_six": recipe.fp4_four_over_six, "stochastic_grad": recipe.fp4_stochastic,
@@ -248,23 +249,36 @@ def _quantized_2d(recipe: QuantRecipe, x2, w2, state, kernel_scale, key, dtype, 
 def linear(recipe: QuantRecipe, x: jax.Array, kernel: jax.Array, *, in_dims: int, dtype: Any,
            fp8_state: fp8_formats.Fp8MatmulState | None = None, kernel_scale: jax.Array | None = None,
            key: jax.Array | None = None, layer: jax.Array | None = None, num_layers: int | None = None,
-           mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None) -> jax.Array:
+           mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+           kernel_nk_out: tuple[int, ...] | None = None) -> jax.Array:
     """y [..., out...] = x [..., in...] @ kernel [in..., out...] under `recipe` (one projection of
     one decoder layer; the caller fetches state, kernel_scale and key, this function is pure).
+    kernel_nk_out: the kernel is instead a frozen E4M3 [prod(out), prod(in)] (a QLoRA base dequantized in its
+    HF layout, fp8-hybrid with kernel_scale, no skipped layers) and this is out's shape.
 
     x is cast to `dtype` (the model dtype), reshaped to [N, prod(in)] and the kernel to
     [prod(in), prod(out)] (o_proj contracts two dims). With skip counts > 0 and `layer` given,
     `lax.cond` picks the plain GEMM (the model's exact bf16 expression) for skipped layers.
     mesh: the device mesh the fp8 / nvfp4 ops split rows over (DecoderConfig.mesh; None: whole)."""
     n_in = x.ndim - in_dims
-    in_shape, out_shape = x.shape[n_in:], kernel.shape[in_dims:]
-    if tuple(kernel.shape[:in_dims]) != tuple(in_shape):
-        raise ValueError(f"linear: x {x.shape} does not contract with kernel {kernel.shape} over {in_dims} dim(s)")
+    in_shape = x.shape[n_in:]
+    if kernel_nk_out is not None:
+        out_shape = tuple(kernel_nk_out)
+        if tuple(kernel.shape) != (math.prod(out_shape), math.prod(in_shape)):
+            raise ValueError(f"linear: x {x.shape} does not contract with an [out, in] kernel {kernel.shape}")
+        if recipe.name != "fp8-hybrid" or kernel_scale is None or recipe.skips:
+            raise ValueError("linear: an [out, in] kernel is the frozen E4M3 GEMM of fp8-hybrid only (kernel_scale "
+                             "given, no skipped layers)")
+    else:
+        out_shape = kernel.shape[in_dims:]
+        if tuple(kernel.shape[:in_dims]) != tuple(in_shape):
+            raise ValueError(f"linear: x {x.shape} does not contract with kernel {kernel.shape} over {in_dims} dim(s)")
     k, n = math.prod(in_shape), math.prod(out_shape)
+    layout = "kn" if kernel_nk_out is None else "nk"
 
     def quant(x, kernel, state, scale, key):
-        y2 = _quantized_2d(recipe, x.astype(dtype).reshape(-1, k), kernel.reshape(k, n), state, scale, key, dtype,
-                           mesh)
+        w2 = kernel.reshape(k, n) if layout == "kn" else kernel
+        y2 = _quantized_2d(recipe, x.astype(dtype).reshape(-1, k), w2, state, scale, key, dtype, mesh, layout)
         return y2.reshape(*x.shape[:n_in], *out_shape)
 
     def plain(x, kernel, state, scale, key):
@@ -317,9 +331,7 @@ def cache_kernel(recipe: QuantRecipe, proj: str, w: jax.Array, num_layers: int):
     layers_q = recipe.layer_quantized(jnp.arange(L), num_layers)
     bshape = (L,) + (1,) * (w.ndim - 1)
     if recipe.name == "fp8-hybrid":
-        am = jnp.max(jnp.abs(w.astype(jnp.float32)).reshape(L, -1), axis=1)
-        scale = jnp.where((am > 0) & jnp.isfinite(am), fp8_formats.E4M3_MAX / jnp.where(am > 0, am, 1.0), 1.0)
-        scale = scale.astype(jnp.float32)
+        scale = fp8_formats.current_scale(jnp.max(jnp.abs(w.astype(jnp.float32)).reshape(L, -1), axis=1))
         q = fp8_formats.quantize(w, scale.reshape(bshape), fp8_formats.E4M3)
         if not recipe.skips:
             return q, scale

@@ -92,7 +92,8 @@ def test_ffi_is_what_auto_picks():
 
 @pytest.mark.parametrize("m,k,n", [(1000, 256, 704), (512, 704, 256), (37, 128, 48)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
-def test_fp8_matmul_frozen_ffi_matches_reference(m, k, n, dtype, assert_close):
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_fp8_matmul_frozen_ffi_matches_reference(m, k, n, dtype, layout, assert_close):
     from surogate_jax.ops.fp8_matmul import fp8_matmul_frozen
 
     rng = np.random.default_rng(m + k + n)
@@ -100,13 +101,14 @@ def test_fp8_matmul_frozen_ffi_matches_reference(m, k, n, dtype, assert_close):
     w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32)
     s_w = jnp.float32(fp8_formats.E4M3_MAX / float(jnp.max(jnp.abs(w))))
     wq = fp8_formats.quantize(w, s_w, fp8_formats.E4M3)
+    wq = wq.T if layout == "nk" else wq  # "nk": a QLoRA base's [N, K], transposed only for dx
     st = fp8_formats.init_matmul_state(4)
     st = fp8_formats.Fp8MatmulState(fp8_formats.Fp8TensorState(jnp.float32(100.0), st.x.amax_history), st.w,
                             fp8_formats.Fp8TensorState(jnp.float32(2.0 ** 12), st.g.amax_history))
     dy = jnp.asarray(rng.standard_normal((m, n)) * 1e-3, dtype)
 
     def run(impl, x, wq, s_w, st, dy):  # arguments, not closures: closed-over arrays get constant-folded
-        y, vjp = jax.vjp(lambda x, s: fp8_matmul_frozen(x, wq, s_w, s, impl=impl), x, st)
+        y, vjp = jax.vjp(lambda x, s: fp8_matmul_frozen(x, wq, s_w, s, impl=impl, w_layout=layout), x, st)
         dx, ds = vjp(dy)
         return y, dx, ds
 

@@ -52,6 +52,29 @@ def test_fp8_frozen_equals_fp8_matmul_with_the_same_weight_scale(impl):
         fp8_matmul_frozen(x, w, jnp.float32(1.0), st)
 
 
+@pytest.mark.parametrize("impl", ["ref", "xla"])
+def test_fp8_frozen_nk_layout_equals_kn(impl):
+    """w_layout="nk" (a QLoRA base's HF layout) gives the same y, dx and observations as the [K, N] cache."""
+    x = jax.random.normal(jax.random.key(0), (7, 48), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (48, 32), jnp.float32)
+    s_w = jnp.float32(fp8_formats.E4M3_MAX / float(jnp.max(jnp.abs(w))))
+    wq = fp8_formats.quantize(w, s_w, fp8_formats.E4M3)
+    st = _state(s_w=float(s_w))
+
+    def f(x, st, wq, layout):
+        return jnp.sum(jnp.sin(fp8_matmul_frozen(x, wq, s_w, st, impl=impl, w_layout=layout)))
+
+    y1, g1 = jax.value_and_grad(f, argnums=(0, 1))(x, st, wq, "kn")
+    y2, g2 = jax.value_and_grad(f, argnums=(0, 1))(x, st, wq.T, "nk")
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="wq \\[N, K\\]"):
+        fp8_matmul_frozen(x, wq, s_w, st, w_layout="nk")
+    with pytest.raises(ValueError, match="w_layout"):
+        fp8_matmul_frozen(x, wq, s_w, st, w_layout="t")
+
+
 def test_nvfp4_frozen_equals_emulated_linear():
     x = jax.random.normal(jax.random.key(0), (2, 9, 32), jnp.float32)
     w = jax.random.normal(jax.random.key(1), (32, 48), jnp.float32)
