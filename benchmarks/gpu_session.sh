@@ -9,7 +9,7 @@
 #     compilation, one core per worker, and the machine has 16).
 #   benches (default: none; benchmarks/README.md says what each measures):
 #     op benchmarks: rms_norm, add_rms_norm, rope, swiglu, swiglu_lora, lm_head_ce, fp8_matmul,
-#       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon
+#       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon, nf4_dequantize
 #     model: forward, sft:<size>[,<size>...] (one fresh process per size; SFT_ARGS="--qlora bnb ..." adds flags)
 #     profilers: calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the
 #       RoPE kernels), ncu_ops (kernel-only ours / XLA / same-bytes copy for rope_qk, swiglu, the
@@ -68,6 +68,7 @@ for b in "${benches[@]}"; do
     nvfp4_matmul) op_bench nvfp4_matmul 20 ;;
     adamw_8bit) op_bench adamw_8bit 48 ;;
     normuon) op_bench normuon 16 ;;
+    nf4_dequantize) op_bench nf4_dequantize 20 ;;
     ncu_rope) for c in "0.6b q|bwd|positions" "0.6b q|bwd|table" "0.6b k|bwd|positions" "8b k|bwd|table" \
                        "0.6b q|fwd|positions"; do
                 IFS='|' read -r shp pas src <<< "$c"   # kernel-only durations, DRAM throughput, stall reasons

@@ -1,0 +1,117 @@
+// XLA FFI handler for NF4 dequantization: check sizes/dtypes, pick the output type, call the
+// launcher in kernels/nf4_dequantize.h on XLA's stream. Python side:
+// surogate_jax/ops/nf4_dequantize.py.
+//
+//   surogate_nf4_dequantize(codes u8 [ceil(n/2)], absmax f32 [ceil(n/block_size)],
+//                           code_table f32 [16], scale f32 []; block_size: i64, has_scale: i32)
+//       -> out [rows, cols] (f32, bf16, f16 or f8e4m3fn), n = rows * cols
+// The output's element count is n, whatever its rank. has_scale == 0: the scale operand is
+// ignored (neither read nor checked) and no multiply happens. The Python wrapper uses
+// vmap_method="sequential" (one call per vmapped weight). The handler is command-buffer
+// compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launcher only enqueues a kernel.
+#include <string>
+#include <string_view>
+
+#include "ffi/ffi_common.h"
+#include "kernels/nf4_dequantize.h"
+
+namespace surogate::ffi_bind {
+namespace {
+
+constexpr std::string_view kOp = "surogate_nf4_dequantize";
+
+// DtypeName (ffi_common.h) plus the two dtypes only this op uses.
+std::string Name(ffi::DataType t) {
+  if (t == ffi::DataType::U8) return "uint8";
+  if (t == ffi::DataType::F8E4M3FN) return "float8_e4m3fn";
+  return DtypeName(t);
+}
+
+ffi::Error Expect(const char* name, const ffi::AnyBuffer& b, ffi::DataType want) {
+  if (b.element_type() == want) return ffi::Error::Success();
+  return InvalidArg(
+      kOp, std::string(name) + " has dtype " + Name(b.element_type()) + ", expected " + Name(want));
+}
+
+ffi::Error CheckCount(const char* name, const ffi::AnyBuffer& b, int64_t want,
+                      const std::string& why) {
+  if (static_cast<int64_t>(b.element_count()) == want) return ffi::Error::Success();
+  return InvalidArg(kOp, std::string(name) + " has shape " + ShapeStr(b) + " (" +
+                             std::to_string(b.element_count()) + " elements), expected " +
+                             std::to_string(want) + " (" + why + ")");
+}
+
+// Calls f(OutT{}) with OutT the CUDA type of the output dtype; errors otherwise.
+template <typename F>
+ffi::Error DispatchOut(ffi::DataType t, F&& f) {
+  switch (t) {
+    case ffi::DataType::F32:
+      return f(float{});
+    case ffi::DataType::BF16:
+      return f(__nv_bfloat16{});
+    case ffi::DataType::F16:
+      return f(__half{});
+    case ffi::DataType::F8E4M3FN:
+      return f(__nv_fp8_e4m3{});
+    default:
+      return InvalidArg(kOp, "out has unsupported dtype " + Name(t) +
+                                 "; expected float32, bfloat16, float16 or float8_e4m3fn");
+  }
+}
+
+ffi::Error Nf4Dequantize(cudaStream_t stream, int64_t block_size, int32_t has_scale,
+                         ffi::AnyBuffer codes, ffi::AnyBuffer absmax, ffi::AnyBuffer code_table,
+                         ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out) {
+  if (block_size != 64 && block_size != 128 && block_size != 256 && block_size != 512) {
+    return InvalidArg(kOp,
+                      "block_size must be 64, 128, 256 or 512, got " + std::to_string(block_size));
+  }
+  const int64_t n = static_cast<int64_t>(out->element_count());
+  const std::string bs = std::to_string(block_size);
+  if (auto e = Expect("codes", codes, ffi::DataType::U8); e.failure()) return e;
+  if (auto e = CheckCount("codes", codes, (n + 1) / 2,
+                          "ceil(n / 2) for out " + ShapeStr(*out) + ", n = " + std::to_string(n));
+      e.failure()) {
+    return e;
+  }
+  if (auto e = Expect("absmax", absmax, ffi::DataType::F32); e.failure()) return e;
+  if (auto e = CheckCount("absmax", absmax, (n + block_size - 1) / block_size,
+                          "ceil(n / " + bs + ") for out " + ShapeStr(*out));
+      e.failure()) {
+    return e;
+  }
+  if (auto e = Expect("code_table", code_table, ffi::DataType::F32); e.failure()) {
+    return e;
+  }
+  if (auto e = CheckCount("code_table", code_table, 16, "one float per 4-bit code"); e.failure()) {
+    return e;
+  }
+  if (has_scale) {
+    if (auto e = Expect("scale", scale, ffi::DataType::F32); e.failure()) return e;
+    if (auto e = CheckCount("scale", scale, 1, "a scalar"); e.failure()) return e;
+  }
+  const auto* sc = has_scale ? static_cast<const float*>(scale.untyped_data()) : nullptr;
+  return DispatchOut(out->element_type(), [&](auto tag) -> ffi::Error {
+    using OutT = decltype(tag);
+    return CudaError(
+        kOp, nf4_dequantize<OutT>(In<uint8_t>(codes), In<float>(absmax), In<float>(code_table), sc,
+                                  Out<OutT>(out), n, static_cast<int>(block_size), stream));
+  });
+}
+
+}  // namespace
+
+SUROGATE_DEFINE_HANDLER(kNf4DequantizeHandler, Nf4Dequantize,
+                        ffi::Ffi::Bind()
+                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                            .Attr<int64_t>("block_size")
+                            .Attr<int32_t>("has_scale")
+                            .Arg<ffi::AnyBuffer>()    // codes
+                            .Arg<ffi::AnyBuffer>()    // absmax
+                            .Arg<ffi::AnyBuffer>()    // code_table
+                            .Arg<ffi::AnyBuffer>()    // scale
+                            .Ret<ffi::AnyBuffer>());  // out
+
+Targets Nf4DequantizeTargets() { return {SUROGATE_TARGET(kOp.data(), kNf4DequantizeHandler)}; }
+
+}  // namespace surogate::ffi_bind
