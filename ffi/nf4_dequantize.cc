@@ -3,7 +3,8 @@
 // surogate_jax/ops/nf4_dequantize.py.
 //
 //   surogate_nf4_dequantize(codes u8 [ceil(n/2)], absmax f32 [ceil(n/block_size)],
-//                           code_table f32 [16], scale f32 []; block_size: i64, has_scale: i32)
+//                           code_table f32 [16], scale f32 []; block_size: i64, has_scale: i32,
+//                           via: i32 (0 none, 1 bf16, 2 f16: each product rounded to it first))
 //       -> out [rows, cols] (f32, bf16, f16 or f8e4m3fn), n = rows * cols
 // The output's element count is n, whatever its rank. has_scale == 0: the scale operand is
 // ignored (neither read nor checked) and no multiply happens. The Python wrapper uses
@@ -59,12 +60,16 @@ ffi::Error DispatchOut(ffi::DataType t, F&& f) {
   }
 }
 
-ffi::Error Nf4Dequantize(cudaStream_t stream, int64_t block_size, int32_t has_scale,
+ffi::Error Nf4Dequantize(cudaStream_t stream, int64_t block_size, int32_t has_scale, int32_t via,
                          ffi::AnyBuffer codes, ffi::AnyBuffer absmax, ffi::AnyBuffer code_table,
                          ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out) {
   if (block_size != 64 && block_size != 128 && block_size != 256 && block_size != 512) {
     return InvalidArg(kOp,
                       "block_size must be 64, 128, 256 or 512, got " + std::to_string(block_size));
+  }
+  if (via < 0 || via > 2) {
+    return InvalidArg(
+        kOp, "via must be 0 (none), 1 (bfloat16) or 2 (float16), got " + std::to_string(via));
   }
   const int64_t n = static_cast<int64_t>(out->element_count());
   const std::string bs = std::to_string(block_size);
@@ -95,7 +100,8 @@ ffi::Error Nf4Dequantize(cudaStream_t stream, int64_t block_size, int32_t has_sc
     using OutT = decltype(tag);
     return CudaError(
         kOp, nf4_dequantize<OutT>(In<uint8_t>(codes), In<float>(absmax), In<float>(code_table), sc,
-                                  Out<OutT>(out), n, static_cast<int>(block_size), stream));
+                                  Out<OutT>(out), n, static_cast<int>(block_size),
+                                  static_cast<Nf4Via>(via), stream));
   });
 }
 
@@ -106,6 +112,7 @@ SUROGATE_DEFINE_HANDLER(kNf4DequantizeHandler, Nf4Dequantize,
                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
                             .Attr<int64_t>("block_size")
                             .Attr<int32_t>("has_scale")
+                            .Attr<int32_t>("via")
                             .Arg<ffi::AnyBuffer>()    // codes
                             .Arg<ffi::AnyBuffer>()    // absmax
                             .Arg<ffi::AnyBuffer>()    // code_table

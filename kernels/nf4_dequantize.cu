@@ -99,14 +99,21 @@ __device__ __forceinline__ void store_one(OutT* out, int64_t i, float v) {
   }
 }
 
+// The product as the model dtype holds it (fp8-hybrid's cache quantizes the weight in that dtype).
+__device__ __forceinline__ float round_via(float v, Nf4Via via) {
+  if (via == Nf4Via::kBf16) return __bfloat162float(__float2bfloat16_rn(v));
+  if (via == Nf4Via::kF16) return __half2float(__float2half_rn(v));
+  return v;
+}
+
 // One weight, for the scalar kernel and the vector kernel's tail. `table` is in shared memory.
 template <typename OutT>
 __device__ __forceinline__ void dequant_one(const uint8_t* codes, const float* absmax,
                                             const float* table, const float* scale, OutT* out,
-                                            int64_t i, int log2_block) {
+                                            int64_t i, int log2_block, Nf4Via via) {
   const uint32_t byte = __ldg(codes + (i >> 1));
   const uint32_t idx = (i & 1) ? (byte & 15u) : (byte >> 4);
-  float v = __fmul_rn(table[idx], __ldg(absmax + (i >> log2_block)));
+  float v = round_via(__fmul_rn(table[idx], __ldg(absmax + (i >> log2_block))), via);
   if (scale != nullptr) v = __fmul_rn(v, __ldg(scale));
   store_one(out, i, v);
 }
@@ -120,7 +127,8 @@ template <typename OutT>
 __global__ void __launch_bounds__(kThreads)
     nf4_dequant_vec_kernel(const uint8_t* __restrict__ codes, const float* __restrict__ absmax,
                            const float* __restrict__ code_table, const float* __restrict__ scale,
-                           OutT* __restrict__ out, int64_t n, int64_t nchunks, int log2_block) {
+                           OutT* __restrict__ out, int64_t n, int64_t nchunks, int log2_block,
+                           Nf4Via via) {
   constexpr int E = kElems<OutT>, B = E / 2, W = (B + 3) / 4, U = kChunksPerThread;
   __shared__ float table[16];
   load_table(code_table, table);
@@ -146,7 +154,7 @@ __global__ void __launch_bounds__(kThreads)
       float v[E];
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        v[e] = __fmul_rn(table[nibble(w[u], e)], a[u]);
+        v[e] = round_via(__fmul_rn(table[nibble(w[u], e)], a[u]), via);
         if (has_scale) v[e] = __fmul_rn(v[e], s);
       }
       *reinterpret_cast<uint4*>(out + c * E) = pack16<OutT>(v);
@@ -154,7 +162,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (blockIdx.x == gridDim.x - 1) {  // the < E weights past the last whole chunk
     const int64_t i = nchunks * E + threadIdx.x;
-    if (i < n) dequant_one(codes, absmax, table, scale, out, i, log2_block);
+    if (i < n) dequant_one(codes, absmax, table, scale, out, i, log2_block, via);
   }
 }
 
@@ -162,12 +170,12 @@ template <typename OutT>
 __global__ void __launch_bounds__(kThreads)
     nf4_dequant_scalar_kernel(const uint8_t* __restrict__ codes, const float* __restrict__ absmax,
                               const float* __restrict__ code_table, const float* __restrict__ scale,
-                              OutT* __restrict__ out, int64_t n, int log2_block) {
+                              OutT* __restrict__ out, int64_t n, int log2_block, Nf4Via via) {
   __shared__ float table[16];
   load_table(code_table, table);
   const int64_t step = int64_t{gridDim.x} * kThreads;
   for (int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x; i < n; i += step) {
-    dequant_one(codes, absmax, table, scale, out, i, log2_block);
+    dequant_one(codes, absmax, table, scale, out, i, log2_block, via);
   }
 }
 
@@ -195,10 +203,11 @@ unsigned grid_for(int64_t units, int64_t per_block) {
 
 template <typename OutT>
 cudaError_t nf4_dequantize(const uint8_t* codes, const float* absmax, const float* code_table,
-                           const float* scale, OutT* out, int64_t n, int block_size,
+                           const float* scale, OutT* out, int64_t n, int block_size, Nf4Via via,
                            cudaStream_t stream) {
   const int log2_block = log2_block_size(block_size);
-  if (n < 0 || log2_block < 0) return cudaErrorInvalidValue;
+  const int v = static_cast<int>(via);
+  if (n < 0 || log2_block < 0 || v < 0 || v > 2) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
   constexpr int E = kElems<OutT>;
   const bool aligned = reinterpret_cast<uintptr_t>(codes) % (E / 2) == 0 &&
@@ -207,17 +216,18 @@ cudaError_t nf4_dequantize(const uint8_t* codes, const float* absmax, const floa
     const int64_t nchunks = n / E;
     nf4_dequant_vec_kernel<OutT>
         <<<grid_for(nchunks, int64_t{kThreads} * kChunksPerThread), kThreads, 0, stream>>>(
-            codes, absmax, code_table, scale, out, n, nchunks, log2_block);
+            codes, absmax, code_table, scale, out, n, nchunks, log2_block, via);
   } else {
     nf4_dequant_scalar_kernel<OutT><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
-        codes, absmax, code_table, scale, out, n, log2_block);
+        codes, absmax, code_table, scale, out, n, log2_block, via);
   }
   return cudaGetLastError();
 }
 
 #define SUROGATE_NF4_DEQUANTIZE_INSTANTIATE(OutT)                                       \
   template cudaError_t nf4_dequantize<OutT>(const uint8_t*, const float*, const float*, \
-                                            const float*, OutT*, int64_t, int, cudaStream_t);
+                                            const float*, OutT*, int64_t, int, Nf4Via,  \
+                                            cudaStream_t);
 
 SUROGATE_NF4_DEQUANTIZE_INSTANTIATE(float)
 SUROGATE_NF4_DEQUANTIZE_INSTANTIATE(__nv_bfloat16)

@@ -5,6 +5,9 @@
 //   -> out [n] (the weight flattened row-major)
 //   idx_i   = high nibble of codes[i/2] for even i, low nibble for odd i
 //   value_i = code_table[idx_i] * absmax[i / block_size]         (fp32, correctly rounded)
+//   value_i = float(round_to_via(value_i))                        (via kBf16 / kF16 only: the
+//   weight
+//                                                                 as the model dtype holds it)
 //   value_i = value_i * *scale                                   (only when scale != nullptr; a
 //                                                                 second rounding, never fused)
 //   out_i   = value_i rounded once to OutT, to nearest even; float8_e4m3fn saturates to +-448
@@ -27,9 +30,12 @@
 
 namespace surogate {
 
+// An intermediate rounding of each product before the scale (RNE): none, bfloat16 or float16.
+enum class Nf4Via : int { kNone = 0, kBf16 = 1, kF16 = 2 };
+
 template <typename OutT>
 cudaError_t nf4_dequantize(const uint8_t* codes, const float* absmax, const float* code_table,
-                           const float* scale, OutT* out, int64_t n, int block_size,
+                           const float* scale, OutT* out, int64_t n, int block_size, Nf4Via via,
                            cudaStream_t stream);
 
 }  // namespace surogate

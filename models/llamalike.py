@@ -298,7 +298,7 @@ class Linear(nn.Module):
             y = y + self._lora(x if lora_x is None else lora_x, in_shape, contract)
         return y
 
-    def _recipe_matmul(self, x, kernel, layer, kernel_scale=None):
+    def _recipe_matmul(self, x, kernel, layer, kernel_scale=None, kernel_nk_out=None):
         """The projection's GEMM under cfg.recipe: fetches its fp8 state ("fp8" collection), the
         frozen cache's kernel_scale and an rng for NVFP4 stochastic rounding, then calls the pure
         recipe_lib.linear."""
@@ -314,12 +314,14 @@ class Linear(nn.Module):
         if scale is None and self.has_variable("params", recipe_lib.KERNEL_SCALE):
             scale = self.get_variable("params", recipe_lib.KERNEL_SCALE)
         return recipe_lib.linear(r, x, kernel, in_dims=self.in_dims, dtype=cfg.dtype, fp8_state=state,
-                                 kernel_scale=scale, key=key, layer=layer, num_layers=cfg.num_layers, mesh=cfg.mesh)
+                                 kernel_scale=scale, key=key, layer=layer, num_layers=cfg.num_layers, mesh=cfg.mesh,
+                                 kernel_nk_out=kernel_nk_out)
 
     def _qlora_matmul(self, x, in_shape, layer):
         """x @ W with W the quantized frozen base (HF layout [out, in], qlora.base); a fresh init quantizes a
         normal(initializer_range) weight. Under a recipe the dequantized W goes through the recipe's GEMM: fp8-hybrid
-        and nvfp4 first quantize it as their frozen cache does (train.prepare_frozen), here per step and layer."""
+        and nvfp4 first quantize it as their frozen cache does (train.prepare_frozen), here per micro-batch and layer
+        (fp8-hybrid: straight from the base into E4M3 in the [out, in] layout its forward GEMM reads)."""
         cfg, spec = self.cfg, self.cfg.qlora
         shape = (math.prod(self.out_shape), math.prod(in_shape))
         # One key for all of the weight's parts (each param's own rng would quantize a different weight); Flax
@@ -333,8 +335,11 @@ class Linear(nn.Module):
         qp = {k: self.param(k, init, k) for k in qlora_base.param_names(spec)}
         if cfg.recipe is None:
             return qlora_base.frozen_matmul(spec, x, qp, in_dims=self.in_dims, out_shape=self.out_shape,
-                                            dtype=cfg.dtype)
-        kernel = qlora_base.base_kernel(spec, qp, in_shape, self.out_shape, cfg.dtype)
+                                            dtype=cfg.dtype, mesh=cfg.mesh)
+        if cfg.recipe.name == "fp8-hybrid":
+            wq, scale = qlora_base.frozen_fp8_weight(spec, qp, shape, cfg.dtype, mesh=cfg.mesh)
+            return self._recipe_matmul(x, wq, layer, kernel_scale=scale, kernel_nk_out=tuple(self.out_shape))
+        kernel = qlora_base.base_kernel(spec, qp, in_shape, self.out_shape, cfg.dtype, mesh=cfg.mesh)
         if not cfg.recipe.quantizes:
             return self._recipe_matmul(x, kernel, layer)
         wq, scale = recipe_lib.cache_kernel(cfg.recipe, self.name, kernel[None], 1)

@@ -10,6 +10,8 @@ Shapes and dtypes (n = rows * cols, the weight flattened row-major):
 
 Math (fp32, each step one correctly rounded operation, in this order):
   v_i = code_table[idx_i] * absmax[i // block_size]
+  v_i = f32(via_dtype(v_i))                          (only with via_dtype bfloat16 / float16: the weight as
+                                                     the model dtype holds it, e.g. before fp8-hybrid's scaling)
   v_i = v_i * scale                                  (only with a scale: a second multiply, never fused)
   out_i = v_i rounded once to out_dtype, to nearest even; for float8_e4m3fn v_i is first clipped to
           [-448, 448] (saturating, as the kernel's cvt .satfinite), since a plain cast overflows to NaN.
@@ -43,9 +45,10 @@ OP = "nf4_dequantize"  # the name SUROGATE_JAX_OPS=ref:<op> and impl resolution 
 TARGET = "surogate_nf4_dequantize"
 OUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+VIA = {None: 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}  # the kernel's `via` attribute
 
 
-def nf4_dequantize_ref(codes, absmax, code_table, scale=None, *, shape, block_size: int, out_dtype):
+def nf4_dequantize_ref(codes, absmax, code_table, scale=None, *, shape, block_size: int, out_dtype, via_dtype=None):
     """Reference: the module docstring's math in jnp (no argument checks; `nf4_dequantize` does them)."""
     n = math.prod(shape)
     nblocks = -(-n // block_size)
@@ -55,6 +58,9 @@ def nf4_dequantize_ref(codes, absmax, code_table, scale=None, *, shape, block_si
     q = jnp.pad(q, (0, padded - q.shape[0]))  # q has n or n + 1 codes, padded >= either
     vals = jnp.asarray(code_table, jnp.float32)[q.astype(jnp.int32)].reshape(nblocks, block_size)
     v = (vals * jnp.asarray(absmax, jnp.float32)[:, None]).reshape(-1)[:n]
+    if via_dtype is not None and jnp.dtype(via_dtype) != jnp.float32:
+        # the barrier keeps XLA:GPU from folding the f32 -> via -> f32 converts away (fp8_formats.quantize)
+        v = jax.lax.optimization_barrier(v.astype(via_dtype)).astype(jnp.float32)
     if scale is not None:
         v = v * jnp.asarray(scale, jnp.float32)
     out_dtype = jnp.dtype(out_dtype)
@@ -63,15 +69,30 @@ def nf4_dequantize_ref(codes, absmax, code_table, scale=None, *, shape, block_si
     return v.reshape(shape).astype(out_dtype)
 
 
-def _ffi(codes, absmax, code_table, scale, *, shape, block_size, out_dtype, has_scale):
+def _ffi(codes, absmax, code_table, scale, *, shape, block_size, out_dtype, has_scale, via_dtype):
     # "sequential": a vmapped call is one weight per call, each with its own absmax and scale.
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(shape, out_dtype), vmap_method="sequential")
-    return call(codes, absmax, code_table, scale, block_size=np.int64(block_size), has_scale=np.int32(has_scale))
+    return call(
+        codes,
+        absmax,
+        code_table,
+        scale,
+        block_size=np.int64(block_size),
+        has_scale=np.int32(has_scale),
+        via=np.int32(VIA[via_dtype]),
+    )
 
 
-def _ref(codes, absmax, code_table, scale, *, shape, block_size, out_dtype, has_scale):
+def _ref(codes, absmax, code_table, scale, *, shape, block_size, out_dtype, has_scale, via_dtype):
     return nf4_dequantize_ref(
-        codes, absmax, code_table, scale if has_scale else None, shape=shape, block_size=block_size, out_dtype=out_dtype
+        codes,
+        absmax,
+        code_table,
+        scale if has_scale else None,
+        shape=shape,
+        block_size=block_size,
+        out_dtype=out_dtype,
+        via_dtype=via_dtype,
     )
 
 
@@ -120,6 +141,7 @@ def nf4_dequantize(
     shape: tuple[int, int],
     block_size: int,
     out_dtype=jnp.bfloat16,
+    via_dtype=None,
     impl: str | None = None,
     mesh: Mesh | AbstractMesh | None = None,
 ) -> jax.Array:
@@ -127,7 +149,8 @@ def nf4_dequantize(
 
     codes uint8 [ceil(n/2)], absmax float32 [ceil(n/block_size)], code_table float32 [16] (NF4_CODE), scale a
     float32 scalar (or a Python number) or None; block_size 64, 128, 256 or 512; out_dtype float32, bfloat16,
-    float16 or float8_e4m3fn (saturated to +-448). impl: None/"auto" (CUDA kernel on GPU, reference elsewhere),
+    float16 or float8_e4m3fn (saturated to +-448); via_dtype None, float32 (the same), bfloat16 or float16: round
+    each product to it before the scale. impl: None/"auto" (CUDA kernel on GPU, reference elsewhere),
     "ffi" or "ref"; SUROGATE_JAX_OPS=ref forces the reference. mesh: with data axes, every device dequantizes the
     whole weight from replicated operands (ops/_sharding.py; None: one call). No gradient flows to the operands.
     Tagged `checkpoint_name(out, "nf4_dequantize")`.
@@ -149,12 +172,15 @@ def nf4_dequantize(
     _check_operand("absmax", absmax, jnp.float32, -(-n // block_size), f"ceil(n / {block_size}) for shape {shape}")
     _check_operand("code_table", code_table, jnp.float32, 16, "one value per 4-bit code")
     scale = _check_scale(scale)
+    via_dtype = None if via_dtype is None or jnp.dtype(via_dtype) == jnp.float32 else jnp.dtype(via_dtype)
+    if via_dtype not in VIA:
+        raise TypeError(f"nf4_dequantize: via_dtype must be None, float32, bfloat16 or float16, got {via_dtype.name}")
     impl = resolve_impl(impl, OP)
 
     has_scale = scale is not None
     args = [jax.lax.stop_gradient(a) for a in (codes, absmax, code_table)]
     args.append(jax.lax.stop_gradient(scale) if has_scale else jnp.zeros((), jnp.float32))
-    static = dict(shape=shape, block_size=block_size, out_dtype=out_dtype, has_scale=has_scale)
+    static = dict(shape=shape, block_size=block_size, out_dtype=out_dtype, has_scale=has_scale, via_dtype=via_dtype)
     ref = functools.partial(_ref, **static)
     if n == 0:
         out = ref(*args)

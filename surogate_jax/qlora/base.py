@@ -10,7 +10,9 @@ model dtype (surogate_inventory.md 3.6).
 
 The GEMM (`frozen_matmul`) dequantizes W into the compute dtype and multiplies; its backward gives dX only (the
 base is frozen) and dequantizes again instead of saving W, so no layer's dequantized copy outlives its GEMM: the
-activations saved for the backward are those of a plain LoRA step, the base costs its quantized bytes.
+activations saved for the backward are those of a plain LoRA step, the base costs its quantized bytes. Under
+fp8-hybrid, `frozen_fp8_weight` turns the base straight into the E4M3 weight [out, in] of the frozen FP8 GEMM (for
+NF4 one kernel pass, ops/nf4_dequantize.py); NF4 dequantizes through that kernel under bf16 too.
 """
 
 from __future__ import annotations
@@ -111,9 +113,11 @@ def quantize(spec: QloraSpec, w: jax.Array) -> dict[str, jax.Array]:
     return format_module(spec.format).quantize(w, **kw)
 
 
-def dequantize(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int], dtype: Any) -> jax.Array:
-    """The weight [out, in] in `dtype` (fp32 math, one rounding)."""
-    return format_module(spec.format).dequantize(params, tuple(shape), dtype=dtype, **_kw(spec))
+def dequantize(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int], dtype: Any, *,
+               mesh=None) -> jax.Array:
+    """The weight [out, in] in `dtype` (fp32 math, one rounding). mesh: the devices NF4's kernel runs on."""
+    kw = _kw(spec) | ({"mesh": mesh} if spec.format == "nf4" else {})
+    return format_module(spec.format).dequantize(params, tuple(shape), dtype=dtype, **kw)
 
 
 def _zero_cotangent(a: jax.Array):
@@ -128,19 +132,19 @@ def _plain_dot(x, kernel, in_dims: int, dtype):
     return jax.lax.dot_general(x.astype(dtype), kernel, (contract, ((), ())))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _frozen(x, params, spec, dims, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _frozen(x, params, spec, dims, dtype, mesh):
     in_shape, out_shape, _ = dims
-    return _plain_dot(x, base_kernel(spec, params, in_shape, out_shape, dtype), len(in_shape), dtype)
+    return _plain_dot(x, base_kernel(spec, params, in_shape, out_shape, dtype, mesh=mesh), len(in_shape), dtype)
 
 
-def _frozen_fwd(x, params, spec, dims, dtype):
-    return _frozen(x, params, spec, dims, dtype), params  # W is dequantized again in the backward, never saved
+def _frozen_fwd(x, params, spec, dims, dtype, mesh):
+    return _frozen(x, params, spec, dims, dtype, mesh), params  # W is dequantized again in the backward, never saved
 
 
-def _frozen_bwd(spec, dims, dtype, params, dy):
+def _frozen_bwd(spec, dims, dtype, mesh, params, dy):
     in_shape, out_shape, x_dtype = dims
-    kernel = base_kernel(spec, params, in_shape, out_shape, dtype)
+    kernel = base_kernel(spec, params, in_shape, out_shape, dtype, mesh=mesh)
     x_sds = jax.ShapeDtypeStruct((*dy.shape[:dy.ndim - len(out_shape)], *in_shape), x_dtype)
     (dx,) = jax.linear_transpose(lambda x: _plain_dot(x, kernel, len(in_shape), dtype), x_sds)(dy)
     return dx, jax.tree.map(_zero_cotangent, params)
@@ -150,16 +154,31 @@ _frozen.defvjp(_frozen_fwd, _frozen_bwd)
 
 
 def frozen_matmul(spec: QloraSpec, x: jax.Array, params: Mapping[str, jax.Array], *, in_dims: int,
-                  out_shape: tuple[int, ...], dtype: Any) -> jax.Array:
+                  out_shape: tuple[int, ...], dtype: Any, mesh=None) -> jax.Array:
     """y [..., out...] = x [..., in...] @ W^T in `dtype`, W [prod(out), prod(in)] = dequantize(params): the plain
     projection's dot expression over the dequantized kernel, its dX the transpose of that expression. The backward
     dequantizes again (W is never saved) and gives no gradient for the base."""
     in_shape = tuple(x.shape[x.ndim - in_dims:])
-    return _frozen(x, dict(params), spec, (in_shape, tuple(out_shape), jnp.dtype(x.dtype)), jnp.dtype(dtype))
+    return _frozen(x, dict(params), spec, (in_shape, tuple(out_shape), jnp.dtype(x.dtype)), jnp.dtype(dtype), mesh)
+
+
+def frozen_fp8_weight(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int], dtype: Any, *,
+                      mesh=None) -> tuple[jax.Array, jax.Array]:
+    """(wq float8_e4m3fn [out, in], scale f32 []): what fp8-hybrid's frozen cache makes of the weight dequantized in
+    `dtype` (precision.recipe.cache_kernel: current scaling, scale = 448 / max|W|), in the HF layout its forward GEMM
+    reads. NF4 goes through one fused kernel pass (ops.nf4_dequantize) and takes max|W| from the block absmaxes."""
+    if spec.format == "nf4":
+        return format_module("nf4").fp8_weight(params, tuple(shape), block_size=spec.block_size,
+                                               double_quant=spec.double_quant, dtype=dtype, mesh=mesh)
+    from surogate_jax.ops import fp8_formats
+
+    w = dequantize(spec, params, shape, dtype)
+    scale = fp8_formats.current_scale(jnp.max(jnp.abs(w.astype(jnp.float32))))
+    return fp8_formats.quantize(w, scale, fp8_formats.E4M3), scale
 
 
 def base_kernel(spec: QloraSpec, params: Mapping[str, jax.Array], in_shape: tuple[int, ...],
-                out_shape: tuple[int, ...], dtype: Any) -> jax.Array:
+                out_shape: tuple[int, ...], dtype: Any, *, mesh=None) -> jax.Array:
     """The dequantized weight in our kernel layout [in..., out...] (for merging adapters and exports)."""
-    w = dequantize(spec, params, (math.prod(out_shape), math.prod(in_shape)), dtype)
+    w = dequantize(spec, params, (math.prod(out_shape), math.prod(in_shape)), dtype, mesh=mesh)
     return w.T.reshape(*in_shape, *out_shape)

@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from surogate_jax.names import NF4_BLOCK_SIZES
+from surogate_jax.ops.nf4_dequantize import nf4_dequantize
 from surogate_jax.qlora import _checks
 
 __all__ = [
@@ -477,21 +478,21 @@ def _dq_absmax(params):
     return prod + jnp.asarray(params["nf4_offset"], jnp.float32)
 
 
-@partial(jax.jit, static_argnames=("shape", "block_size", "double_quant", "dtype"))
-def _dequantize(params, *, shape, block_size: int, double_quant: bool, dtype):
-    n, nblocks, _ = _sizes(shape, block_size)
-    codes = jnp.asarray(params["nf4_codes"]).astype(jnp.uint8)
-    absmax = _dq_absmax(params) if double_quant else jnp.asarray(params["nf4_absmax"], jnp.float32)
-    q = jnp.stack([codes >> 4, codes & jnp.uint8(15)], axis=-1).reshape(-1)
-    q = jnp.pad(q, (0, nblocks * block_size - q.shape[0])) if q.shape[0] < nblocks * block_size else q
-    vals = jnp.asarray(NF4_CODE)[q[: nblocks * block_size].astype(jnp.int32)].reshape(nblocks, block_size)
-    w = (vals * absmax[:, None]).reshape(-1)[:n]
-    return w.reshape(shape).astype(dtype)
+def _absmax_f32(params, double_quant: bool):
+    return _dq_absmax(params) if double_quant else jnp.asarray(params["nf4_absmax"], jnp.float32)
 
 
-def dequantize(params, shape, *, block_size: int = 64, double_quant: bool = True, dtype=jnp.bfloat16) -> jax.Array:
+@partial(jax.jit, static_argnames=("shape", "block_size", "double_quant", "dtype", "mesh"))
+def _dequantize(params, *, shape, block_size: int, double_quant: bool, dtype, mesh):
+    return nf4_dequantize(params["nf4_codes"], _absmax_f32(params, double_quant), NF4_CODE, shape=shape,
+                          block_size=block_size, out_dtype=dtype, mesh=mesh)
+
+
+def dequantize(params, shape, *, block_size: int = 64, double_quant: bool = True, dtype=jnp.bfloat16,
+               mesh=None) -> jax.Array:
     """w [out, in] = NF4_CODE[q] * absmax (absmax = DYNAMIC_MAP[q2] * absmax2 + offset under double quantization),
-    computed in fp32 and cast once to `dtype`; in fp32 it equals bitsandbytes' `dequantize_4bit` bit for bit."""
+    computed in fp32 and cast once to `dtype`; in fp32 it equals bitsandbytes' `dequantize_4bit` bit for bit.
+    The unpacking is ops.nf4_dequantize (our kernel on a GPU); mesh: the devices it runs on (see that op)."""
     block_size = _check_block_size(block_size)
     shape = _check_shape(shape)
     _check_params(params, shape, block_size, bool(double_quant))
@@ -501,7 +502,27 @@ def dequantize(params, shape, *, block_size: int = 64, double_quant: bool = True
         block_size=block_size,
         double_quant=bool(double_quant),
         dtype=jnp.dtype(dtype),
+        mesh=mesh,
     )
+
+
+def fp8_weight(params, shape, *, block_size: int = 64, double_quant: bool = True, dtype=jnp.bfloat16,
+               mesh=None) -> tuple[jax.Array, jax.Array]:
+    """(wq float8_e4m3fn [out, in], scale f32 []) = fp8-hybrid's frozen cache of the weight dequantized in `dtype`:
+    W = dtype(NF4_CODE[q] * absmax), scale = 448 / max|W|, wq = E4M3(clip(W * scale)), in one kernel pass.
+    max|W| comes from the absmaxes alone: each block's largest |value| is stored as code +-1, so it dequantizes to
+    exactly its absmax, and rounding to `dtype` is monotonic (for a tensor bnb did not write, an upper bound)."""
+    from surogate_jax.ops.fp8_formats import E4M3, current_scale
+
+    block_size = _check_block_size(block_size)
+    shape = _check_shape(shape)
+    _check_params(params, shape, block_size, bool(double_quant))
+    absmax = _absmax_f32(params, bool(double_quant))
+    am = jnp.max(jnp.abs(absmax)).astype(dtype).astype(jnp.float32) if absmax.size else jnp.float32(0)
+    scale = current_scale(am)
+    wq = nf4_dequantize(params["nf4_codes"], absmax, NF4_CODE, scale, shape=shape, block_size=block_size,
+                        out_dtype=E4M3, via_dtype=dtype, mesh=mesh)
+    return wq, scale
 
 
 def _check_params(params, shape, block_size: int, double_quant: bool) -> None:

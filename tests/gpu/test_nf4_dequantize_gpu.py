@@ -65,8 +65,8 @@ def _assert_bits(got, want, what):
     )
 
 
-def _key(dtype, scaled):
-    return f"{jnp.dtype(dtype).name}/{'scale' if scaled else 'plain'}"
+def _key(dtype, scaled, via=None):
+    return f"{jnp.dtype(dtype).name}/{'scale' if scaled else 'plain'}" + (f"/via-{jnp.dtype(via).name}" if via else "")
 
 
 @functools.cache
@@ -85,6 +85,12 @@ def _all_outputs(impl, shape, block_size):
             )
             for d in OUT_DTYPES
             for s in (False, True)
+        } | {  # fp8-hybrid's QLoRA weight: rounded to the model dtype, scaled, to e4m3 (f32 shows the rounding)
+            _key(d, True, v): fn(
+                codes, absmax, NF4_CODE, scale, shape=shape, block_size=block_size, out_dtype=d, via_dtype=v
+            )
+            for d in (jnp.float8_e4m3fn, jnp.float32)
+            for v in (jnp.bfloat16, jnp.float16)
         }
 
     return go

@@ -125,6 +125,43 @@ def test_scale_is_a_second_multiply():
     _assert_bits(got_py, want.reshape(shape), "python float scale")
 
 
+@pytest.mark.parametrize("via", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("out_dtype", [jnp.float8_e4m3fn, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_via_dtype_rounds_each_product_before_the_scale(via, out_dtype):
+    """via_dtype: the weight as the model dtype holds it, then scaled (fp8-hybrid's cache of a bf16 weight)."""
+    rng = np.random.default_rng(7)
+    shape, block_size = (9, 130), 64
+    n = shape[0] * shape[1]
+    codes = rng.integers(0, 256, size=(n + 1) // 2, dtype=np.uint8)
+    absmax = rng.uniform(0.001, 2.0, size=-(-n // block_size)).astype(np.float32)
+    scale = np.float32(223.3)
+    v = _numpy_dequant(codes, absmax, n, block_size).astype(jnp.dtype(via)).astype(np.float32) * scale
+    want = _numpy_cast(v, out_dtype).reshape(shape)
+    got = nf4_dequantize(
+        codes, absmax, TABLE, scale, shape=shape, block_size=block_size, out_dtype=out_dtype, via_dtype=via, impl="ref"
+    )
+    _assert_bits(got, want, "via")
+    direct = nf4_dequantize(
+        codes, absmax, TABLE, scale, shape=shape, block_size=block_size, out_dtype=out_dtype, impl="ref"
+    )
+    if jnp.dtype(out_dtype) == jnp.float32 or jnp.dtype(via) == jnp.bfloat16:  # f16 then e4m3 rarely differs
+        assert (np.asarray(direct, np.float32) != np.asarray(want, np.float32)).any()  # the rounding shows
+    same = nf4_dequantize(
+        codes,
+        absmax,
+        TABLE,
+        scale,
+        shape=shape,
+        block_size=block_size,
+        out_dtype=out_dtype,
+        via_dtype=jnp.float32,
+        impl="ref",
+    )
+    _assert_bits(same, np.asarray(direct), "via float32 is no rounding")
+    with pytest.raises(TypeError, match="via_dtype"):
+        nf4_dequantize(codes, absmax, TABLE, scale, shape=shape, block_size=block_size, via_dtype=jnp.int8)
+
+
 def test_code_table_is_an_input():
     codes, absmax, _ = _quantized((8, 64), 64, False)
     table = np.linspace(-3, 3, 16).astype(np.float32)

@@ -372,3 +372,25 @@ def test_div_rn_is_correctly_rounded():
     recip = np.asarray(jax.jit(nf4._div_rn)(jnp.ones_like(y), jnp.asarray(y)))
     ok = np.abs(1 / y) < np.finfo(np.float32).max
     np.testing.assert_array_equal(_bits(recip[ok]), _bits((np.float32(1) / y)[ok]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize(("block_size", "double_quant"), [(64, True), (64, False), (256, True)])
+def test_fp8_weight_equals_the_recipe_cache_of_the_dequantized_weight(block_size, double_quant, dtype):
+    """fp8-hybrid's QLoRA weight (one kernel pass, max|W| from the absmaxes) is, bit for bit, what the frozen cache
+    (precision.recipe.cache_kernel) makes of the weight dequantized in the model dtype; zero blocks included."""
+    from surogate_jax.ops import fp8_formats
+    from surogate_jax.precision.recipe import QuantRecipe, cache_kernel
+
+    shape = (96, 200)
+    w = np.random.default_rng(block_size).standard_normal(shape).astype(np.float32) * 0.02
+    w[3, :] = 0.0  # whole zero blocks
+    w[5, 7] = -0.9  # an outlier: the tensor's max |value| is a negative one
+    params = nf4.quantize(jnp.asarray(w), block_size=block_size, double_quant=double_quant)
+    wq, scale = nf4.fp8_weight(params, shape, block_size=block_size, double_quant=double_quant, dtype=dtype)
+    deq = nf4.dequantize(params, shape, block_size=block_size, double_quant=double_quant, dtype=dtype)
+    want_q, want_scale = cache_kernel(QuantRecipe("fp8-hybrid"), "q_proj", deq.T[None], 1)
+    assert wq.dtype == jnp.dtype(fp8_formats.E4M3) and wq.shape == shape
+    np.testing.assert_array_equal(np.float32(scale), np.float32(want_scale[0]))
+    np.testing.assert_array_equal(_bits(wq), _bits(np.asarray(want_q[0]).T))
+    assert float(scale) == pytest.approx(448 / 0.9, rel=2e-2)  # the outlier sets the scale (NF4's error aside)
