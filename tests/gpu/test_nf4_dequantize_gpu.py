@@ -200,11 +200,12 @@ def test_kernel_is_in_the_compiled_program():
 
 def test_handler_checks_sizes():
     codes, absmax = _inputs((8, 128), 64)
-    call = functools.partial(_ffi, shape=(8, 128), block_size=64, out_dtype=jnp.bfloat16, has_scale=False)
+    kw = dict(shape=(8, 128), out_dtype=jnp.bfloat16, has_scale=False, via_dtype=None)
+    call = functools.partial(_ffi, block_size=64, **kw)
     with pytest.raises(Exception, match="absmax has shape"):
         jax.block_until_ready(jax.jit(call)(codes, absmax[:-1], NF4_CODE, jnp.float32(1)))
     with pytest.raises(Exception, match="codes has shape"):
         jax.block_until_ready(jax.jit(call)(codes[:-1], absmax, NF4_CODE, jnp.float32(1)))
-    bad_block = functools.partial(_ffi, shape=(8, 128), block_size=32, out_dtype=jnp.bfloat16, has_scale=False)
+    bad_block = functools.partial(_ffi, block_size=32, **kw)
     with pytest.raises(Exception, match="block_size must be"):
         jax.block_until_ready(jax.jit(bad_block)(codes, absmax, NF4_CODE, jnp.float32(1)))
