@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -123,7 +124,10 @@ def copy_seconds(nbytes: int, steps: int, repeats: int) -> float:
 
 
 def commit() -> str:
-    """The checkout's commit; a snapshot without .git (the GPU machine's) may carry a COMMIT file."""
+    """The checkout's commit: $SUROGATE_COMMIT when set (the GPU machine's copy of the working tree carries a .git
+    that may lag the tree: a run there once recorded an older commit), else a COMMIT file, else git."""
+    if os.environ.get("SUROGATE_COMMIT"):
+        return os.environ["SUROGATE_COMMIT"]
     f = pathlib.Path(__file__).resolve().parent.parent / "COMMIT"
     if f.is_file():
         return f.read_text().strip()
