@@ -98,7 +98,7 @@ def pieces(text: str, limit: int) -> list[str]:
     return out
 
 
-def build_corpus(dst: Path, train_chars: int, eval_chars: int, piece_chars: int) -> dict:
+def build_corpus(dst: Path, train_chars: int, eval_chars: int, piece_chars: int, files=None) -> dict:
     """Writes dst/train.jsonl and dst/eval.jsonl ({"text": piece}); returns what went in. Files are
     cut into line-aligned pieces of <= piece_chars (about one sequence of tokens), because the data
     pipeline truncates a document to sequence_len (as the seed system does) instead of chunking it."""
@@ -106,7 +106,7 @@ def build_corpus(dst: Path, train_chars: int, eval_chars: int, piece_chars: int)
     splits = {"train": [], "eval": []}
     budget = {"train": train_chars, "eval": eval_chars}
     used = {"train": 0, "eval": 0}
-    for rel, p in stdlib_files():
+    for rel, p in (stdlib_files() if files is None else files):  # files: (rel, path) pairs, default the stdlib's
         split = "eval" if int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 20 == 0 else "train"
         if used[split] >= budget[split]:
             continue
