@@ -54,6 +54,7 @@ from .metrics import truncate as truncate_metrics
 from .models import Decoder, config_from_hf, config_to_hf
 from .names import QLORA_FORMATS
 from .optim import make_optimizer
+from .precision import fp8
 from .precision import recipe as recipe_lib
 from .qlora.base import QloraSpec
 from .stop import Interrupted, StopSignals
@@ -144,7 +145,8 @@ def quant_recipe(cfg: SFTConfig) -> recipe_lib.QuantRecipe | None:
 def qlora_spec(cfg: SFTConfig, model_dir: Path) -> QloraSpec | None:
     """The QLoRA base format of this run: a pre-quantized checkpoint's own (it needs lora: true, and a qlora_* key,
     if any, must name the same format), else the one the qlora_* keys ask for, else None. Refused before any
-    work: QLoRA from scratch (no base to quantize) and skip_quant_* layers (they need the exact weights)."""
+    work: QLoRA from scratch (no base to quantize), skip_quant_* layers (they need the exact weights) and an FP8
+    base on a GPU below SM89."""
     try:
         pre = checkpoint_qlora(model_dir, read_hf_config(model_dir))
     except ModelLoadError as e:
@@ -164,6 +166,7 @@ def qlora_spec(cfg: SFTConfig, model_dir: Path) -> QloraSpec | None:
     if spec is not None and r is not None and r.skips:
         raise ConfigError("skip_quant_first_layers / skip_quant_last_layers keep layers' exact weights, which a "
                           f"QLoRA base ({spec.describe()}) does not have; leave them at 0")
+    check_qlora_device(spec)
     return spec
 
 
@@ -242,6 +245,14 @@ def _weight_shardings(model_dir: Path, dtype, layout: par.Layout | None, *, trai
     abstract = abstract_params(Decoder(config_from_hf(read_hf_config(model_dir), dtype=dtype, param_dtype=dtype,
                                                       qlora=qlora)))
     return layout.weight_shardings(abstract, trainable=trainable)
+
+
+def check_qlora_device(spec: QloraSpec | None, device=None) -> None:
+    """An FP8 base (qlora_fp8 or an FP8 checkpoint) is stored in E4M3, which GPUs below SM89 do not have: refused,
+    naming the GPU and the formats that work there."""
+    if spec is not None and spec.format == "fp8":
+        fp8.check_fp8_supported(device, what="an FP8 QLoRA base (qlora_fp8, or a checkpoint quantized to FP8)",
+                                instead="use qlora_bnb (NF4) or qlora_fp4")
 
 
 def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:

@@ -100,13 +100,16 @@ def combine_observations(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.maximum, a, b)
 
 
-def check_fp8_supported(device: Any = None, recipe: str = "fp8-hybrid") -> bool:
+def check_fp8_supported(device: Any = None, recipe: str = "fp8-hybrid", *, what: str | None = None,
+                        instead: str = "use recipe: bf16") -> bool:
     """Whether FP8 GEMMs run natively on `device` (default: the first JAX device).
 
     Returns True for an NVIDIA GPU with compute capability >= 8.9 and False for a non-GPU device
     (where the ops run their pure-JAX emulation); raises Fp8UnsupportedError, naming the GPU,
-    for an older NVIDIA GPU or a GPU without a CUDA compute capability.
+    for an older NVIDIA GPU or a GPU without a CUDA compute capability. what / instead: the
+    message's subject (default "recipe <recipe>") and its advice.
     """
+    what = what or f"recipe {recipe}"
     if device is None:
         device = jax.devices()[0]
     if device.platform not in ("gpu", "cuda", "rocm"):
@@ -117,14 +120,14 @@ def check_fp8_supported(device: Any = None, recipe: str = "fp8-hybrid") -> bool:
         major, minor = (int(p) for p in cc.split(".")[:2])
     except ValueError:
         raise Fp8UnsupportedError(
-            f"recipe {recipe} needs an NVIDIA GPU with FP8 tensor cores (compute capability >= 8.9); "
-            f"{name} reports compute capability {cc!r}; use recipe: bf16"
+            f"{what} needs an NVIDIA GPU with FP8 tensor cores (compute capability >= 8.9); "
+            f"{name} reports compute capability {cc!r}; {instead}"
         ) from None
     if (major, minor) < MIN_COMPUTE_CAPABILITY:
         raise Fp8UnsupportedError(
-            f"recipe {recipe} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, "
+            f"{what} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, "
             f"Blackwell); {name} (device {device.id}) has compute capability {major}.{minor}; "
-            "use recipe: bf16 on this GPU"
+            f"{instead} on this GPU"
         )
     return True
 

@@ -125,3 +125,21 @@ def test_offload_gives_the_plain_runs_losses(tmp_path, env):
         runs[name] = losses(d / "out")
     np.testing.assert_allclose([runs["offload"][s] for s in (1, 2, 3)], [runs["plain"][s] for s in (1, 2, 3)],
                                rtol=1e-5)
+
+
+def test_an_fp8_base_below_sm89_is_refused_naming_the_gpu_and_what_works():
+    """qlora_fp8 on an A100 (SM80): one message naming the GPU and the 4-bit formats; NF4 / NVFP4 bases pass."""
+    import types
+
+    from surogate_jax.precision.fp8 import Fp8UnsupportedError
+    from surogate_jax.qlora.base import QloraSpec
+    from surogate_jax.run import check_qlora_device
+
+    a100 = types.SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100-SXM4-80GB", id=0)
+    with pytest.raises(Fp8UnsupportedError, match=r"FP8 QLoRA base.*A100.*8\.0.*qlora_bnb \(NF4\) or qlora_fp4"):
+        check_qlora_device(QloraSpec("fp8", 128), a100)
+    check_qlora_device(QloraSpec("nf4"), a100)
+    check_qlora_device(QloraSpec("fp4", 16), a100)
+    check_qlora_device(None, a100)
+    h100 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100", id=0)
+    check_qlora_device(QloraSpec("fp8", 128), h100)
