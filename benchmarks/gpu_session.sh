@@ -4,7 +4,10 @@
 #   run: [SUITE=quick|full|none] bash benchmarks/gpu_session.sh [bench ...]
 #   SUITE=quick (default): the first cases of every GPU test (each kernel's forward and gradients against its
 #     reference; pytest --quick), <= 5 min on one H100.  SUITE=full: tests/gpu and tests/models on the GPU,
-#     every case, <= 15 min (tests/ops are the ops' CPU-reference tests, which CI runs).  Both run as $WORKERS
+#     every case, over 10 min (tests/ops are the ops' CPU-reference tests, which CI runs); a device call is capped
+#     at 10 min, so SUITE=full-1, full-2 and full-3 run its three disjoint parts (the element-wise and optimizer
+#     kernels; the GEMM and quantizer kernels; the models, recipes, QLoRA and parallel tests with tests/models),
+#     each timed: the full suite's time is their sum.  All run as $WORKERS
 #     pytest-xdist workers sharing the GPU (default 8 for quick, 14 for full: the suites are bound by XLA
 #     compilation, one core per worker, and the machine has 16).
 #   benches (default: none; benchmarks/README.md says what each measures):
@@ -20,8 +23,18 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 B=benchmarks; P=benchmarks/profile
-SUITE="${SUITE:-quick}"; WORKERS="${WORKERS:-$([[ $SUITE == full ]] && echo 14 || echo 8)}"
+SUITE="${SUITE:-quick}"; WORKERS="${WORKERS:-$([[ $SUITE == full* ]] && echo 14 || echo 8)}"
 benches=("$@")
+part1=(rope rope_qk rms_norm add_rms_norm swiglu swiglu_lora adamw_8bit normuon nf4_dequantize)
+part2=(fp8_matmul nvfp4_matmul nvfp4_quantize lm_head_ce)
+part3=(models parallel qlora recipe)
+files() { for n in "$@"; do echo "tests/gpu/test_${n}_gpu.py"; done; }
+for f in tests/gpu/test_*_gpu.py; do  # a new GPU test file must join a part, or SUITE=full-N would miss it
+  grep -qx "$f" <(files "${part1[@]}" "${part2[@]}" "${part3[@]}") || { echo "$f is in no part of gpu_session.sh"; exit 2; }
+done
+case "$SUITE" in quick|full|full-1|full-2|full-3|none) ;;  # checked before any work
+  *) echo "SUITE=$SUITE: use quick, full, full-1, full-2, full-3 or none"; exit 2 ;;
+esac
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   echo "commit ${SUROGATE_COMMIT:-unknown} (set SUROGATE_COMMIT=\$(git rev-parse HEAD) when calling)"; date -u
   python3 -c 'import jax, jaxlib; print("jax", jax.__version__, jax.devices())'; } 2>&1 | tee "$OUT/env.txt"
@@ -38,8 +51,11 @@ tests_rc=0
 case "$SUITE" in
   quick) suite_args=(--quick tests/gpu) ;;
   full) suite_args=(tests/gpu tests/models) ;;
+  full-1) mapfile -t suite_args < <(files "${part1[@]}") ;;
+  full-2) mapfile -t suite_args < <(files "${part2[@]}") ;;
+  full-3) mapfile -t suite_args < <(files "${part3[@]}"); suite_args+=(tests/models) ;;
   none) suite_args=() ;;
-  *) echo "SUITE=$SUITE: use quick, full or none"; exit 2 ;;
+  *) echo "SUITE=$SUITE: use quick, full, full-1, full-2, full-3 or none"; exit 2 ;;
 esac
 if (( ${#suite_args[@]} )); then
   t0=$SECONDS
