@@ -12,6 +12,8 @@
 #           fp32 AdamW the 8B state alone is 64 GB), ZeRO-3 on all GPUs, grad-accum 2,
 #           2 timed steps, one run per offload setting: optimizer (the issue's headline), none,
 #           master, grads, residual, all four: ~90 s each (compile ~50 s, steps of ~3-8 s)
+#   qlora8  (not in the default) Qwen3-8B QLoRA, NF4 base under fp8-hybrid, seed config, 1/2/4 GPUs
+#           (ZeRO-1), then ZeRO-3 on all GPUs (the 4-bit base sharded), 4 timed steps: ~80 s each
 #   Build: ~100 s on a fresh machine, ~10 s when warm from a previous call (build/ is kept).
 # Everything does not fit one call (~100 + 135 + 225 + 540 s): a run whose estimate does not fit
 # what is left of BUDGET_S (default 550 s) is skipped and listed; run the rest in a second call,
@@ -73,10 +75,12 @@ bench() {  # bench NAME EXPECTED_S sft_throughput-args...: one fresh process, lo
 }
 last_tps() { python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])["tokens_per_s"])' "$OUT/scale.jsonl"; }
 
-scaling() {  # scaling SIZE STEPS EXPECTED_S: LoRA at the seed config on 1, 2, 4 GPUs
-  local size=$1 steps=$(( $2 * STEPS_SCALE )) expect=$3 base=() g
+scaling() {  # scaling SIZE STEPS EXPECTED_S TAG [args...]: LoRA at the seed config on 1, 2, 4 GPUs
+  local size=$1 steps=$(( $2 * STEPS_SCALE )) expect=$3 tag=$4 base=() g
+  shift 4
   for g in "${counts[@]}"; do
-    if bench "lora_${size}_${g}gpu" "$expect" --size "$size" --gpus "$g" --steps "$steps" "${base[@]}" && ((g == 1)); then
+    if bench "${tag}_${size}_${g}gpu" "$expect" --size "$size" --gpus "$g" --steps "$steps" "$@" "${base[@]}" \
+        && ((g == 1)); then
       base=(--baseline-tps "$(last_tps)")
     fi
   done
@@ -84,8 +88,12 @@ scaling() {  # scaling SIZE STEPS EXPECTED_S: LoRA at the seed config on 1, 2, 4
 
 for p in "${pieces[@]}"; do
   case "$p" in
-    lora06) scaling 0.6b 6 45 ;;
-    lora8) scaling 8b 4 75 ;;
+    lora06) scaling 0.6b 6 45 lora ;;
+    lora8) scaling 8b 4 75 lora ;;
+    qlora8) scaling 8b 4 80 qlora_nf4_fp8 --qlora bnb --recipe fp8-hybrid
+            g=${counts[-1]}
+            ((g > 1)) && bench "qlora_nf4_fp8_8b_${g}gpu_z3" 80 --size 8b --gpus "$g" --zero-level 3 \
+              --steps $((4 * STEPS_SCALE)) --qlora bnb --recipe fp8-hybrid ;;
     full8) g=${counts[-1]}
            IFS=';' read -r -a sets <<< "${FULL8_OFFLOADS:-optimizer;;master;grads;residual;optimizer master grads residual}"
            for off in "${sets[@]}"; do
@@ -93,7 +101,7 @@ for p in "${pieces[@]}"; do
              bench "full_8b_${g}gpu_z3_off-$(echo "${off:-none}" | tr ' ' '+')" 90 --size 8b --gpus "$g" --full-ft \
                --zero-level 3 --accum 2 --steps $((2 * STEPS_SCALE)) --optimizer adamw_8bit "${flags[@]}"
            done ;;
-    *) echo "unknown piece $p (lora06, lora8, full8)" | tee -a "$OUT/status.txt" ;;
+    *) echo "unknown piece $p (lora06, lora8, full8, qlora8)" | tee -a "$OUT/status.txt" ;;
   esac
 done
 
