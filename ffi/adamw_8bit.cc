@@ -19,25 +19,6 @@ namespace {
 
 constexpr std::string_view kOp = "surogate_adamw_8bit_update";
 
-ffi::Error ExpectCount(const char* name, const ffi::AnyBuffer& b, int64_t want,
-                       const std::string& what) {
-  if (static_cast<int64_t>(b.element_count()) == want) return ffi::Error::Success();
-  return InvalidArg(kOp, std::string(name) + " has shape " + ShapeStr(b) + ", expected " +
-                             std::to_string(want) + " elements (" + what + ")");
-}
-
-ffi::Error ExpectU8(const char* name, const ffi::AnyBuffer& b) {
-  if (b.element_type() == ffi::DataType::U8) return ffi::Error::Success();
-  return InvalidArg(
-      kOp, std::string(name) + " has dtype " + DtypeName(b.element_type()) + ", expected uint8");
-}
-
-ffi::Error ExpectU32(const char* name, const ffi::AnyBuffer& b) {
-  if (b.element_type() == ffi::DataType::U32) return ffi::Error::Success();
-  return InvalidArg(
-      kOp, std::string(name) + " has dtype " + DtypeName(b.element_type()) + ", expected uint32");
-}
-
 ffi::Error SameShape(const char* name, const ffi::AnyBuffer& b, const ffi::AnyBuffer& like,
                      const char* like_name) {
   if (b.dimensions() == like.dimensions()) return ffi::Error::Success();
@@ -69,23 +50,23 @@ ffi::Error Adamw8bitUpdate(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer
   if (auto e = SameShape("g", g, p, "p"); e.failure()) return e;
   if (auto e = SameShape("qm", qm, p, "p"); e.failure()) return e;
   if (auto e = SameShape("qv", qv, p, "p"); e.failure()) return e;
-  if (auto e = ExpectU8("qm", qm); e.failure()) return e;
-  if (auto e = ExpectU8("qv", qv); e.failure()) return e;
-  if (auto e = ExpectU32("aux", aux); e.failure()) return e;
+  if (auto e = ExpectDtype(kOp, "qm", qm, ffi::DataType::U8); e.failure()) return e;
+  if (auto e = ExpectDtype(kOp, "qv", qv, ffi::DataType::U8); e.failure()) return e;
+  if (auto e = ExpectDtype(kOp, "aux", aux, ffi::DataType::U32); e.failure()) return e;
   for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"am", &am},
                            {"av", &av},
                            {"scalars", &scalars}}) {
     if (auto e = ExpectDtype(kOp, name, *buf, ffi::DataType::F32); e.failure()) return e;
   }
   const std::string blocks = "one per 256-element block of p " + ShapeStr(p);
-  if (auto e = ExpectCount("am", am, nblocks, blocks); e.failure()) return e;
-  if (auto e = ExpectCount("av", av, nblocks, blocks); e.failure()) return e;
-  if (auto e = ExpectCount("scalars", scalars, kAdamw8bitScalars,
+  if (auto e = ExpectCount(kOp, "am", am, nblocks, blocks); e.failure()) return e;
+  if (auto e = ExpectCount(kOp, "av", av, nblocks, blocks); e.failure()) return e;
+  if (auto e = ExpectCount(kOp, "scalars", scalars, kAdamw8bitScalars,
                            "b1, 1-b1, b2, 1-b2, step, eps_hat, decay, gscale, t");
       e.failure()) {
     return e;
   }
-  if (auto e = ExpectCount("aux", aux, kAdamw8bitAuxWords,
+  if (auto e = ExpectCount(kOp, "aux", aux, kAdamw8bitAuxWords,
                            "the code tables of adamw_8bit.py KERNEL_AUX");
       e.failure()) {
     return e;

@@ -60,6 +60,14 @@ inline std::string DtypeName(ffi::DataType t) {
       return "int64";
     case ffi::DataType::PRED:
       return "bool";
+    case ffi::DataType::U8:
+      return "uint8";
+    case ffi::DataType::U32:
+      return "uint32";
+    case ffi::DataType::F8E4M3FN:
+      return "float8_e4m3fn";
+    case ffi::DataType::F8E5M2:
+      return "float8_e5m2";
     default:
       return "dtype#" + std::to_string(static_cast<int>(t));
   }
@@ -122,6 +130,14 @@ inline std::string ShapeStr(const ffi::AnyBuffer& b) {
     s += (i ? ", " : "") + std::to_string(b.dimensions()[i]);
   }
   return s + "]";
+}
+
+// InvalidArg unless b has `want` elements; `why` says where that count comes from.
+inline ffi::Error ExpectCount(std::string_view op, const char* name, const ffi::AnyBuffer& b,
+                              int64_t want, const std::string& why) {
+  if (static_cast<int64_t>(b.element_count()) == want) return ffi::Error::Success();
+  return InvalidArg(op, std::string(name) + " has shape " + ShapeStr(b) + ", expected " +
+                            std::to_string(want) + " elements (" + why + ")");
 }
 
 // [..., D] -> (rows = product of the leading dims, D). Rank 0 is an error.

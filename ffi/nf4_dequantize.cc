@@ -21,27 +21,6 @@ namespace {
 
 constexpr std::string_view kOp = "surogate_nf4_dequantize";
 
-// DtypeName (ffi_common.h) plus the two dtypes only this op uses.
-std::string Name(ffi::DataType t) {
-  if (t == ffi::DataType::U8) return "uint8";
-  if (t == ffi::DataType::F8E4M3FN) return "float8_e4m3fn";
-  return DtypeName(t);
-}
-
-ffi::Error Expect(const char* name, const ffi::AnyBuffer& b, ffi::DataType want) {
-  if (b.element_type() == want) return ffi::Error::Success();
-  return InvalidArg(
-      kOp, std::string(name) + " has dtype " + Name(b.element_type()) + ", expected " + Name(want));
-}
-
-ffi::Error CheckCount(const char* name, const ffi::AnyBuffer& b, int64_t want,
-                      const std::string& why) {
-  if (static_cast<int64_t>(b.element_count()) == want) return ffi::Error::Success();
-  return InvalidArg(kOp, std::string(name) + " has shape " + ShapeStr(b) + " (" +
-                             std::to_string(b.element_count()) + " elements), expected " +
-                             std::to_string(want) + " (" + why + ")");
-}
-
 // Calls f(OutT{}) with OutT the CUDA type of the output dtype; errors otherwise.
 template <typename F>
 ffi::Error DispatchOut(ffi::DataType t, F&& f) {
@@ -55,7 +34,7 @@ ffi::Error DispatchOut(ffi::DataType t, F&& f) {
     case ffi::DataType::F8E4M3FN:
       return f(__nv_fp8_e4m3{});
     default:
-      return InvalidArg(kOp, "out has unsupported dtype " + Name(t) +
+      return InvalidArg(kOp, "out has unsupported dtype " + DtypeName(t) +
                                  "; expected float32, bfloat16, float16 or float8_e4m3fn");
   }
 }
@@ -73,27 +52,28 @@ ffi::Error Nf4Dequantize(cudaStream_t stream, int64_t block_size, int32_t has_sc
   }
   const int64_t n = static_cast<int64_t>(out->element_count());
   const std::string bs = std::to_string(block_size);
-  if (auto e = Expect("codes", codes, ffi::DataType::U8); e.failure()) return e;
-  if (auto e = CheckCount("codes", codes, (n + 1) / 2,
-                          "ceil(n / 2) for out " + ShapeStr(*out) + ", n = " + std::to_string(n));
+  if (auto e = ExpectDtype(kOp, "codes", codes, ffi::DataType::U8); e.failure()) return e;
+  if (auto e = ExpectCount(kOp, "codes", codes, (n + 1) / 2,
+                           "ceil(n / 2) for out " + ShapeStr(*out) + ", n = " + std::to_string(n));
       e.failure()) {
     return e;
   }
-  if (auto e = Expect("absmax", absmax, ffi::DataType::F32); e.failure()) return e;
-  if (auto e = CheckCount("absmax", absmax, (n + block_size - 1) / block_size,
-                          "ceil(n / " + bs + ") for out " + ShapeStr(*out));
+  if (auto e = ExpectDtype(kOp, "absmax", absmax, ffi::DataType::F32); e.failure()) return e;
+  if (auto e = ExpectCount(kOp, "absmax", absmax, (n + block_size - 1) / block_size,
+                           "ceil(n / " + bs + ") for out " + ShapeStr(*out));
       e.failure()) {
     return e;
   }
-  if (auto e = Expect("code_table", code_table, ffi::DataType::F32); e.failure()) {
+  if (auto e = ExpectDtype(kOp, "code_table", code_table, ffi::DataType::F32); e.failure()) {
     return e;
   }
-  if (auto e = CheckCount("code_table", code_table, 16, "one float per 4-bit code"); e.failure()) {
+  if (auto e = ExpectCount(kOp, "code_table", code_table, 16, "one float per 4-bit code");
+      e.failure()) {
     return e;
   }
   if (has_scale) {
-    if (auto e = Expect("scale", scale, ffi::DataType::F32); e.failure()) return e;
-    if (auto e = CheckCount("scale", scale, 1, "a scalar"); e.failure()) return e;
+    if (auto e = ExpectDtype(kOp, "scale", scale, ffi::DataType::F32); e.failure()) return e;
+    if (auto e = ExpectCount(kOp, "scale", scale, 1, "a scalar"); e.failure()) return e;
   }
   const auto* sc = has_scale ? static_cast<const float*>(scale.untyped_data()) : nullptr;
   return DispatchOut(out->element_type(), [&](auto tag) -> ffi::Error {

@@ -58,20 +58,6 @@ constexpr size_t kWsHead =
 
 bool IsScaleType(ffi::DataType t) { return t == ffi::DataType::U8 || t == ffi::DataType::F8E4M3FN; }
 
-std::string ScaleDtypeName(ffi::DataType t) {
-  if (t == ffi::DataType::U8) return "uint8";
-  if (t == ffi::DataType::F8E4M3FN) return "float8_e4m3fn";
-  return DtypeName(t);
-}
-
-// ExpectDtype with readable names for uint8 / float8 (ffi_common's DtypeName lacks them).
-ffi::Error Expect(std::string_view op, const char* name, const ffi::AnyBuffer& b,
-                  ffi::DataType want) {
-  if (b.element_type() == want) return ffi::Error::Success();
-  return InvalidArg(op, std::string(name) + " has dtype " + ScaleDtypeName(b.element_type()) +
-                            ", expected " + ScaleDtypeName(want));
-}
-
 ffi::Error Check2d(std::string_view op, const char* name, const ffi::AnyBuffer& b, int64_t* r,
                    int64_t* c) {
   const auto dims = b.dimensions();
@@ -90,10 +76,10 @@ ffi::Error SwizzleScales(cudaStream_t stream, int64_t rows, int32_t row_div, ffi
   int64_t s_rows = 0, cols = 0;
   if (auto e = Check2d(kSwizzle, "scales", scales, &s_rows, &cols); e.failure()) return e;
   if (!IsScaleType(scales.element_type())) {
-    return InvalidArg(kSwizzle, "scales has dtype " + ScaleDtypeName(scales.element_type()) +
+    return InvalidArg(kSwizzle, "scales has dtype " + DtypeName(scales.element_type()) +
                                     ", expected uint8 or float8_e4m3fn");
   }
-  if (auto e = Expect(kSwizzle, "out", *out, ffi::DataType::U8); e.failure()) return e;
+  if (auto e = ExpectDtype(kSwizzle, "out", *out, ffi::DataType::U8); e.failure()) return e;
   if (row_div != 1 && row_div != 16) {
     return InvalidArg(kSwizzle, "row_div must be 1 (1x16 blocks) or 16 (16x16 tiles), got " +
                                     std::to_string(row_div));
@@ -119,8 +105,8 @@ ffi::Error TransposeCodes(cudaStream_t stream, ffi::AnyBuffer codes,
                           ffi::Result<ffi::AnyBuffer> out) {
   int64_t rows = 0, half_cols = 0;
   if (auto e = Check2d(kTranspose, "codes", codes, &rows, &half_cols); e.failure()) return e;
-  if (auto e = Expect(kTranspose, "codes", codes, ffi::DataType::U8); e.failure()) return e;
-  if (auto e = Expect(kTranspose, "out", *out, ffi::DataType::U8); e.failure()) return e;
+  if (auto e = ExpectDtype(kTranspose, "codes", codes, ffi::DataType::U8); e.failure()) return e;
+  if (auto e = ExpectDtype(kTranspose, "out", *out, ffi::DataType::U8); e.failure()) return e;
   const int64_t cols = 2 * half_cols;
   if (rows % 2 != 0) {
     return InvalidArg(kTranspose,
@@ -172,8 +158,8 @@ ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_sca
   int64_t m = 0, ka = 0, n = 0, kb = 0;
   if (auto e = Check2d(kGemm, "a", a, &m, &ka); e.failure()) return e;
   if (auto e = Check2d(kGemm, "b", b, &n, &kb); e.failure()) return e;
-  if (auto e = Expect(kGemm, "a", a, ffi::DataType::U8); e.failure()) return e;
-  if (auto e = Expect(kGemm, "b", b, ffi::DataType::U8); e.failure()) return e;
+  if (auto e = ExpectDtype(kGemm, "a", a, ffi::DataType::U8); e.failure()) return e;
+  if (auto e = ExpectDtype(kGemm, "b", b, ffi::DataType::U8); e.failure()) return e;
   if (ka != kb) {
     return InvalidArg(kGemm, "a has shape " + ShapeStr(a) + " and b has shape " + ShapeStr(b) +
                                  " (packed codes, K/2 bytes per row): their reduction dims differ");
@@ -189,7 +175,7 @@ ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_sca
         {"b_scales", &b_scales, n}}) {
     if (!IsScaleType(buf->element_type())) {
       return InvalidArg(kGemm,
-                        std::string(name) + " has dtype " + ScaleDtypeName(buf->element_type()) +
+                        std::string(name) + " has dtype " + DtypeName(buf->element_type()) +
                             ", expected uint8 or float8_e4m3fn (swizzled E4M3 block scales)");
     }
     const int64_t want = nvfp4_swizzled_scale_bytes(rows, k / 16);
@@ -202,7 +188,7 @@ ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_sca
   }
   for (auto [name, buf] :
        {std::pair<const char*, const ffi::AnyBuffer*>{"a_gs", &a_gs}, {"b_gs", &b_gs}}) {
-    if (auto e = Expect(kGemm, name, *buf, ffi::DataType::F32); e.failure()) return e;
+    if (auto e = ExpectDtype(kGemm, name, *buf, ffi::DataType::F32); e.failure()) return e;
     if (buf->element_count() != 1) {
       return InvalidArg(
           kGemm, std::string(name) + " has shape " + ShapeStr(*buf) + ", expected one element");
@@ -218,7 +204,7 @@ ffi::Error Nvfp4Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_sca
     return InvalidArg(kGemm, "d has shape " + ShapeStr(*d) + ", expected [" + std::to_string(m) +
                                  ", " + std::to_string(n) + "]");
   }
-  if (auto e = Expect(kGemm, "ws", *ws, ffi::DataType::U8); e.failure()) return e;
+  if (auto e = ExpectDtype(kGemm, "ws", *ws, ffi::DataType::U8); e.failure()) return e;
   if (ws->size_bytes() < kWsHead) {
     return InvalidArg(kGemm, "ws has " + std::to_string(ws->size_bytes()) +
                                  " bytes, need at least " + std::to_string(kWsHead));
