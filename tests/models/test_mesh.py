@@ -52,11 +52,14 @@ for name, cfg in {"full": base, "lora (swiglu_lora)": base.replace(lora=spec),
     assert n >= 5, (name, n)  # rms_norm, rope_qk, add_rms_norm, swiglu(_lora), lm_head_ce (+ recipe GEMMs)
     assert "shard_map" not in whole, name
     got_l, got_g = jax.jit(lambda *a: grad(split, *a))(trainable, quant, sharded)
-    # the shards only reorder sums: fp32 rounding (gradients: conftest's rtol eps^(2/3), tighter than before)
+    # the shards only reorder sums: fp32 rounding. Loss rtol 1e-5; gradients conftest's fp32 rule (rtol eps^(2/3),
+    # atol that times the reference's RMS), capped at the absolute 1e-6 this test always had
     tol = float(np.finfo(np.float32).eps) ** (2 / 3)
     np.testing.assert_allclose(got_l, want_l, rtol=1e-5, err_msg=name)
     for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
-        np.testing.assert_allclose(a, b, rtol=tol, atol=1e-6, err_msg=name)
+        b = np.asarray(b, np.float64)
+        atol = min(1e-6, tol * max(float(np.sqrt(np.mean(b * b))), 1e-30))
+        np.testing.assert_allclose(a, b, rtol=tol, atol=atol, err_msg=name)
     print("ok", name, n)
 # the step builders attach the layout's mesh to the model they trace
 state = T.TrainState(step=jnp.zeros((), jnp.int32), params=params, trainable=trainable, opt_state=(),
