@@ -1,8 +1,8 @@
 """Shared test settings: the one dtype-based tolerance rule, the `gpu` and `cpu` markers' auto-skips, and `--quick`.
 
 Tolerances come only from `tolerance(dtype)`; a test that needs more must say why in a comment.
-Tests get the helpers as fixtures (`tolerance`, `assert_close`, `benchmark_module`) so they work whatever pytest's
-import mode is.
+Tests get the helpers as fixtures (`tolerance`, `assert_close`, `assert_bits`, `benchmark_module`) so they work
+whatever pytest's import mode is.
 """
 
 from __future__ import annotations
@@ -65,6 +65,18 @@ def _device_check(actual, expected, tol) -> bool:
     return not bool(_device_violation(jnp.asarray(actual), jnp.asarray(expected), tol["rtol"], tol["atol"]))
 
 
+def assert_bits(actual, expected, what: str = "") -> None:
+    """Same dtype, shape and bit patterns (NaN payloads and signed zeros included); the report names the first
+    differing element."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
+        what, actual.dtype, expected.dtype, actual.shape, expected.shape)
+    as_int = lambda a: a.reshape(-1).view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+    diff = np.flatnonzero(as_int(actual) != as_int(expected))
+    assert diff.size == 0, (f"{what}: {diff.size} of {actual.size} differ, first at flat index {diff[0]}: "
+                            f"{actual.reshape(-1)[diff[0]]} vs {expected.reshape(-1)[diff[0]]}")
+
+
 @pytest.fixture(name="tolerance")
 def _tolerance_fixture():
     return tolerance
@@ -73,6 +85,11 @@ def _tolerance_fixture():
 @pytest.fixture(name="assert_close")
 def _assert_close_fixture():
     return assert_close
+
+
+@pytest.fixture(name="assert_bits")
+def _assert_bits_fixture():
+    return assert_bits
 
 
 def benchmark_module(name: str):

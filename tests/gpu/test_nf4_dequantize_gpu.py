@@ -50,21 +50,6 @@ def _poison_allocator(nbytes=1 << 30):
     del junk
 
 
-def _bits(x) -> np.ndarray:
-    a = np.asarray(x)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
-def _assert_bits(got, want, what):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
-    diff = np.flatnonzero(_bits(got) != _bits(want))
-    assert diff.size == 0, (
-        f"{what}: {diff.size} of {got.size} differ, first at flat index {diff[0]}: "
-        f"{got.reshape(-1)[diff[0]]} vs {want.reshape(-1)[diff[0]]}"
-    )
-
-
 def _key(dtype, scaled, via=None):
     return f"{jnp.dtype(dtype).name}/{'scale' if scaled else 'plain'}" + (f"/via-{jnp.dtype(via).name}" if via else "")
 
@@ -98,7 +83,7 @@ def _all_outputs(impl, shape, block_size):
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_kernel_matches_reference(shape, block_size):
+def test_kernel_matches_reference(shape, block_size, assert_bits):
     codes, absmax = _inputs(shape, block_size)
     scale = jnp.float32(SCALE)
     want = _all_outputs("ref", shape, block_size)(codes, absmax, scale)
@@ -106,11 +91,11 @@ def test_kernel_matches_reference(shape, block_size):
     _poison_allocator()
     got = _all_outputs("ffi", shape, block_size)(codes, absmax, scale)
     for k in want:
-        _assert_bits(got[k], want[k], k)
+        assert_bits(got[k], want[k], k)
 
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_reference_on_gpu_matches_numpy(out_dtype):
+def test_reference_on_gpu_matches_numpy(out_dtype, assert_bits):
     """XLA:GPU's fusion of the reference rounds like numpy / ml_dtypes (so a kernel mismatch above is the kernel's)."""
     shape, block_size = (33, 1001), 64
     codes, absmax = _inputs(shape, block_size)
@@ -126,8 +111,8 @@ def test_reference_on_gpu_matches_numpy(out_dtype):
     got = jax.jit(functools.partial(nf4_dequantize_ref, shape=shape, block_size=block_size, out_dtype=out_dtype))(
         codes, absmax, NF4_CODE, jnp.float32(SCALE)
     )
-    _assert_bits(got, want.reshape(shape), jnp.dtype(out_dtype).name)
-    _assert_bits(
+    assert_bits(got, want.reshape(shape), jnp.dtype(out_dtype).name)
+    assert_bits(
         nf4_dequantize(
             codes, absmax, NF4_CODE, SCALE, shape=shape, block_size=block_size, out_dtype=out_dtype, impl="ffi"
         ),
@@ -137,7 +122,7 @@ def test_reference_on_gpu_matches_numpy(out_dtype):
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
-def test_vmap(out_dtype):
+def test_vmap(out_dtype, assert_bits):
     """vmap_method="sequential": each weight of the stack with its own absmax and scale."""
     shape, block_size = (31, 257), 128
     stacked = [_inputs(shape, block_size) for _ in range(3)]
@@ -153,12 +138,12 @@ def test_vmap(out_dtype):
     want = jax.jit(jax.vmap(fn("ref")))(codes, absmax, scales)
     _poison_allocator()
     got = jax.jit(jax.vmap(fn("ffi")))(codes, absmax, scales)
-    _assert_bits(got, want, "vmap")
+    assert_bits(got, want, "vmap")
     for i in range(3):
-        _assert_bits(got[i], fn("ref")(codes[i], absmax[i], scales[i]), f"weight {i}")
+        assert_bits(got[i], fn("ref")(codes[i], absmax[i], scales[i]), f"weight {i}")
 
 
-def test_sliced_inputs():
+def test_sliced_inputs(assert_bits):
     """codes and absmax sliced inside the program: the kernel sees whatever buffers XLA passes (views at odd
     offsets would take the scalar path); either way the result must be the reference's."""
     shape, block_size = (40, 96), 64
@@ -174,7 +159,7 @@ def test_sliced_inputs():
 
     want = fn("ref")(codes, absmax)
     _poison_allocator()
-    _assert_bits(fn("ffi")(codes, absmax), want, "sliced")
+    assert_bits(fn("ffi")(codes, absmax), want, "sliced")
 
 
 def test_gradient_through_kernel():

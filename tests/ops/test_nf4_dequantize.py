@@ -22,21 +22,6 @@ OUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn)
 TABLE = nf4.NF4_CODE
 
 
-def _bits(x) -> np.ndarray:
-    a = np.asarray(x)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
-def _assert_bits(got, want, what=""):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
-    diff = np.flatnonzero(_bits(got) != _bits(want))
-    assert diff.size == 0, (
-        f"{what}: {diff.size} of {got.size} differ, first at {diff[0]}: "
-        f"{got.reshape(-1)[diff[0]]} vs {want.reshape(-1)[diff[0]]}"
-    )
-
-
 def _quantized(shape, block_size, double_quant, seed=0):
     """(codes, fp32 absmax, params) of a random weight quantized by nf4 (DQ: absmax decoded as nf4 does)."""
     w = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * 0.05
@@ -66,7 +51,7 @@ def _numpy_cast(v, dtype):
 @pytest.mark.parametrize("double_quant", [False, True], ids=["fp32_absmax", "dq"])
 @pytest.mark.parametrize("shape", [(7, 49), (24, 100), (16, 512)], ids=str)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_matches_nf4_dequantize(block_size, shape, double_quant):
+def test_matches_nf4_dequantize(block_size, shape, double_quant, assert_bits):
     """Odd n (343), n not a multiple of the block (2400), n a multiple of every block size (8192). Checked against
     nf4.dequantize and against numpy (nf4.dequantize may itself call this op, so numpy keeps the test honest)."""
     codes, absmax, params = _quantized(shape, block_size, double_quant, seed=block_size + shape[0])
@@ -75,16 +60,16 @@ def test_matches_nf4_dequantize(block_size, shape, double_quant):
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
         name = jnp.dtype(dtype).name
         got = nf4_dequantize(codes, absmax, TABLE, shape=shape, block_size=block_size, out_dtype=dtype, impl="ref")
-        _assert_bits(got, _numpy_cast(exact, dtype), name + " vs numpy")
+        assert_bits(got, _numpy_cast(exact, dtype), name + " vs numpy")
         want = nf4.dequantize(params, shape, block_size=block_size, double_quant=double_quant, dtype=dtype)
-        _assert_bits(got, want, name + " vs nf4.dequantize")
+        assert_bits(got, want, name + " vs nf4.dequantize")
         got = nf4_dequantize_ref(codes, absmax, TABLE, shape=shape, block_size=block_size, out_dtype=dtype)
-        _assert_bits(got, want, "ref " + name)
+        assert_bits(got, want, "ref " + name)
 
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_against_numpy_with_scale(block_size, out_dtype):
+def test_against_numpy_with_scale(block_size, out_dtype, assert_bits):
     """Random codes and absmax over a wide range (so e4m3 saturates and goes subnormal), times a scale."""
     rng = np.random.default_rng(block_size)
     shape = (5, 3 * block_size + 37)  # n odd, the last block short
@@ -96,13 +81,13 @@ def test_against_numpy_with_scale(block_size, out_dtype):
         codes, absmax, TABLE, jnp.asarray(scale), shape=shape, block_size=block_size, out_dtype=out_dtype, impl="ref"
     )
     want = _numpy_cast(_numpy_dequant(codes, absmax, n, block_size, scale), out_dtype).reshape(shape)
-    _assert_bits(got, want, jnp.dtype(out_dtype).name)
+    assert_bits(got, want, jnp.dtype(out_dtype).name)
     if jnp.dtype(out_dtype) == jnp.float8_e4m3fn:
         g = np.asarray(got, np.float32)
         assert np.isfinite(g).all() and np.abs(g).max() == 448.0  # saturated, never NaN
 
 
-def test_scale_is_a_second_multiply():
+def test_scale_is_a_second_multiply(assert_bits):
     """code * absmax, rounded, then * scale: the fused or reassociated orders give other bits here."""
     rng = np.random.default_rng(1)
     shape, block_size = (64, 64), 64
@@ -118,16 +103,16 @@ def test_scale_is_a_second_multiply():
     got = nf4_dequantize(
         codes, absmax, TABLE, scale, shape=shape, block_size=block_size, out_dtype=jnp.float32, impl="ref"
     )
-    _assert_bits(got, want.reshape(shape))
+    assert_bits(got, want.reshape(shape))
     got_py = nf4_dequantize(
         codes, absmax, TABLE, 0.7071, shape=shape, block_size=block_size, out_dtype=jnp.float32, impl="ref"
     )
-    _assert_bits(got_py, want.reshape(shape), "python float scale")
+    assert_bits(got_py, want.reshape(shape), "python float scale")
 
 
 @pytest.mark.parametrize("via", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("out_dtype", [jnp.float8_e4m3fn, jnp.float32], ids=lambda d: jnp.dtype(d).name)
-def test_via_dtype_rounds_each_product_before_the_scale(via, out_dtype):
+def test_via_dtype_rounds_each_product_before_the_scale(via, out_dtype, assert_bits):
     """via_dtype: the weight as the model dtype holds it, then scaled (fp8-hybrid's cache of a bf16 weight)."""
     rng = np.random.default_rng(7)
     shape, block_size = (9, 130), 64
@@ -140,7 +125,7 @@ def test_via_dtype_rounds_each_product_before_the_scale(via, out_dtype):
     got = nf4_dequantize(
         codes, absmax, TABLE, scale, shape=shape, block_size=block_size, out_dtype=out_dtype, via_dtype=via, impl="ref"
     )
-    _assert_bits(got, want, "via")
+    assert_bits(got, want, "via")
     direct = nf4_dequantize(
         codes, absmax, TABLE, scale, shape=shape, block_size=block_size, out_dtype=out_dtype, impl="ref"
     )
@@ -157,16 +142,16 @@ def test_via_dtype_rounds_each_product_before_the_scale(via, out_dtype):
         via_dtype=jnp.float32,
         impl="ref",
     )
-    _assert_bits(same, np.asarray(direct), "via float32 is no rounding")
+    assert_bits(same, np.asarray(direct), "via float32 is no rounding")
     with pytest.raises(TypeError, match="via_dtype"):
         nf4_dequantize(codes, absmax, TABLE, scale, shape=shape, block_size=block_size, via_dtype=jnp.int8)
 
 
-def test_code_table_is_an_input():
+def test_code_table_is_an_input(assert_bits):
     codes, absmax, _ = _quantized((8, 64), 64, False)
     table = np.linspace(-3, 3, 16).astype(np.float32)
     got = nf4_dequantize(codes, absmax, table, shape=(8, 64), block_size=64, out_dtype=jnp.float32, impl="ref")
-    _assert_bits(got, _numpy_dequant(codes, absmax, 512, 64, table=table).reshape(8, 64))
+    assert_bits(got, _numpy_dequant(codes, absmax, 512, 64, table=table).reshape(8, 64))
     assert not np.array_equal(got, _numpy_dequant(codes, absmax, 512, 64).reshape(8, 64))
 
 
@@ -211,7 +196,7 @@ def test_empty_weight():
 
 
 @pytest.mark.parametrize("impl", [None, "ref"])
-def test_jit_and_vmap(impl):
+def test_jit_and_vmap(impl, assert_bits):
     shape, block_size = (6, 130), 128  # n = 780: a short last block
     stacked = [_quantized(shape, block_size, False, seed=s)[:2] for s in range(3)]
     codes = jnp.stack([c for c, _ in stacked])
@@ -222,8 +207,8 @@ def test_jit_and_vmap(impl):
     assert got.shape == (3, *shape) and got.dtype == jnp.bfloat16
     for i in range(3):
         want = _numpy_cast(_numpy_dequant(codes[i], absmax[i], 780, block_size, scales[i]), jnp.bfloat16)
-        _assert_bits(got[i], want.reshape(shape), f"weight {i}")
-        _assert_bits(jax.jit(fn)(codes[i], absmax[i], scales[i]), want.reshape(shape), f"jit weight {i}")
+        assert_bits(got[i], want.reshape(shape), f"weight {i}")
+        assert_bits(jax.jit(fn)(codes[i], absmax[i], scales[i]), want.reshape(shape), f"jit weight {i}")
 
 
 @pytest.mark.parametrize("impl", [None, "ref"])
