@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import sysconfig
 import time
@@ -91,43 +89,6 @@ def write_ft_config(path: Path, a, base_model: Path, data_dir: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # Runs
-
-
-def run_jobs(jobs: list[dict], parallel: int, mem_fraction: float | None) -> dict[str, dict]:
-    """Each job {name, cmd, dir, log, steps} as a subprocess, `parallel` at once sharing the GPU; a finished one
-    (summary.json with the requested steps) is reused. A failure prints the tail of its log."""
-    frac = mem_fraction if mem_fraction else 0.9 / max(1, parallel)  # as recipe_accuracy: equal shares of the GPU
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_MEM_FRACTION=f"{frac:.3f}")
-    status = {j["name"]: {"reused": True, "seconds": None, "error": None}
-              for j in jobs if ra.done(j["dir"], j["steps"])}
-    todo = [j for j in jobs if j["name"] not in status]
-    for name in status:
-        print(f"[{name}] reused (finished earlier)", flush=True)
-    running: dict[str, tuple[dict, subprocess.Popen, float, object]] = {}
-    while todo or running:
-        while todo and len(running) < parallel:
-            j = todo.pop(0)
-            log = open(j["log"], "w")  # noqa: SIM115 (closed when the run ends, below)
-            print(f"[{j['name']}] start", flush=True)
-            running[j["name"]] = (j, subprocess.Popen(j["cmd"], cwd=ROOT, env=env, stdout=log,
-                                                      stderr=subprocess.STDOUT), time.perf_counter(), log)
-        time.sleep(1.0)
-        for name, (j, p, t0, log) in list(running.items()):
-            if p.poll() is None:
-                continue
-            log.close()
-            del running[name]
-            secs = time.perf_counter() - t0
-            err = None
-            if p.returncode != 0:
-                lines = [ln for ln in Path(j["log"]).read_text().splitlines() if ln.strip()]
-                err = lines[-1] if lines else f"exit code {p.returncode}"
-                print(f"[{name}] FAILED (exit {p.returncode}, {secs:.0f} s); last lines of {j['log']}:\n    "
-                      + "\n    ".join(lines[-15:]), flush=True)
-            else:
-                print(f"[{name}] done ({secs:.0f} s)", flush=True)
-            status[name] = {"reused": False, "seconds": secs, "error": err}
-    return status
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,9 +190,10 @@ def main(argv=None) -> int:
                                                          log_every=a.log_every), pre / "model", pre / "data")
     base_run = pre / "bf16_s1"
     print(f"corpus A (pre-training): {corpus_a}\nmodel: {model}", flush=True)
-    st = run_jobs([{"name": "pretrain bf16 s1", "dir": base_run, "steps": a.pretrain_steps, "log": pre / "bf16_s1.log",
-                    "cmd": [sys.executable, "-m", "surogate_jax.pretrain", str(pre / "config.yaml"), "recipe=bf16",
-                            "train_seed=1", f"output_dir={base_run}"]}], 1, None)["pretrain bf16 s1"]
+    job = {"name": "pretrain bf16 s1", "dir": base_run, "steps": a.pretrain_steps, "log": pre / "bf16_s1.log",
+           "cmd": [sys.executable, "-m", "surogate_jax.pretrain", str(pre / "config.yaml"), "recipe=bf16",
+                   "train_seed=1", f"output_dir={base_run}"]}
+    st = ra.run_jobs([job], 1, None)["pretrain bf16 s1"]
     base = ra.collect(base_run)
     base_model = base_run / "model"
     if st["error"] or not (base_model / "config.json").is_file() or base["final_eval_loss"] is None:
@@ -253,7 +215,7 @@ def main(argv=None) -> int:
     jobs = [{"name": f"{b} s{s}", "dir": ft / f"{b}_s{s}", "steps": a.ft_steps, "log": ft / f"{b}_s{s}.log",
              "cmd": [sys.executable, "-m", "surogate_jax.sft", str(ft / "config.yaml"), *extra[b], f"train_seed={s}",
                      f"output_dir={ft / f'{b}_s{s}'}"]} for b, s in pairs]
-    status = run_jobs(jobs, a.jobs, a.mem_fraction)
+    status = ra.run_jobs(jobs, a.jobs, a.mem_fraction)
     runs = [{"base": b, "seed": s, **status[f"{b} s{s}"], **ra.collect(ft / f"{b}_s{s}")} for b, s in pairs]
     for x in runs:
         if x["error"] is None and (x["final_eval_loss"] is None or not np.isfinite(x["final_eval_loss"])):

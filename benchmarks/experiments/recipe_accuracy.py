@@ -196,36 +196,50 @@ def done(d: Path, steps: int) -> bool:
     return s.is_file() and json.loads(s.read_text()).get("steps") == steps
 
 
-def run_all(a, config: Path, jobs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
-    frac = a.mem_fraction if a.mem_fraction else 0.9 / max(1, a.jobs)
+def run_jobs(jobs: list[dict], parallel: int, mem_fraction: float | None) -> dict[str, dict]:
+    """Each job {name, cmd, dir, log, steps} as a subprocess, `parallel` at once sharing the GPU; a finished one
+    (summary.json with the requested steps) is reused. A failure prints the tail of its log."""
+    frac = mem_fraction if mem_fraction else 0.9 / max(1, parallel)  # equal shares of the GPU
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_MEM_FRACTION=f"{frac:.3f}")
-    todo = [j for j in jobs if not done(run_dir(a.out, *j), a.steps)]
-    status = {j: {"reused": True, "seconds": None, "error": None} for j in jobs if j not in todo}
-    running: dict[tuple[str, int], tuple[subprocess.Popen, float, object]] = {}
+    status = {j["name"]: {"reused": True, "seconds": None, "error": None}
+              for j in jobs if done(j["dir"], j["steps"])}
+    todo = [j for j in jobs if j["name"] not in status]
+    for name in status:
+        print(f"[{name}] reused (finished earlier)", flush=True)
+    running: dict[str, tuple[dict, subprocess.Popen, float, object]] = {}
     while todo or running:
-        while todo and len(running) < a.jobs:
-            recipe, seed = j = todo.pop(0)
-            d = run_dir(a.out, recipe, seed)
-            cmd = [sys.executable, "-m", "surogate_jax.pretrain", str(config), f"recipe={recipe}",
-                   f"train_seed={seed}", f"output_dir={d}", *a.overrides]
-            log = open(a.out / f"{recipe}_s{seed}.log", "w")  # noqa: SIM115 (closed when the run ends, below)
-            print(f"[{recipe} s{seed}] start", flush=True)
-            running[j] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT),
-                          time.perf_counter(), log)
+        while todo and len(running) < parallel:
+            j = todo.pop(0)
+            log = open(j["log"], "w")  # noqa: SIM115 (closed when the run ends, below)
+            print(f"[{j['name']}] start", flush=True)
+            running[j["name"]] = (j, subprocess.Popen(j["cmd"], cwd=ROOT, env=env, stdout=log,
+                                                      stderr=subprocess.STDOUT), time.perf_counter(), log)
         time.sleep(1.0)
-        for j, (p, t0, log) in list(running.items()):
+        for name, (j, p, t0, log) in list(running.items()):
             if p.poll() is None:
                 continue
             log.close()
-            del running[j]
+            del running[name]
             secs = time.perf_counter() - t0
             err = None
             if p.returncode != 0:
-                tail = [ln for ln in (a.out / f"{j[0]}_s{j[1]}.log").read_text().splitlines() if ln.strip()]
-                err = tail[-1] if tail else f"exit code {p.returncode}"
-            status[j] = {"reused": False, "seconds": secs, "error": err}
-            print(f"[{j[0]} s{j[1]}] {'failed: ' + err if err else 'done'} ({secs:.0f} s)", flush=True)
+                lines = [ln for ln in Path(j["log"]).read_text().splitlines() if ln.strip()]
+                err = lines[-1] if lines else f"exit code {p.returncode}"
+                print(f"[{name}] FAILED (exit {p.returncode}, {secs:.0f} s); last lines of {j['log']}:\n    "
+                      + "\n    ".join(lines[-15:]), flush=True)
+            else:
+                print(f"[{name}] done ({secs:.0f} s)", flush=True)
+            status[name] = {"reused": False, "seconds": secs, "error": err}
     return status
+
+
+def run_all(a, config: Path, jobs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
+    """One pre-training run per (recipe, seed), through `run_jobs`."""
+    specs = [{"name": f"{r} s{s}", "dir": run_dir(a.out, r, s), "steps": a.steps, "log": a.out / f"{r}_s{s}.log",
+              "cmd": [sys.executable, "-m", "surogate_jax.pretrain", str(config), f"recipe={r}", f"train_seed={s}",
+                      f"output_dir={run_dir(a.out, r, s)}", *a.overrides]} for r, s in jobs]
+    status = run_jobs(specs, a.jobs, a.mem_fraction)
+    return {(r, s): status[f"{r} s{s}"] for r, s in jobs}
 
 
 def collect(d: Path) -> dict:
