@@ -181,6 +181,25 @@ def profile_calls(call, calls: int) -> None:
         rt.cudaProfilerStop()
 
 
+def time_calls(fn, inputs, k: int, repeats: int) -> float:
+    """Seconds per call of fn over the first k, then 2k, of `inputs` (a list of argument tuples) in one program:
+    for ops whose inputs never change between calls (a chain on one carry is no fair timing for them), K independent
+    calls and 2K, the difference of the medians over K, so the fixed cost of a call cancels."""
+    progs = [jax.jit(lambda ins: [fn(*i) for i in ins]) for _ in (0, 1)]
+    sets = (inputs[:k], inputs[: 2 * k])
+    for prog, ins in zip(progs, sets, strict=True):
+        for _ in range(3):
+            jax.block_until_ready(prog(ins))
+    times: list[list[float]] = [[], []]
+    for _ in range(repeats):
+        for prog, ins, ts in zip(progs, sets, times, strict=True):
+            t0 = time.perf_counter()
+            jax.block_until_ready(prog(ins))
+            ts.append(time.perf_counter() - t0)
+    one, two = (statistics.median(ts) for ts in times)
+    return (two - one) / k
+
+
 class Table:
     """Prints the compact markdown table and collects JSON records."""
 

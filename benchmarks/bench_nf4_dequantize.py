@@ -17,9 +17,6 @@ Bytes counted (what must move): per weight 0.5 B of codes + 4 / block_size B of 
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import _opbench
 import jax
 import jax.numpy as jnp
@@ -31,23 +28,6 @@ from surogate_jax.qlora.nf4 import NF4_CODE
 # [out, in] as HF stores them: Qwen3-8B down_proj and gate/up_proj, Qwen3-32B down_proj, Qwen3-0.6B down_proj.
 SHAPES = [(4096, 12288), (12288, 4096), (5120, 25600), (1024, 3072)]
 OUTPUTS = [("bfloat16", jnp.bfloat16, False), ("e4m3+scale", jnp.float8_e4m3fn, True)]
-
-
-def time_calls(fn, inputs, k: int, repeats: int) -> float:
-    """Seconds per call of fn over the first k, then 2k, of `inputs` (a list of argument tuples) in one program."""
-    progs = [jax.jit(lambda ins: [fn(*i) for i in ins]) for _ in (0, 1)]
-    sets = (inputs[:k], inputs[: 2 * k])
-    for prog, ins in zip(progs, sets, strict=True):
-        for _ in range(3):
-            jax.block_until_ready(prog(ins))
-    times: list[list[float]] = [[], []]
-    for _ in range(repeats):
-        for prog, ins, ts in zip(progs, sets, times, strict=True):
-            t0 = time.perf_counter()
-            jax.block_until_ready(prog(ins))
-            ts.append(time.perf_counter() - t0)
-    one, two = (statistics.median(ts) for ts in times)
-    return (two - one) / k
 
 
 def main() -> None:
@@ -83,8 +63,8 @@ def main() -> None:
             if not np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)):
                 raise SystemExit(f"error: kernel and reference differ at {shape} {label}")
             del got, want
-            t_ours = time_calls(ours, inputs, k, args.repeats)
-            t_xla = time_calls(xla, inputs, k, args.repeats)
+            t_ours = _opbench.time_calls(ours, inputs, k, args.repeats)
+            t_xla = _opbench.time_calls(xla, inputs, k, args.repeats)
             nbytes = n * (jnp.dtype(out_dtype).itemsize + 0.5 + 4 / bs)
             table.add(f"[{shape[0]}, {shape[1]}]", label, "fwd", t_ours, t_xla, int(nbytes))
         del inputs

@@ -12,7 +12,7 @@
 #     compilation, one core per worker, and the machine has 16).
 #   benches (default: none; benchmarks/README.md says what each measures):
 #     op benchmarks: rms_norm, add_rms_norm, rope, swiglu, swiglu_lora, lm_head_ce, fp8_matmul,
-#       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon, nf4_dequantize
+#       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon, nf4_dequantize, tile_dequantize
 #     model: forward, sft:<size>[,<size>...] (one fresh process per size; SFT_ARGS="--qlora bnb ..." adds flags)
 #     profilers: calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the
 #       RoPE kernels), ncu_ops (kernel-only ours / XLA / same-bytes copy for rope_qk, swiglu, the
@@ -25,7 +25,7 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 B=benchmarks; P=benchmarks/profile
 SUITE="${SUITE:-quick}"; WORKERS="${WORKERS:-$([[ $SUITE == full* ]] && echo 14 || echo 8)}"
 benches=("$@")
-part1=(rope rope_qk rms_norm add_rms_norm swiglu swiglu_lora adamw_8bit normuon nf4_dequantize)
+part1=(rope rope_qk rms_norm add_rms_norm swiglu swiglu_lora adamw_8bit normuon nf4_dequantize tile_dequantize)
 part2=(fp8_matmul nvfp4_matmul nvfp4_quantize lm_head_ce)
 part3=(models parallel qlora recipe)
 files() { for n in "$@"; do echo "tests/gpu/test_${n}_gpu.py"; done; }
@@ -85,6 +85,7 @@ for b in "${benches[@]}"; do
     adamw_8bit) op_bench adamw_8bit 48 ;;
     normuon) op_bench normuon 16 ;;
     nf4_dequantize) op_bench nf4_dequantize 20 ;;
+    tile_dequantize) op_bench tile_dequantize 30 ;;
     ncu_rope) for c in "0.6b q|bwd|positions" "0.6b q|bwd|table" "0.6b k|bwd|positions" "8b k|bwd|table" \
                        "0.6b q|fwd|positions"; do
                 IFS='|' read -r shp pas src <<< "$c"   # kernel-only durations, DRAM throughput, stall reasons

@@ -20,18 +20,19 @@ Targets Nvfp4QuantizeTargets();
 Targets Nvfp4MatmulTargets();
 Targets Adamw8bitTargets();
 Targets Nf4DequantizeTargets();
+Targets TileDequantizeTargets();
 }  // namespace surogate::ffi_bind
 
 namespace {
 
 using surogate::ffi_bind::Targets;
 constexpr Targets (*kOps[])() = {
-    &surogate::ffi_bind::RmsNormTargets,      &surogate::ffi_bind::SwigluTargets,
-    &surogate::ffi_bind::SwigluLoraTargets,   &surogate::ffi_bind::AddRmsNormTargets,
-    &surogate::ffi_bind::LmHeadCeTargets,     &surogate::ffi_bind::RopeTargets,
-    &surogate::ffi_bind::Fp8MatmulTargets,    &surogate::ffi_bind::Nvfp4QuantizeTargets,
-    &surogate::ffi_bind::Nvfp4MatmulTargets,  &surogate::ffi_bind::Adamw8bitTargets,
-    &surogate::ffi_bind::Nf4DequantizeTargets};
+    &surogate::ffi_bind::RmsNormTargets,       &surogate::ffi_bind::SwigluTargets,
+    &surogate::ffi_bind::SwigluLoraTargets,    &surogate::ffi_bind::AddRmsNormTargets,
+    &surogate::ffi_bind::LmHeadCeTargets,      &surogate::ffi_bind::RopeTargets,
+    &surogate::ffi_bind::Fp8MatmulTargets,     &surogate::ffi_bind::Nvfp4QuantizeTargets,
+    &surogate::ffi_bind::Nvfp4MatmulTargets,   &surogate::ffi_bind::Adamw8bitTargets,
+    &surogate::ffi_bind::Nf4DequantizeTargets, &surogate::ffi_bind::TileDequantizeTargets};
 
 }  // namespace
 

@@ -81,7 +81,7 @@ ffi::Error Nf4Dequantize(cudaStream_t stream, int64_t block_size, int32_t has_sc
     return CudaError(
         kOp, nf4_dequantize<OutT>(In<uint8_t>(codes), In<float>(absmax), In<float>(code_table), sc,
                                   Out<OutT>(out), n, static_cast<int>(block_size),
-                                  static_cast<Nf4Via>(via), stream));
+                                  static_cast<DequantVia>(via), stream));
   });
 }
 

@@ -30,22 +30,20 @@
 #include "kernels/nf4_dequantize.h"
 
 #include <algorithm>
-#include <type_traits>
 
-#include "kernels/device_common.cuh"
+#include "kernels/dequant_common.cuh"
 
 namespace surogate {
 namespace {
 
+using dequant::kElems;
+using dequant::pack16;
+using dequant::round_via;
+using dequant::store_one;
+
 constexpr int kThreads = 256;
 constexpr int kChunksPerThread = 4;
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;  // larger grids loop; no weight comes near it
-
-template <typename OutT>
-constexpr int kElems = 16 / static_cast<int>(sizeof(OutT));  // weights per 16-byte store
-
-template <typename OutT>
-constexpr bool kIsFp8 = std::is_same_v<OutT, __nv_fp8_e4m3>;
 
 // The B code bytes of one chunk as 32-bit words, byte 0 in the low bits of word 0.
 template <int B>
@@ -70,47 +68,11 @@ __device__ __forceinline__ uint32_t nibble(const uint32_t (&w)[W], int e) {
   return (w[byte >> 2] >> shift) & 15u;
 }
 
-template <typename OutT>
-__device__ __forceinline__ uint4 pack16(const float (&v)[kElems<OutT>]) {
-  if constexpr (kIsFp8<OutT>) {
-    uint32_t w[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      // .x goes to the low byte (the lower address)
-      const uint32_t lo =
-          __nv_cvt_float2_to_fp8x2(make_float2(v[4 * q], v[4 * q + 1]), __NV_SATFINITE, __NV_E4M3);
-      const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[4 * q + 2], v[4 * q + 3]),
-                                                   __NV_SATFINITE, __NV_E4M3);
-      w[q] = lo | (hi << 16);
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
-  } else {
-    return vec::pack<OutT, kElems<OutT>>(v).u;
-  }
-}
-
-template <typename OutT>
-__device__ __forceinline__ void store_one(OutT* out, int64_t i, float v) {
-  if constexpr (kIsFp8<OutT>) {
-    reinterpret_cast<__nv_fp8_storage_t*>(out)[i] =
-        __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
-  } else {
-    out[i] = from_float<OutT>(v);
-  }
-}
-
-// The product as the model dtype holds it (fp8-hybrid's cache quantizes the weight in that dtype).
-__device__ __forceinline__ float round_via(float v, Nf4Via via) {
-  if (via == Nf4Via::kBf16) return __bfloat162float(__float2bfloat16_rn(v));
-  if (via == Nf4Via::kF16) return __half2float(__float2half_rn(v));
-  return v;
-}
-
 // One weight, for the scalar kernel and the vector kernel's tail. `table` is in shared memory.
 template <typename OutT>
 __device__ __forceinline__ void dequant_one(const uint8_t* codes, const float* absmax,
                                             const float* table, const float* scale, OutT* out,
-                                            int64_t i, int log2_block, Nf4Via via) {
+                                            int64_t i, int log2_block, DequantVia via) {
   const uint32_t byte = __ldg(codes + (i >> 1));
   const uint32_t idx = (i & 1) ? (byte & 15u) : (byte >> 4);
   float v = round_via(__fmul_rn(table[idx], __ldg(absmax + (i >> log2_block))), via);
@@ -128,7 +90,7 @@ __global__ void __launch_bounds__(kThreads)
     nf4_dequant_vec_kernel(const uint8_t* __restrict__ codes, const float* __restrict__ absmax,
                            const float* __restrict__ code_table, const float* __restrict__ scale,
                            OutT* __restrict__ out, int64_t n, int64_t nchunks, int log2_block,
-                           Nf4Via via) {
+                           DequantVia via) {
   constexpr int E = kElems<OutT>, B = E / 2, W = (B + 3) / 4, U = kChunksPerThread;
   __shared__ float table[16];
   load_table(code_table, table);
@@ -170,7 +132,7 @@ template <typename OutT>
 __global__ void __launch_bounds__(kThreads)
     nf4_dequant_scalar_kernel(const uint8_t* __restrict__ codes, const float* __restrict__ absmax,
                               const float* __restrict__ code_table, const float* __restrict__ scale,
-                              OutT* __restrict__ out, int64_t n, int log2_block, Nf4Via via) {
+                              OutT* __restrict__ out, int64_t n, int log2_block, DequantVia via) {
   __shared__ float table[16];
   load_table(code_table, table);
   const int64_t step = int64_t{gridDim.x} * kThreads;
@@ -203,7 +165,7 @@ unsigned grid_for(int64_t units, int64_t per_block) {
 
 template <typename OutT>
 cudaError_t nf4_dequantize(const uint8_t* codes, const float* absmax, const float* code_table,
-                           const float* scale, OutT* out, int64_t n, int block_size, Nf4Via via,
+                           const float* scale, OutT* out, int64_t n, int block_size, DequantVia via,
                            cudaStream_t stream) {
   const int log2_block = log2_block_size(block_size);
   const int v = static_cast<int>(via);
@@ -224,9 +186,9 @@ cudaError_t nf4_dequantize(const uint8_t* codes, const float* absmax, const floa
   return cudaGetLastError();
 }
 
-#define SUROGATE_NF4_DEQUANTIZE_INSTANTIATE(OutT)                                       \
-  template cudaError_t nf4_dequantize<OutT>(const uint8_t*, const float*, const float*, \
-                                            const float*, OutT*, int64_t, int, Nf4Via,  \
+#define SUROGATE_NF4_DEQUANTIZE_INSTANTIATE(OutT)                                          \
+  template cudaError_t nf4_dequantize<OutT>(const uint8_t*, const float*, const float*,    \
+                                            const float*, OutT*, int64_t, int, DequantVia, \
                                             cudaStream_t);
 
 SUROGATE_NF4_DEQUANTIZE_INSTANTIATE(float)

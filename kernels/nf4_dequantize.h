@@ -28,14 +28,13 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime_api.h>
 
-namespace surogate {
+#include "kernels/dequant_via.h"
 
-// An intermediate rounding of each product before the scale (RNE): none, bfloat16 or float16.
-enum class Nf4Via : int { kNone = 0, kBf16 = 1, kF16 = 2 };
+namespace surogate {
 
 template <typename OutT>
 cudaError_t nf4_dequantize(const uint8_t* codes, const float* absmax, const float* code_table,
-                           const float* scale, OutT* out, int64_t n, int block_size, Nf4Via via,
+                           const float* scale, OutT* out, int64_t n, int block_size, DequantVia via,
                            cudaStream_t stream);
 
 }  // namespace surogate

@@ -8,11 +8,12 @@ each a module of this package with the same functions (`quantize`, `dequantize`,
 Only the seven projections of every decoder layer are quantized; embeddings, lm_head, norms and biases keep the
 model dtype (surogate_inventory.md 3.6).
 
-The GEMM (`frozen_matmul`) dequantizes W into the compute dtype and multiplies; its backward gives dX only (the
+The GEMM (`frozen_matmul`) dequantizes W into the compute dtype (our CUDA kernels on a GPU: ops/nf4_dequantize.py,
+ops/tile_dequantize.py) and multiplies; its backward gives dX only (the
 base is frozen) and dequantizes again instead of saving W, so no layer's dequantized copy outlives its GEMM: the
 activations saved for the backward are those of a plain LoRA step, the base costs its quantized bytes. Under
-fp8-hybrid, `frozen_fp8_weight` turns the base straight into the E4M3 weight [out, in] of the frozen FP8 GEMM (for
-NF4 one kernel pass, ops/nf4_dequantize.py); NF4 dequantizes through that kernel under bf16 too.
+fp8-hybrid, `frozen_fp8_weight` turns the base straight into the E4M3 weight [out, in] of the frozen FP8 GEMM in
+one kernel pass from its codes.
 """
 
 from __future__ import annotations
@@ -116,8 +117,7 @@ def quantize(spec: QloraSpec, w: jax.Array) -> dict[str, jax.Array]:
 def dequantize(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int], dtype: Any, *,
                mesh=None) -> jax.Array:
     """The weight [out, in] in `dtype` (fp32 math, one rounding). mesh: the devices NF4's kernel runs on."""
-    kw = _kw(spec) | ({"mesh": mesh} if spec.format == "nf4" else {})
-    return format_module(spec.format).dequantize(params, tuple(shape), dtype=dtype, **kw)
+    return format_module(spec.format).dequantize(params, tuple(shape), dtype=dtype, mesh=mesh, **_kw(spec))
 
 
 def _zero_cotangent(a: jax.Array):
@@ -166,15 +166,10 @@ def frozen_fp8_weight(spec: QloraSpec, params: Mapping[str, jax.Array], shape: t
                       mesh=None) -> tuple[jax.Array, jax.Array]:
     """(wq float8_e4m3fn [out, in], scale f32 []): what fp8-hybrid's frozen cache makes of the weight dequantized in
     `dtype` (precision.recipe.cache_kernel: current scaling, scale = 448 / max|W|), in the HF layout its forward GEMM
-    reads. NF4 goes through one fused kernel pass (ops.nf4_dequantize) and takes max|W| from the block absmaxes."""
-    if spec.format == "nf4":
-        return format_module("nf4").fp8_weight(params, tuple(shape), block_size=spec.block_size,
-                                               double_quant=spec.double_quant, dtype=dtype, mesh=mesh)
-    from surogate_jax.ops import fp8_formats
-
-    w = dequantize(spec, params, shape, dtype)
-    scale = fp8_formats.current_scale(jnp.max(jnp.abs(w.astype(jnp.float32))))
-    return fp8_formats.quantize(w, scale, fp8_formats.E4M3), scale
+    reads. Every format goes from its codes to E4M3 in one kernel pass (ops.nf4_dequantize, ops.tile_dequantize)
+    and takes max|W| from its block absmaxes (NF4) or each tile's largest code (FP8, NVFP4), bit for bit the
+    quantization of the dequantized weight."""
+    return format_module(spec.format).fp8_weight(params, tuple(shape), dtype=dtype, mesh=mesh, **_kw(spec))
 
 
 def base_kernel(spec: QloraSpec, params: Mapping[str, jax.Array], in_shape: tuple[int, ...],

@@ -59,6 +59,8 @@ import ml_dtypes
 import numpy as np
 
 from surogate_jax.names import FP8_BLOCK_SIZES as BLOCK_SIZES
+from surogate_jax.ops.fp8_formats import E4M3, current_scale
+from surogate_jax.ops.tile_dequantize import tile_amax, tile_dequantize
 from surogate_jax.qlora import _checks
 
 FP8_MAX = 448.0
@@ -150,16 +152,30 @@ def _check_params(params: Mapping, shape, block_size: int, fn: str) -> None:
                              f"{tuple(a.shape)}")
 
 
-def dequantize(params: Mapping, shape, *, block_size: int = 128, dtype=jnp.bfloat16) -> jax.Array:
+def dequantize(params: Mapping, shape, *, block_size: int = 128, dtype=jnp.bfloat16, mesh=None) -> jax.Array:
     """float(fp8_weight) * fp8_scale_inv broadcast over the b x b tiles: [out, in] in `dtype` (float32 math, one
-    rounding to dtype at the end)."""
+    rounding to dtype at the end), through ops.tile_dequantize (our CUDA kernel on a GPU). mesh: the devices it
+    runs on (the op's `mesh`)."""
     b = _check_block(block_size)
-    out, inp = _check_shape(shape)
-    _check_params(params, (out, inp), b, "dequantize")
+    shape = _check_shape(shape)
+    _check_params(params, shape, b, "dequantize")
+    return tile_dequantize(params[WEIGHT], params[SCALE_INV], fmt="fp8", shape=shape, tile=b, out_dtype=dtype,
+                           mesh=mesh)
+
+
+def fp8_weight(params: Mapping, shape, *, block_size: int = 128, dtype=jnp.bfloat16,
+               mesh=None) -> tuple[jax.Array, jax.Array]:
+    """(wq float8_e4m3fn [out, in], scale f32 []) = fp8-hybrid's frozen cache of the weight dequantized in `dtype`:
+    scale = 448 / max|W| (current scaling; max|W| from each tile's largest code, ops.tile_amax), wq =
+    E4M3(clip(W * scale)), one kernel pass from the block-scaled codes (no `dtype` copy of the weight is written)."""
+    b = _check_block(block_size)
+    shape = _check_shape(shape)
+    _check_params(params, shape, b, "fp8_weight")
     q, s = params[WEIGHT], params[SCALE_INV]
-    rows, cols = s.shape
-    s_full = jnp.broadcast_to(s[:, None, :, None], (rows, b, cols, b)).reshape(rows * b, cols * b)[:out, :inp]
-    return (q.astype(jnp.float32) * s_full).astype(dtype)
+    scale = current_scale(tile_amax(q, s, fmt="fp8", shape=shape, tile=b, via_dtype=dtype))
+    wq = tile_dequantize(q, s, None, scale, fmt="fp8", shape=shape, tile=b, out_dtype=E4M3, via_dtype=dtype,
+                         mesh=mesh)
+    return wq, scale
 
 
 def to_hf(params: Mapping, shape, *, block_size: int = 128) -> dict[str, np.ndarray]:
