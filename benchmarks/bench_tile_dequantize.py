@@ -56,6 +56,7 @@ def _xla_fp8_weight(spec, p, shape):
     """The fp8-hybrid weight as XLA computed it before the kernel: dequantize to bf16, max, quantize."""
     c, s, g = _operands(spec.format, p)
     w = tile_dequantize_ref(c, s, g, fmt=spec.format, shape=shape, tile=spec.block_size, out_dtype=jnp.bfloat16)
+    w = jax.lax.optimization_barrier(w)  # a bf16 weight in memory: XLA:GPU may not skip its rounding in the max
     scale = fp8_formats.current_scale(jnp.max(jnp.abs(w.astype(jnp.float32))))
     return fp8_formats.quantize(w, scale, fp8_formats.E4M3), scale
 

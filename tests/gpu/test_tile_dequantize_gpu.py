@@ -162,7 +162,7 @@ def test_qlora_fp8_weight_through_kernel(fmt, assert_bits):
     from surogate_jax.ops import fp8_formats
     from surogate_jax.qlora import base
 
-    spec = base.QloraSpec(fmt, 128 if fmt == "fp8" else 16)
+    spec = base.QloraSpec("fp8", 128) if fmt == "fp8" else base.QloraSpec("fp4", 16)
     shape = (1000, 1024)
     w = jax.random.normal(jax.random.key(7), shape, jnp.float32) * jnp.exp(jax.random.normal(jax.random.key(8),
                                                                                              (shape[0], 1)))
