@@ -63,7 +63,7 @@ def _xla_fp8_weight(spec, p, shape):
 
 def _check_same(got, want, what):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        if not np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)):
+        if not np.array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8)):
             raise SystemExit(f"error: kernel and reference differ at {what}")
 
 
