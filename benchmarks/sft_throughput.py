@@ -132,8 +132,11 @@ def compiled_memory_gb(compiled) -> dict:
 def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int, gpus: int = 1,
         zero_level: int = 1, offload: tuple[str, ...] = (), full_ft: bool = False, optimizer: str = "adamw",
         baseline_tps: float | None = None, recipe: str = "bf16", kernels: tuple[str, ...] | None = None,
-        qlora: str | None = None) -> dict:
+        qlora: str | None = None, max_segments: int | None = None) -> dict:
     cfg = qwen3(size, recompute, full_ft, "residual" in offload)
+    # packed attention: documents of >= 64 tokens, so at most ceil(seq / 64) a row (packed_batches); 0/None: mask
+    max_segments = -(-seq // 64) if max_segments == -1 else max_segments
+    cfg = cfg.replace(max_segments=max_segments or None)
     if qlora is not None:  # the frozen base's projections stored quantized (the config keys' defaults)
         from surogate_jax.qlora.base import QloraSpec
 
@@ -191,7 +194,7 @@ def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int
                optimizer=optimizer,
                init_peak_gb_per_gpu=init_peaks, compiled_gb=mem,
                parallel=layout.describe(), remat=cfg.remat_policy, baseline_tps=baseline_tps,
-               kernels=list(cfg.kernels), ops_env=os.environ.get("SUROGATE_JAX_OPS", ""),
+               kernels=list(cfg.kernels), max_segments=cfg.max_segments, ops_env=os.environ.get("SUROGATE_JAX_OPS", ""),
                ffi_graphs=os.environ.get("SUROGATE_JAX_FFI_GRAPHS", "1"),
                scaling_efficiency=(tps / len(devices) / baseline_tps) if baseline_tps else None)
     return res
@@ -229,13 +232,15 @@ def main():
     ap.add_argument("--recipe", choices=("bf16", "fp8-hybrid", "nvfp4"), default="bf16", help="precision recipe")
     ap.add_argument("--qlora", choices=("bnb", "fp8", "fp4"), help="QLoRA base format (LoRA only)")
     ap.add_argument("--kernels", help="comma list of DecoderConfig.kernels ('none' for all-XLA; default: the model's)")
+    ap.add_argument("--max-segments", type=int, default=0, help="cuDNN packed attention with this bound on the "
+                    "documents of a row (-1: the data's, ceil(seq / 64)); 0 (default): the dense same-document mask")
     ap.add_argument("--out")
     a = ap.parse_args()
     kernels = None if a.kernels is None else tuple(k for k in a.kernels.split(",") if k and k != "none")
     offload = tuple(o for o in OFFLOADS if getattr(a, f"offload_{o}"))
     res = run(a.size, a.steps, a.recompute, a.batch, a.accum, a.seq, gpus=a.gpus, zero_level=a.zero_level,
               offload=offload, full_ft=a.full_ft, optimizer=a.optimizer, baseline_tps=a.baseline_tps,
-              recipe=a.recipe, kernels=kernels, qlora=a.qlora)
+              recipe=a.recipe, kernels=kernels, qlora=a.qlora, max_segments=a.max_segments)
     plain = res["gpus"] == 1 and not (offload or a.full_ft or a.optimizer != "adamw" or a.baseline_tps or a.qlora)
     print(json.dumps(res))
     print(table_line(res, plain))

@@ -9,11 +9,11 @@ config into a `DecoderConfig` and say which features are on:
 Layers are stacked with `nn.scan` (params get a leading `layers` axis) and can be rematerialized;
 parameters are plain arrays (parallel.py shards them by shape). Norms call `surogate_jax.ops.rms_norm`
 (our CUDA kernel on GPU, its pure-JAX reference elsewhere). Attention goes through
-`jax.nn.dot_product_attention`: cuDNN flash attention on GPU for bf16/fp16, XLA otherwise.
+`surogate_jax.ops.attention`: cuDNN flash attention on GPU for bf16/fp16, XLA otherwise.
 
-Packed rows: `segment_ids [B, T]` (equal ids = same document) restrict attention to the token's own
-document, and `positions [B, T]` restart per document, so a packed row computes exactly what each
-document would alone.
+Packed rows: `segment_ids [B, T]` (contiguous runs of equal ids = one document) restrict attention to the
+token's own document, and `positions [B, T]` restart per document, so a packed row computes exactly what each
+document would alone. With `max_segments` set, cuDNN computes only each document's own blocks.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from surogate_jax.names import PROJECTIONS, REMAT_POLICIES
 from surogate_jax.ops import add_rms_norm, fp8_formats, rms_norm, rope_qk, swiglu, swiglu_lora
+from surogate_jax.ops.attention import attention
 from surogate_jax.precision import recipe as recipe_lib
 from surogate_jax.precision.recipe import QuantRecipe
 from surogate_jax.qlora import base as qlora_base
@@ -116,6 +117,9 @@ class DecoderConfig:
     dtype: Dtype = jnp.float32  # activations / matmul inputs
     param_dtype: Dtype = jnp.float32
     attention_impl: str = "auto"  # "auto" | "cudnn" | "xla"
+    # A bound on the segments (documents, a padding run) of any packed row: lets cuDNN skip the blocks between
+    # documents (ops/attention.py); None: the dense same-segment mask. The data loader guarantees it.
+    max_segments: int | None = None
     remat_policy: str = "none"  # one of REMAT_POLICIES
     kernels: tuple[str, ...] = DEFAULT_KERNELS  # ops of MODEL_KERNELS that run our CUDA kernels on GPU
     lora: LoraSpec | None = None
@@ -135,6 +139,8 @@ class DecoderConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.attention_impl not in ("auto", "cudnn", "xla"):
             raise ValueError(f"attention_impl={self.attention_impl!r}: use auto, cudnn or xla")
+        if self.max_segments is not None and (isinstance(self.max_segments, bool) or self.max_segments < 1):
+            raise ValueError(f"max_segments={self.max_segments!r}: a positive int or None")
         if not set(self.kernels) <= set(MODEL_KERNELS):
             raise ValueError(f"kernels={self.kernels!r}: choose among {MODEL_KERNELS}")
         if self.remat_policy not in REMAT_POLICIES:
@@ -369,15 +375,6 @@ class Linear(nn.Module):
         return xa, b.astype(cfg.dtype)
 
 
-def _attention_impl(cfg: DecoderConfig, dtype) -> str:
-    """cuDNN flash attention needs a GPU and 16-bit inputs; XLA elsewhere."""
-    if cfg.attention_impl != "auto":
-        return cfg.attention_impl
-    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
-        return "cudnn"
-    return "xla"
-
-
 class Attention(nn.Module):
     cfg: DecoderConfig
 
@@ -394,15 +391,7 @@ class Attention(nn.Module):
             wk = NormScale(K, cfg.param_dtype, name="k_norm")().astype(cfg.dtype)
         q, k = apply_rope_qk(q.astype(cfg.dtype), k.astype(cfg.dtype), cos_BTK, sin_BTK, wq, wk, cfg.rms_norm_eps,
                              cfg.impl("rope"), cfg.mesh)
-        impl = _attention_impl(cfg, q.dtype)
-        if segment_ids_BT is None:
-            o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-        else:
-            T = x_BTD.shape[1]
-            causal_TT = jnp.tril(jnp.ones((T, T), jnp.bool_))
-            same_BTT = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-            mask_B1TT = (same_BTT & causal_TT)[:, None]
-            o = jax.nn.dot_product_attention(q, k, v, mask=mask_B1TT, implementation=impl)
+        o = attention(q, k, v, segment_ids_BT, impl=cfg.attention_impl, max_segments=cfg.max_segments, mesh=cfg.mesh)
         return Linear((cfg.hidden_size,), cfg, in_dims=2, name="o_proj")(o, layer)
 
 

@@ -2,8 +2,11 @@
 
 Each epoch shuffles the documents (numpy Generator seeded from (seed, epoch)) and lays them out
 in rows of T tokens. With packing, documents fill rows greedily in that order and never straddle
-rows: a document that does not fit closes the row (padded) and starts the next; `positions`
-restart at 0 and `segment_ids` count 1, 2, ... per document in a row (0 = padding). Without
+rows: a document that does not fit closes the row (padded) and starts the next, and so does the
+document past `max_docs_per_row` (4x the documents an average row holds), so `max_segments` (that cap
+plus a padding run) bounds the segments of every row: the model's packed attention needs a static bound
+(surogate_jax/ops/attention.py). `positions` restart at 0 and `segment_ids` count 1, 2, ... per
+document in a row (0 = padding). Without
 packing, one document per row. Documents longer than T (tokenized with a larger sequence_len) are
 cut to T here too.
 
@@ -31,6 +34,12 @@ from .docs import DataError, TokenizedDocs
 STATE_VERSION = 1
 
 
+def docs_per_row_cap(sequence_len: int, mean_len: float) -> int:
+    """Most documents a packed row may hold: 4x what a row of average documents holds (so it rarely binds),
+    at most sequence_len."""
+    return int(min(sequence_len, 4 * -(-sequence_len // max(1, round(mean_len)))))
+
+
 class BatchLoader:
     def __init__(self, docs: TokenizedDocs, *, batch_size: int, sequence_len: int, packing: bool, seed: int,
                  shuffle: bool = True, process_index: int = 0, process_count: int = 1):
@@ -49,9 +58,15 @@ class BatchLoader:
         self.process_index = process_index
         self.process_count = process_count
         self._lengths = np.minimum(docs.lengths, sequence_len)
+        self.max_docs_per_row = docs_per_row_cap(sequence_len, float(self._lengths.mean())) if packing else 1
         self._epoch = 0
         self._row = 0  # next global row of the current epoch
         self._layout_cache: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    @property
+    def max_segments(self) -> int:
+        """Bound on the segments of any row: its documents and a trailing padding run."""
+        return self.max_docs_per_row + 1
 
     # --- position ------------------------------------------------------------------------------
 
@@ -72,14 +87,16 @@ class BatchLoader:
                 "index": self._row // self._rows_per_step, "seed": self.seed, "shuffle": self.shuffle,
                 "packing": self.packing, "sequence_len": self.sequence_len, "n_docs": len(self.docs),
                 "n_tokens": int(len(self.docs.tokens)), "batch_size": self.batch_size,
-                "process_count": self.process_count}
+                "process_count": self.process_count, "max_docs_per_row": self.max_docs_per_row}
 
     def restore(self, state: dict) -> None:
         """Continue exactly where `state` was taken (on any process of the same run)."""
         if state.get("version") != STATE_VERSION:
             raise DataError(f"data loader state version {state.get('version')!r} is not {STATE_VERSION}")
         mine = self.state()
-        for key in ("seed", "shuffle", "packing", "sequence_len", "n_docs", "n_tokens"):
+        for key in ("seed", "shuffle", "packing", "sequence_len", "n_docs", "n_tokens", "max_docs_per_row"):
+            if key == "max_docs_per_row" and key not in state:
+                continue  # a state from before the cap: its layout had none (equal unless a row held more)
             if state.get(key) != mine[key]:
                 raise DataError(f"cannot resume the data position: {key} was {state.get(key)!r} and is now "
                                 f"{mine[key]!r} (the dataset or data settings changed since the checkpoint)")
@@ -125,11 +142,11 @@ class BatchLoader:
     def _rows(self, order: np.ndarray) -> np.ndarray:
         if not self.packing:
             return np.arange(len(order) + 1)
-        T = self.sequence_len
+        T, cap = self.sequence_len, self.max_docs_per_row
         ptr = [0]
         fill = 0
         for i, n in enumerate(self._lengths[order].tolist()):
-            if fill + n > T:
+            if fill + n > T or i - ptr[-1] == cap:
                 ptr.append(i)
                 fill = 0
             fill += n

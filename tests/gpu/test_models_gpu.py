@@ -54,13 +54,14 @@ def test_cudnn_matches_xla_forward_and_grads():
         assert _rel(a, b) < 5e-2, path  # bf16 backward through 3 layers vs fp32
 
 
-def test_packed_rows_with_cudnn():
+@pytest.mark.parametrize("max_segments", [None, 4, 9])  # None: the dense mask; else cuDNN's packed layout
+def test_packed_rows_with_cudnn(max_segments):
     lengths = (100, 37, 250, 125)
     T = sum(lengths)
     ids, params = _setup(1, B=1, T=T)
     seg = jnp.asarray(np.concatenate([np.full(n, k + 1) for k, n in enumerate(lengths)])[None], jnp.int32)
     pos = jnp.asarray(np.concatenate([np.arange(n) for n in lengths])[None], jnp.int32)
-    cfg = CFG.replace(attention_impl="cudnn")
+    cfg = CFG.replace(attention_impl="cudnn", max_segments=max_segments)
     packed = Decoder(cfg).apply({"params": params}, ids, positions=pos, segment_ids=seg).astype(jnp.float32)
     start = 0
     for n in lengths:
