@@ -13,7 +13,8 @@
 #   benches (default: none; benchmarks/README.md says what each measures):
 #     op benchmarks: rms_norm, add_rms_norm, rope, swiglu, swiglu_lora, lm_head_ce, fp8_matmul,
 #       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon, nf4_dequantize, tile_dequantize
-#     model: forward, sft:<size>[,<size>...] (one fresh process per size; SFT_ARGS="--qlora bnb ..." adds flags)
+#     model: forward, sft:<size>[,<size>...] (one fresh process per size; SFT_ARGS="--qlora bnb ..." adds flags),
+#       peer:<size>[,<size>...] (the HF transformers + PEFT peer, without then with gradient checkpointing)
 #     profilers: calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the
 #       RoPE kernels), ncu_ops (kernel-only ours / XLA / same-bytes copy for rope_qk, swiglu, the
 #       norms), ncu_swiglu_lora (the same for swiglu_lora, both forms)
@@ -130,6 +131,10 @@ for b in "${benches[@]}"; do
            for s in ${sizes//,/ }; do
              python3 "$B/sft_throughput.py" --size "$s" ${SFT_ARGS:-} --out "$OUT/sft_throughput.jsonl" 2>&1 | tail -2
            done ;;
+    peer:*) sizes=${b#peer:}   # the HF+PEFT peer, one fresh process per size and checkpointing setting
+            for s in ${sizes//,/ }; do for gc in "" --gradient-checkpointing; do
+              python3 "$B/peer_hf_peft.py" --size "$s" $gc --out "$OUT/peer_hf_peft.jsonl" 2>&1 | tail -1
+            done; done ;;
     *) echo "unknown bench $b" ;;
   esac
 done

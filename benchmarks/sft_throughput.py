@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _qwen3 import QWEN3, SEED_H100, TARGETS, head_dim, vocab_size
 
 from surogate_jax import parallel as par
 from surogate_jax import train as T
@@ -43,29 +44,14 @@ from surogate_jax.metrics import H100_BF16_PEAK, flops_per_token
 from surogate_jax.models import Decoder, DecoderConfig, LoraSpec
 from surogate_jax.optim import adamw_8bit, fp32_state_mask
 
-QWEN3 = {  # from the Qwen3 config.json files: hidden, intermediate, layers, heads, kv heads, tied
-    "0.6b": (1024, 3072, 28, 16, 8, True),
-    "1.7b": (2048, 6144, 28, 16, 8, True),
-    "4b": (2560, 9728, 36, 32, 8, True),
-    "8b": (4096, 12288, 36, 32, 8, False),
-    "14b": (5120, 17408, 40, 40, 8, False),
-    "32b": (5120, 25600, 64, 64, 8, False),
-    "tiny": (64, 128, 2, 4, 2, True),  # CPU smoke test of this script only (small vocab too)
-}
-SEED_H100 = {  # seed table, NVIDIA H100 80GB HBM3, total tokens/s (Surogate BF16, Unsloth BF16)
-    "0.6b": (53.9e3, 21.3e3), "1.7b": (32.8e3, 20.8e3), "4b": (15.9e3, 12.4e3),
-    "8b": (10.2e3, 8.9e3), "14b": (6.0e3, 5.6e3), "32b": (float("nan"), float("nan")),
-    "tiny": (float("nan"), float("nan")),
-}
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 OFFLOADS = ("optimizer", "master", "grads", "residual")
 
 
 def qwen3(size: str, recompute: bool, full_ft: bool = False, offload_residual: bool = False) -> DecoderConfig:
     D, F, L, H, KV, tied = QWEN3[size]
     return DecoderConfig(
-        model_type="qwen3", vocab_size=2048 if size == "tiny" else 151936, hidden_size=D, intermediate_size=F,
-        num_layers=L, num_heads=H, num_kv_heads=KV, head_dim=16 if size == "tiny" else 128, qk_norm=True,
+        model_type="qwen3", vocab_size=vocab_size(size), hidden_size=D, intermediate_size=F,
+        num_layers=L, num_heads=H, num_kv_heads=KV, head_dim=head_dim(size), qk_norm=True,
         rope_theta=1e6, tie_word_embeddings=tied, dtype=jnp.bfloat16,
         param_dtype=jnp.float32 if full_ft else jnp.bfloat16,  # full FT: fp32 masters, bf16 compute
         remat_policy=par.remat_policy(recompute, offload_residual),

@@ -20,7 +20,8 @@ CASES = [
 ]
 # Both cases in one process (one jax start-up); each through the script's own main().
 SCRIPT = r'''
-import sys, runpy
+import os, sys, runpy
+sys.path.insert(0, os.path.dirname(PATH))  # as `python3 benchmarks/sft_throughput.py` sets it (its _qwen3 import)
 for argv in CASES:
     sys.argv = ["sft_throughput.py", *argv]
     runpy.run_path(PATH, run_name="__main__")
