@@ -17,7 +17,7 @@ ParallelConfig with --zero-level / --offload-*; train.init_state; train.jit_trai
 fine-tuning does. --baseline-tps (the 1-GPU tokens/s) adds the scaling efficiency
 (tokens/s per GPU / baseline).
 
-    python benchmarks/sft_throughput.py --size 0.6b [--steps 8] [--no-recompute] [--out f.json]
+    python benchmarks/sft_throughput.py --size 0.6b [--steps 8] [--no-recompute | --auto-recompute] [--out f.json]
     python benchmarks/sft_throughput.py --size 8b --gpus 4 --full-ft --zero-level 3 --offload-optimizer
 """
 
@@ -47,14 +47,14 @@ from surogate_jax.optim import adamw_8bit, fp32_state_mask
 OFFLOADS = ("optimizer", "master", "grads", "residual")
 
 
-def qwen3(size: str, recompute: bool, full_ft: bool = False, offload_residual: bool = False) -> DecoderConfig:
+def qwen3(size: str, recompute: bool | str, full_ft: bool = False, offload_residual: bool = False) -> DecoderConfig:
     D, F, L, H, KV, tied = QWEN3[size]
     return DecoderConfig(
         model_type="qwen3", vocab_size=vocab_size(size), hidden_size=D, intermediate_size=F,
         num_layers=L, num_heads=H, num_kv_heads=KV, head_dim=head_dim(size), qk_norm=True,
         rope_theta=1e6, tie_word_embeddings=tied, dtype=jnp.bfloat16,
         param_dtype=jnp.float32 if full_ft else jnp.bfloat16,  # full FT: fp32 masters, bf16 compute
-        remat_policy=par.remat_policy(recompute, offload_residual),
+        remat_policy="full" if recompute == "auto" else par.remat_policy(recompute, offload_residual),
         lora=None if full_ft else LoraSpec(rank=16, alpha=32.0, targets=TARGETS),
     )
 
@@ -115,7 +115,7 @@ def compiled_memory_gb(compiled) -> dict:
             "host_arguments": g("host_argument_size_in_bytes"), "host_temp": g("host_temp_size_in_bytes")}
 
 
-def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int, gpus: int = 1,
+def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, seq: int, gpus: int = 1,
         zero_level: int = 1, offload: tuple[str, ...] = (), full_ft: bool = False, optimizer: str = "adamw",
         baseline_tps: float | None = None, recipe: str = "bf16", kernels: tuple[str, ...] | None = None,
         qlora: str | None = None, max_segments: int | None = None) -> dict:
@@ -153,7 +153,12 @@ def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int
                for b in packed_batches(np.random.default_rng(0), 3, accum, rows, seq, cfg.vocab_size)]
     init_peaks = device_peaks(devices)  # before the first step: what building the state took
     t0 = time.perf_counter()
-    step = step.lower(state, batches[0]).compile()
+    note = None
+    if recompute == "auto":  # the trainer's `recompute: auto`: the fastest remat policy whose step fits
+        model, step, note = T.pick_remat(model, tx, lambda s: 2e-4, mesh, state, layout, batches[0])
+        print(note, flush=True)
+    else:
+        step = step.lower(state, batches[0]).compile()
     mem = compiled_memory_gb(step)
     state, m = step(state, batches[0])
     jax.block_until_ready(m)
@@ -179,7 +184,7 @@ def run(size: str, steps: int, recompute: bool, batch: int, accum: int, seq: int
                zero_level=zero_level, offload=list(offload),
                optimizer=optimizer,
                init_peak_gb_per_gpu=init_peaks, compiled_gb=mem,
-               parallel=layout.describe(), remat=cfg.remat_policy, baseline_tps=baseline_tps,
+               parallel=layout.describe(), remat=model.config.remat_policy, remat_note=note, baseline_tps=baseline_tps,
                kernels=list(cfg.kernels), max_segments=cfg.max_segments, ops_env=os.environ.get("SUROGATE_JAX_OPS", ""),
                ffi_graphs=os.environ.get("SUROGATE_JAX_FFI_GRAPHS", "1"),
                scaling_efficiency=(tps / len(devices) / baseline_tps) if baseline_tps else None)
@@ -208,6 +213,8 @@ def main():
     ap.add_argument("--accum", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--no-recompute", dest="recompute", action="store_false")
+    ap.add_argument("--auto-recompute", dest="recompute", action="store_const", const="auto",
+                    help="the trainer's recompute: auto (no recompute when XLA's estimate of the step fits)")
     ap.add_argument("--gpus", type=int, default=1, help="mesh over the first N local devices (0 = all)")
     ap.add_argument("--zero-level", type=int, choices=(0, 1, 2, 3), default=ParallelConfig().zero_level)
     for o in OFFLOADS:

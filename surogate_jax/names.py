@@ -14,7 +14,7 @@ FP4_BACKENDS = ("cutlass", "cudnn")
 # The decoder's remat policies; a `recompute:` string may name the first four (offload_residual comes
 # from its own key).
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_residual")
-RECOMPUTE_POLICIES = REMAT_POLICIES[:4]
+RECOMPUTE_POLICIES = (*REMAT_POLICIES[:4], "auto")  # `recompute:` values besides true/false; auto: train.pick_remat
 
 # QLoRA base-weight formats (surogate_jax/qlora/): the config key that selects each, and its block sizes.
 QLORA_FORMATS = {"qlora_bnb": "nf4", "qlora_fp8": "fp8", "qlora_fp4": "fp4"}

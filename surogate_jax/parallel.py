@@ -348,11 +348,12 @@ def remat_policy(recompute: bool | str, offload_residual: bool) -> str:
 
     true -> "full" (each layer keeps only its input and recomputes the rest in backward, like
     Surogate's block-boundary recompute); false -> "none" (save everything); a policy name
-    ("none", "full", "dots", "dots_no_batch") is passed through. offload_residual needs
+    ("none", "full", "dots", "dots_no_batch") is passed through, and so is "auto" (the run picks
+    "none" or "full" from the compiled step's memory: train.pick_remat). offload_residual needs
     recomputation: the layer input then lives in pinned host memory ("offload_residual")."""
     name = {True: "full", False: "none"}.get(recompute, recompute) if isinstance(recompute, bool) else recompute
     if offload_residual:
-        if name != "full":
+        if name not in ("full", "auto"):
             raise ConfigError(f"offload_residual: true needs recompute: true (got recompute: {recompute!r}); the "
                               "offloaded layer input is what the recomputation starts from")
         return "offload_residual"

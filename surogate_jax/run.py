@@ -190,6 +190,7 @@ def _build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout 
     model_dtype = DTYPES[cfg.precision.model_dtype]
     master = DTYPES[cfg.precision.master_dtype or "fp32"]
     remat = par.remat_policy(cfg.run.recompute, cfg.parallel.offload_residual)
+    remat = "full" if remat == "auto" else remat  # recompute: auto picks once the step can be compiled (_train)
     spec = lora_spec(cfg.lora, cfg.precision.lora_dtype)
     qspec = qlora_spec(cfg, model_dir)
     if cfg.model.from_scratch:
@@ -332,12 +333,18 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
              "%d device(s)",
              model.config.model_type, f"{count(state.trainable):,}", "LoRA" if model.config.lora else "full",
              total, steps_per_epoch, accum, cfg.run.per_device_train_batch_size * n_dev, seq, n_dev)
+    if cfg.run.recompute == "auto" and not cfg.parallel.offload_residual:
+        rows = cfg.run.per_device_train_batch_size * n_dev
+        model, step_fn, note = T.pick_remat(model, tx, schedule, mesh, state, layout,
+                                            T.abstract_batch(mesh, accum, rows, seq))
+        log.info("%s", note)
+    else:
+        step_fn = T.jit_train_step(model, tx, schedule, mesh, state, layout)
     log.info("parallel: %s; %d process(es); remat %s", layout.describe(), jax.process_count(),
              model.config.remat_policy)
     if model.config.recipe is not None:
         log.info("precision: %s", model.config.recipe.describe())
 
-    step_fn = T.jit_train_step(model, tx, schedule, mesh, state, layout)
     eval_fn = T.jit_eval_step(model, mesh, state, layout) if val_docs is not None else None
     tokens_per_step = accum * cfg.run.per_device_train_batch_size * n_dev * seq
     flops = flops_per_token(model.config, seq, frozen_base=model.config.lora is not None)

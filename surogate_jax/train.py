@@ -344,6 +344,63 @@ def jit_train_step(model, tx, schedule, mesh: Mesh, state: TrainState, layout: L
                    donate_argnums=(0,))
 
 
+# recompute: auto tries these remat policies, fastest first; the last one is taken whatever it needs.
+AUTO_REMAT_POLICIES = ("none", "full")
+AUTO_REMAT_HEADROOM = 0.9  # of the device's memory limit: room for what XLA's estimate leaves out (workspaces)
+
+
+def step_device_bytes(compiled) -> int | None:
+    """Device bytes one call of a compiled step holds per device (XLA's buffer assignment: arguments + outputs -
+    donated aliases + temporaries); None where XLA gives no analysis."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    g = lambda k: int(getattr(m, k, 0) or 0)
+    return g("argument_size_in_bytes") + g("output_size_in_bytes") - g("alias_size_in_bytes") + g(
+        "temp_size_in_bytes")
+
+
+def device_memory_limit(mesh: Mesh) -> int | None:
+    """The smallest memory limit of this process's devices of `mesh` (bytes), or None where the backend reports
+    none (CPU)."""
+    limits = []
+    for d in mesh.devices.flat:
+        if d.process_index != jax.process_index():
+            continue
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        limits.append(int(stats["bytes_limit"]))
+    return min(limits) if limits else None
+
+
+def pick_remat(model, tx, schedule, mesh: Mesh, state: TrainState, layout: Layout, batch: dict,
+               limit: int | None = None):
+    """(model, compiled step, note) for `recompute: auto`: the first of AUTO_REMAT_POLICIES whose compiled step XLA
+    says fits AUTO_REMAT_HEADROOM of the device memory limit (`limit`, default the devices' own), else the last.
+    batch: arrays or ShapeDtypeStructs (with shardings) of one step's batch. Compiles each policy it tries (nothing
+    runs); without a known limit it takes the last policy without trying the others."""
+    limit = device_memory_limit(mesh) if limit is None else limit
+    tried = []
+    for policy in AUTO_REMAT_POLICIES if limit else AUTO_REMAT_POLICIES[-1:]:
+        m = model.clone(config=model.config.replace(remat_policy=policy))
+        compiled = jit_train_step(m, tx, schedule, mesh, state, layout).lower(state, batch).compile()
+        need = step_device_bytes(compiled)
+        fits = limit is not None and need is not None and need <= AUTO_REMAT_HEADROOM * limit
+        tried.append(f"{policy} {need / 1e9:.1f} GB" if need is not None else f"{policy} ? GB")
+        if fits or policy == AUTO_REMAT_POLICIES[-1]:
+            budget = f"{AUTO_REMAT_HEADROOM:.0%} of {limit / 1e9:.1f} GB" if limit else "no device memory limit known"
+            return m, compiled, f"recompute auto: {policy} (step needs: {', '.join(tried)}; budget {budget})"
+    raise AssertionError("unreachable: the last policy is always taken")
+
+
+def abstract_batch(mesh: Mesh, accum: int, rows: int, seq: int) -> dict:
+    """ShapeDtypeStructs of a global step batch [accum, rows, seq] as global_batch builds it."""
+    sh = batch_sharding(mesh, True)
+    dtype = {"loss_mask": jnp.float32}
+    return {k: jax.ShapeDtypeStruct((accum, rows, seq), dtype.get(k, jnp.int32), sharding=sh) for k in BATCH_KEYS}
+
+
 def jit_eval_step(model, mesh: Mesh, state: TrainState, layout: Layout | None = None):
     step = make_eval_step(model, layout or Layout(mesh))
     state_sh = jax.tree.map(lambda x: x.sharding, state)

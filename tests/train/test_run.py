@@ -64,6 +64,13 @@ def test_sigkill_during_checkpointing_resumes(tmp_path, env):
     assert max(final) == 30 and (out / "adapter/adapter_model.safetensors").is_file()
 
 
+def test_recompute_auto_says_what_it_picked(tmp_path, env):
+    cfg = write_config(tmp_path, recompute="auto", max_steps=2, save_steps=2, eval_steps=0)
+    r = sft(cfg, env)
+    assert "recompute auto: full" in r.stderr and "no device memory limit known" in r.stderr  # CPU: no limit
+    assert max(losses(tmp_path / "out")) == 2
+
+
 def test_full_finetune_writes_a_model(tmp_path, env):
     cfg = write_config(tmp_path, lora=False, max_steps=2, save_steps=2, eval_steps=0, learning_rate=1e-3)
     sft(cfg, env)
