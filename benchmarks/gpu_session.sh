@@ -13,7 +13,8 @@
 #   benches (default: none; benchmarks/README.md says what each measures):
 #     op benchmarks: rms_norm, add_rms_norm, rope, swiglu, swiglu_lora, lm_head_ce, fp8_matmul,
 #       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon, nf4_dequantize, tile_dequantize
-#     model: forward, sft:<size>[,<size>...] (one fresh process per size; SFT_ARGS="--qlora bnb ..." adds flags),
+#     model: forward, sft:<size>[,<size>...] (one fresh process per size; SFT_ARGS="--qlora bnb ..." adds flags;
+#       SFT_VARIANTS="--max-segments 0|--max-segments -1" runs each size once per '|'-separated flag set: an A/B),
 #       peer:<size>[,<size>...] (the HF transformers + PEFT peer, without then with gradient checkpointing)
 #     profilers: calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the
 #       RoPE kernels), ncu_ops (kernel-only ours / XLA / same-bytes copy for rope_qk, swiglu, the
@@ -127,10 +128,12 @@ for b in "${benches[@]}"; do
     forward) for s in 0.6b 8b; do
                python3 "$B/bench_forward.py" --size $s --out "$OUT/forward_$s.json" 2>&1 | tail -30
              done ;;
-    sft:*) sizes=${b#sft:}   # e.g. "sft:0.6b,1.7b": one fresh process per size
-           for s in ${sizes//,/ }; do
-             python3 "$B/sft_throughput.py" --size "$s" ${SFT_ARGS:-} --out "$OUT/sft_throughput.jsonl" 2>&1 | tail -2
-           done ;;
+    sft:*) sizes=${b#sft:}   # e.g. "sft:0.6b,1.7b": one fresh process per size (and per SFT_VARIANTS flag set)
+           IFS='|' read -r -a variants <<< "${SFT_VARIANTS:-}"
+           ((${#variants[@]})) || variants=("")
+           for s in ${sizes//,/ }; do for v in "${variants[@]}"; do
+             python3 "$B/sft_throughput.py" --size "$s" ${SFT_ARGS:-} $v --out "$OUT/sft_throughput.jsonl" 2>&1 | tail -2
+           done; done ;;
     peer:*) sizes=${b#peer:}   # the HF+PEFT peer, one fresh process per size and checkpointing setting
             for s in ${sizes//,/ }; do for gc in "" --gradient-checkpointing; do
               python3 "$B/peer_hf_peft.py" --size "$s" $gc --out "$OUT/peer_hf_peft.jsonl" 2>&1 | tail -1
