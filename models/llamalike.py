@@ -286,6 +286,12 @@ class Linear(nn.Module):
             if lora_parts:
                 raise ValueError(f"{self.name}: lora_parts needs a plain kernel, not a QLoRA base")
             y = self._qlora_matmul(x, in_shape, layer)
+        elif cfg.recipe is not None and self.name in PROJECTIONS and self.has_variable("params", recipe_lib.KERNEL_NK):
+            # fp8-hybrid's frozen cache in the [out, in] layout its forward GEMM reads (recipe.cache_frozen_weights)
+            if lora_parts:
+                raise ValueError(f"{self.name}: lora_parts needs a plain kernel, not a recipe's cache")
+            wq = self.get_variable("params", recipe_lib.KERNEL_NK)
+            y = self._recipe_matmul(x, wq, layer, kernel_nk_out=tuple(self.out_shape))
         else:
             kernel = _param(self, "kernel", init, (*in_shape, *self.out_shape), cfg.param_dtype)
             if lora_parts:

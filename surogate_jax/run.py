@@ -506,7 +506,9 @@ def unquantized_base(cfg: SFTConfig, model_dir: Path, params, model: Decoder):
     if cfg.model.from_scratch:
         log.warning("merging into the recipe's quantized copy of the random base (from_scratch): the merged "
                     "weights carry its quantization error")
-        return recipe_lib.dequantize_cache(params, model.config.recipe, model.config.num_layers)
+        plain = model.clone(config=model.config.replace(lora=None, recipe=None, mesh=None))
+        shapes = jax.eval_shape(lambda: plain.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+        return recipe_lib.dequantize_cache(params, model.config.recipe, model.config.num_layers, shapes)
     _, base = load_pretrained(model_dir, dtype=DTYPES[cfg.precision.model_dtype])
     return base
 

@@ -171,8 +171,10 @@ def _bwd_ref(res, dy, cfg):
     if cfg.frozen:
         def local_dx(dy, wq, inv, scales):
             gq = quantize(dy, scales[2], E5M2)
-            dims = ((1,), (0 if cfg.w_nk else 1,))
-            return _scaled_dot_f32(gq, wq, dims, inv[2] * inv[1], cfg.x_dtype), amax(dy)[None]
+            # an [N, K] weight is transposed to [K, N] first (the barrier keeps it a copy), so dx is the very dot
+            # of the [K, N] layout: XLA:CPU's loop order, and so the fp32 sums, do not depend on the cache layout
+            w_kn = jax.lax.optimization_barrier(wq.T) if cfg.w_nk else wq
+            return _scaled_dot_f32(gq, w_kn, ((1,), (1,)), inv[2] * inv[1], cfg.x_dtype), amax(dy)[None]
 
         dx, ag = on_shards(local_dx, dy, wq, inv, scales, mesh=cfg.mesh, batched=(True, False, False, False),
                            out_batched=(True, True))

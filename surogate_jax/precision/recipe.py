@@ -32,9 +32,11 @@ Frozen base weights (LoRA): `cache_frozen_weights` quantizes the seven kernels O
 is built and adds a per-layer `kernel_scale` next to each kernel (its presence marks a cache):
   * fp8-hybrid: E4M3 values with current scaling per layer, scale = 448 / max|W_l| (a kernel of
     float8_e4m3fn: half the bf16 memory, no per-step weight cast, no wgrad GEMM:
-    `ops.fp8_matmul.fp8_matmul_frozen`). With skip counts > 0 the skipped layers must keep their
-    exact weights, so the stacked kernel keeps the model dtype and holds the E4M3 values (exactly
-    representable) in the quantized layers;
+    `ops.fp8_matmul.fp8_matmul_frozen`), stored as `kernel_nk` [L, out, in] (K = prod(in), N =
+    prod(out)): the layout the forward GEMM reads, so only the backward's dX transposes it, where
+    [L, in..., out...] made every forward and recomputed forward transpose it. With skip counts > 0
+    the skipped layers must keep their exact weights, so the stacked `kernel` keeps its shape and the
+    model dtype and holds the E4M3 values (exactly representable) in the quantized layers;
   * nvfp4: the 16x16-tile quantize-dequantized weights (`nvfp4_matmul.fake_quantize_weight`, bf16 values),
     used by `nvfp4_matmul.nvfp4_linear_frozen` (same forward and dX as quantizing every step).
 Full fine-tuning quantizes the master weights every step (delayed scaling for fp8).
@@ -57,6 +59,7 @@ from surogate_jax.ops import fp8_formats, nvfp4_matmul, nvfp4_quantize
 from surogate_jax.precision import fp8
 
 _log = logging.getLogger("surogate_jax")
+KERNEL_NK = "kernel_nk"  # fp8-hybrid's frozen cache in the [L, out, in] layout (module docstring)
 
 IN_DIMS = {"o_proj": 2}  # trailing dims of x a projection contracts (1 for the others)
 FP8_COLLECTION = "fp8"
@@ -323,8 +326,15 @@ def is_cached(params: Any) -> bool:
     return any(_path_keys(p)[-1] == KERNEL_SCALE for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
 
 
+def cached_kernel_name(recipe: QuantRecipe) -> str:
+    """The param name of a projection's cached frozen kernel: `kernel_nk` ([L, out, in] E4M3) under fp8-hybrid
+    without skipped layers, else `kernel` (w's own shape)."""
+    return KERNEL_NK if recipe.name == "fp8-hybrid" and not recipe.skips else "kernel"
+
+
 def cache_kernel(recipe: QuantRecipe, proj: str, w: jax.Array, num_layers: int):
-    """(cached kernel, kernel_scale [L]) of one stacked kernel w [L, in..., out...]."""
+    """(cached kernel, kernel_scale [L]) of one stacked kernel w [L, in..., out...]; the cached kernel is
+    [L, prod(out), prod(in)] when cached_kernel_name(recipe) is `kernel_nk`, else w's shape."""
     L = w.shape[0]
     in_dims = IN_DIMS.get(proj, 1)
     k = math.prod(w.shape[1:1 + in_dims])
@@ -334,7 +344,7 @@ def cache_kernel(recipe: QuantRecipe, proj: str, w: jax.Array, num_layers: int):
         scale = fp8_formats.current_scale(jnp.max(jnp.abs(w.astype(jnp.float32)).reshape(L, -1), axis=1))
         q = fp8_formats.quantize(w, scale.reshape(bshape), fp8_formats.E4M3)
         if not recipe.skips:
-            return q, scale
+            return q.reshape(L, k, -1).swapaxes(1, 2), scale
         return jnp.where(layers_q.reshape(bshape), q.astype(w.dtype), w), scale
     # nvfp4: per layer, the 2-D [in, out] matrix in 16x16 tiles (global scale per layer)
     def one(wl):
@@ -365,8 +375,8 @@ def cache_frozen_weights(params: Any, recipe: QuantRecipe | None, num_layers: in
         for key, v in node.items():
             if (key == "kernel" and path and path[-1] in PROJECTIONS and "layers" in path
                     and hasattr(v, "ndim")):
-                out["kernel"], out[KERNEL_SCALE] = (cache_one(path[-1], v) if cache_one is not None
-                                                    else cache_kernel(recipe, path[-1], v, num_layers))
+                out[cached_kernel_name(recipe)], out[KERNEL_SCALE] = (
+                    cache_one(path[-1], v) if cache_one is not None else cache_kernel(recipe, path[-1], v, num_layers))
             else:
                 out[key] = walk(v, (*path, key))
         return out
@@ -374,16 +384,20 @@ def cache_frozen_weights(params: Any, recipe: QuantRecipe | None, num_layers: in
     return walk(params, ())
 
 
-def dequantize_cache(params: Any, recipe: QuantRecipe, num_layers: int) -> Any:
+def dequantize_cache(params: Any, recipe: QuantRecipe, num_layers: int, shapes: Any) -> Any:
     """Best effort inverse of `cache_frozen_weights` (drops `kernel_scale`; fp8 kernels become
     q / scale in float32 in the quantized layers, NVFP4 kernels already hold dequantized values).
+    shapes: the uncached params' tree (arrays or ShapeDtypeStructs), for each `kernel`'s shape.
     Lossy: the original weights are not recoverable from the cache."""
-    def walk(node):
+    def walk(node, like):
         if not isinstance(node, Mapping):
             return node
         if KERNEL_SCALE in node:
-            k, s = node["kernel"], node[KERNEL_SCALE]
-            out = {kk: v for kk, v in node.items() if kk not in ("kernel", KERNEL_SCALE)}
+            name = KERNEL_NK if KERNEL_NK in node else "kernel"
+            k, s = node[name], node[KERNEL_SCALE]
+            out = {kk: v for kk, v in node.items() if kk not in (name, KERNEL_SCALE)}
+            if name == KERNEL_NK:  # [L, N, K] -> [L, in..., out...]
+                k = k.swapaxes(1, 2).reshape(like["kernel"].shape)
             if recipe.name == "fp8-hybrid":
                 b = (-1,) + (1,) * (k.ndim - 1)
                 mask = recipe.layer_quantized(jnp.arange(k.shape[0]), num_layers).reshape(b)
@@ -392,6 +406,6 @@ def dequantize_cache(params: Any, recipe: QuantRecipe, num_layers: int) -> Any:
             else:
                 out["kernel"] = k
             return out
-        return {kk: walk(v) for kk, v in node.items()}
+        return {kk: walk(v, like[kk]) for kk, v in node.items()}
 
-    return walk(params)
+    return walk(params, shapes)

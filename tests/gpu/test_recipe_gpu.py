@@ -190,7 +190,7 @@ def test_fp8_lora_cache_through_ffi_matches_reference():
     adapters = jax.tree.map(lambda a: a + 0.01,
                             lora_lib.init_adapters(model, jax.random.key(1), jnp.zeros((1, 1), jnp.int32)))
     cached = cache_frozen_weights(base, r, CFG.num_layers)
-    assert cached["layers"]["mlp"]["up_proj"]["kernel"].dtype == jnp.float8_e4m3fn
+    assert cached["layers"]["mlp"]["up_proj"]["kernel_nk"].dtype == jnp.float8_e4m3fn
     quant = init_quant_state(model)
     obs = jax.grad(lambda q: _loss(ref_model, {"params": cached, "lora": adapters, "fp8": q}, ids))(quant)
     quant = fp8.update(quant, obs)

@@ -19,6 +19,7 @@ from surogate_jax.models import Decoder
 from surogate_jax.ops import fp8_formats
 from surogate_jax.precision import recipe as R
 from surogate_jax.precision.recipe import (
+    KERNEL_NK,
     KERNEL_SCALE,
     QuantRecipe,
     cache_frozen_weights,
@@ -130,7 +131,7 @@ def test_fp8_quant_state_and_cached_base_resume_bit_exactly(tmp_path):
     restored, data, at = ck.restore(abstract_like(strip_scratch(state)))
     ck.close()
     assert data == {"pos": 2} and at == 2
-    assert restored.params["layers"]["self_attn"]["q_proj"]["kernel"].dtype == jnp.float8_e4m3fn
+    assert restored.params["layers"]["self_attn"]["q_proj"][KERNEL_NK].dtype == jnp.float8_e4m3fn
     for a, c in zip(jax.tree.leaves(restored), jax.tree.leaves(strip_scratch(state)), strict=True):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32) if a.dtype == jnp.float8_e4m3fn else a),
                                       np.asarray(c.astype(jnp.float32) if c.dtype == jnp.float8_e4m3fn else c))
@@ -212,7 +213,9 @@ def test_lora_base_cache_equals_quantizing_every_step(recipe):
     q = cached["layers"]["self_attn"]["q_proj"]
     assert q[KERNEL_SCALE].shape == (CFG.num_layers,)
     if recipe.name == "fp8-hybrid" and not recipe.skips:
-        assert q["kernel"].dtype == jnp.float8_e4m3fn  # half the bf16 memory
+        assert q[KERNEL_NK].dtype == jnp.float8_e4m3fn  # half the bf16 memory
+        assert "kernel" not in q  # the [L, out, in] layout the forward GEMM reads:
+        assert q[KERNEL_NK].shape == (CFG.num_layers, CFG.num_heads * CFG.head_dim, CFG.hidden_size)
     paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(cached)[0]]
     assert {p[-2] for p in paths if p[-1] == KERNEL_SCALE} == set(R.PROJECTIONS)  # only the seven
     v = {}
@@ -256,3 +259,22 @@ def test_lora_training_under_recipe_keeps_the_cache(recipe):
     for a, c in zip(jax.tree.leaves(state.params), jax.tree.leaves(before), strict=True):
         assert a.dtype == c.dtype
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(c.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("recipe", [FP8, QuantRecipe("fp8-hybrid", fp8_impl="ref", skip_first=1)],
+                         ids=["fp8", "fp8-skip-first"])
+def test_dequantize_cache_restores_each_kernel_shape(recipe):
+    """The [L, out, in] cache goes back to each kernel's own [L, in..., out...] (o_proj contracts two dims), within
+    E4M3's half-ulp of the weights; the skipped layer comes back exact."""
+    params = base_params()
+    cached = cache_frozen_weights(params, recipe, CFG.num_layers)
+    back = R.dequantize_cache(cached, recipe, CFG.num_layers, params)
+    for p, w in jax.tree_util.tree_flatten_with_path(params)[0]:
+        got = back
+        for k in p:
+            got = got[k.key]
+        assert got.shape == w.shape, p
+        w32 = np.asarray(w, np.float32)
+        np.testing.assert_allclose(np.asarray(got, np.float32), w32, rtol=2**-4, atol=np.abs(w32).max() * 2**-9)
+        if recipe.skips and "kernel" in str(p[-1]) and any(k.key in R.PROJECTIONS for k in p):
+            np.testing.assert_array_equal(np.asarray(got[0], np.float32), w32[0])  # layer 0 is not quantized
