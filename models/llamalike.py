@@ -31,7 +31,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from surogate_jax.names import PROJECTIONS, REMAT_POLICIES
 from surogate_jax.ops import add_rms_norm, fp8_formats, rms_norm, rope_qk, swiglu, swiglu_lora
-from surogate_jax.ops.attention import attention
+from surogate_jax.ops import attention as attention_op
 from surogate_jax.precision import recipe as recipe_lib
 from surogate_jax.precision.recipe import QuantRecipe
 from surogate_jax.qlora import base as qlora_base
@@ -137,8 +137,8 @@ class DecoderConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.attention_impl not in ("auto", "cudnn", "xla"):
-            raise ValueError(f"attention_impl={self.attention_impl!r}: use auto, cudnn or xla")
+        if self.attention_impl not in attention_op.IMPLS:
+            raise ValueError(f"attention_impl={self.attention_impl!r}: use one of {attention_op.IMPLS}")
         if self.max_segments is not None and (isinstance(self.max_segments, bool) or self.max_segments < 1):
             raise ValueError(f"max_segments={self.max_segments!r}: a positive int or None")
         if not set(self.kernels) <= set(MODEL_KERNELS):
@@ -385,7 +385,7 @@ class Attention(nn.Module):
     cfg: DecoderConfig
 
     @nn.compact
-    def __call__(self, x_BTD, cos_BTK, sin_BTK, segment_ids_BT, layer=None):
+    def __call__(self, x_BTD, cos_BTK, sin_BTK, segs, layer=None):
         cfg = self.cfg
         H, KV, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q = Linear((H, K), cfg, cfg.qkv_bias, name="q_proj")(x_BTD, layer)
@@ -397,7 +397,7 @@ class Attention(nn.Module):
             wk = NormScale(K, cfg.param_dtype, name="k_norm")().astype(cfg.dtype)
         q, k = apply_rope_qk(q.astype(cfg.dtype), k.astype(cfg.dtype), cos_BTK, sin_BTK, wq, wk, cfg.rms_norm_eps,
                              cfg.impl("rope"), cfg.mesh)
-        o = attention(q, k, v, segment_ids_BT, impl=cfg.attention_impl, max_segments=cfg.max_segments, mesh=cfg.mesh)
+        o = attention_op.attention(q, k, v, segs, impl=cfg.attention_impl, mesh=cfg.mesh)
         return Linear((cfg.hidden_size,), cfg, in_dims=2, name="o_proj")(o, layer)
 
 
@@ -448,12 +448,12 @@ class DecoderLayer(nn.Module):
     cfg: DecoderConfig
 
     @nn.compact
-    def __call__(self, x_BTD, cos_BTK, sin_BTK, segment_ids_BT, layer=None):
+    def __call__(self, x_BTD, cos_BTK, sin_BTK, segs, layer=None):
         cfg = self.cfg
         norm = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, mesh=cfg.mesh)
         x_BTD = checkpoint_name(x_BTD, "decoder_layer_input")  # what "offload_residual" sends to host
         h = RMSNorm(**norm, impl=cfg.impl("rms_norm"), name="input_layernorm")(x_BTD)
-        attn_BTD = Attention(cfg, name="self_attn")(h, cos_BTK, sin_BTK, segment_ids_BT, layer)
+        attn_BTD = Attention(cfg, name="self_attn")(h, cos_BTK, sin_BTK, segs, layer)
         # One kernel reads attn_out and x and writes the new x and its norm. The closing
         # `x + mlp(h)` stays a plain add: fusing it with the next layer's input_layernorm would
         # need the un-added MLP output carried across the nn.scan boundary, i.e. two [B, T, D]
@@ -508,7 +508,10 @@ class Decoder(nn.Module):
             length=cfg.num_layers,
         )
         layer_ids = (jnp.arange(cfg.num_layers, dtype=jnp.int32),) if skips else ()
-        x_BTD, _ = stack(cfg, name="layers")(x_BTD, cos_BTK, sin_BTK, segment_ids, *layer_ids)
+        segs = segment_ids  # with a bound: each segment's start and length, once for every layer
+        if segment_ids is not None and cfg.max_segments is not None:
+            segs = attention_op.segments(segment_ids, cfg.max_segments)
+        x_BTD, _ = stack(cfg, name="layers")(x_BTD, cos_BTK, sin_BTK, segs, *layer_ids)
         x_BTD = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, cfg.impl("rms_norm"), cfg.mesh,
                         name="norm")(x_BTD)
         if return_hidden:

@@ -1,30 +1,33 @@
 """Causal self-attention over packed rows: each token attends to the earlier tokens of its own segment (document).
 
-Shapes: q [B, T, N, H], k and v [B, T, NKV, H] (grouped-query: N % NKV == 0), segment_ids [B, T] int32 or None.
-Segments are CONTIGUOUS runs of equal ids (the loader's 1, 2, ... per document and 0 for the padding at a row's end
-are; a padding run is a segment of its own). With segment_ids None the whole row is one causal sequence.
+Shapes: q [B, T, N, H], k and v [B, T, NKV, H] (grouped-query: N % NKV == 0); the row's segments: None (the
+whole row is one causal sequence), segment_ids [B, T] int32, or `Segments` (the ids plus each segment's start and
+length, made once per forward by `segments`, so every layer reuses them). Segments are CONTIGUOUS runs of equal ids
+(the loader's 1, 2, ... per document and 0 for the padding at a row's end are; a padding run is a segment of its
+own).
 
 Implementations:
   "xla"    `jax.nn.dot_product_attention` with a dense [B, 1, T, T] mask (same id & causal): every T x T block is
            computed (the reference; any backend).
-  "cudnn"  on a GPU, without segments: cuDNN flash attention, causal. With segments and `max_segments`: cuDNN's
-           packed (ragged) layout, one causal sequence per segment, given per row its segments' start offsets and
-           lengths (`segment_offsets`): blocks outside a token's own document are never computed. Needs SM90+
-           (Hopper) and 16-bit inputs; elsewhere, or with max_segments None, the dense mask goes to cuDNN.
+  "cudnn"  on a GPU, without segments: cuDNN flash attention, causal. With `Segments`: cuDNN's packed (ragged)
+           layout, one causal sequence per segment, given per row its segments' start offsets and lengths:
+           blocks outside a token's own document are never computed. Needs SM90+ (Hopper) and 16-bit inputs;
+           elsewhere, or with plain segment ids, the dense mask goes to cuDNN.
 The packed path reaches cuDNN through JAX's own fused-attention module (jax._src.cudnn.fused_attention_stablehlo,
 the function `jax.nn.dot_product_attention(implementation="cudnn")` calls, with its q/kv offsets arguments, which
 the public wrapper does not expose). It runs per shard of the batch (ops/_sharding.py) so its offsets never cross
 devices.
 
-`max_segments` M is a static bound on the segments of any row: a row with more would lose its last ones, so the
-caller must guarantee it (surogate_jax.data.BatchLoader caps documents per row and says its M; `segment_offsets`
-documents the layout). Forward and gradients of "cudnn" equal the masked reference up to accumulation order.
+`segments(ids, max_segments)`: M = max_segments is a static bound on the segments of any row; a row with more
+would lose its last ones, so the caller must guarantee it (surogate_jax.data.BatchLoader caps documents per row and
+says its M; `segment_offsets` documents the layout). Forward and gradients of "cudnn" equal the masked reference up
+to accumulation order.
 """
 
 from __future__ import annotations
 
-import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +36,14 @@ from jax.sharding import AbstractMesh, Mesh
 from surogate_jax.ops._sharding import on_shards
 
 IMPLS = ("auto", "cudnn", "xla")
+
+
+class Segments(NamedTuple):
+    """A batch's segments: ids [B, T], lengths [B, M] and offsets [B, M + 1] (`segment_offsets`)."""
+
+    ids: jax.Array
+    lengths: jax.Array
+    offsets: jax.Array
 
 
 def segment_offsets(segment_ids_BT: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
@@ -64,16 +75,23 @@ def attention_ref(q, k, v, segment_ids_BT=None, *, implementation: str | None = 
     return jax.nn.dot_product_attention(q, k, v, mask=(same_BTT & causal_TT)[:, None], implementation=implementation)
 
 
-def _packed_cudnn(q, k, v, segment_ids_BT, *, max_segments: int):
+def segments(segment_ids_BT: jax.Array, max_segments: int) -> Segments:
+    """The ids with their segments' lengths and offsets (`segment_offsets`), for the packed path; max_segments: a
+    static bound on any row's segments (positive int)."""
+    if isinstance(max_segments, bool) or not isinstance(max_segments, int) or max_segments < 1:
+        raise ValueError(f"attention: max_segments must be a positive int, got {max_segments!r}")
+    return Segments(segment_ids_BT, *segment_offsets(segment_ids_BT, max_segments))
+
+
+def _packed_cudnn(q, k, v, lengths, offsets):
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
     from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
 
-    lengths, offsets = segment_offsets(segment_ids_BT, max_segments)
     return cudnn_attention(q, k, v, None, None, lengths, lengths, offsets, offsets,
                            scale=1.0 / math.sqrt(q.shape[-1]), mask_type=MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
 
 
-def resolve_impl(impl: str, dtype) -> str:
+def attention_impl(impl: str, dtype) -> str:
     """"auto": cuDNN on a GPU for 16-bit inputs, XLA elsewhere."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl {impl!r}: use one of {IMPLS}")
@@ -93,17 +111,15 @@ def _packed_supported() -> bool:
         return False
 
 
-def attention(q, k, v, segment_ids_BT=None, *, impl: str = "auto", max_segments: int | None = None,
+def attention(q, k, v, segs: jax.Array | Segments | None = None, *, impl: str = "auto",
               mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
-    """o [B, T, N, H]: causal attention of each token over its own segment (module docstring). impl "auto" | "cudnn"
-    | "xla"; max_segments: a static bound on any row's segments, enabling cuDNN's packed layout; mesh: the devices
-    whose data axes split the rows for it (None: one call)."""
-    if max_segments is not None and (isinstance(max_segments, bool) or int(max_segments) < 1):
-        raise ValueError(f"attention: max_segments must be a positive int or None, got {max_segments!r}")
-    impl = resolve_impl(impl, q.dtype)
-    if segment_ids_BT is None or impl == "xla" or max_segments is None or not _packed_supported():
-        return attention_ref(q, k, v, segment_ids_BT, implementation=impl)
-    fn = functools.partial(_packed_cudnn, max_segments=int(max_segments))
-    (o,) = on_shards(lambda *a: (fn(*a),), q, k, v, segment_ids_BT, mesh=mesh, batched=(True,) * 4,
-                     out_batched=(True,))
+    """o [B, T, N, H]: causal attention of each token over its own segment (module docstring). segs: None, segment
+    ids [B, T], or `Segments` (enables cuDNN's packed layout); impl "auto" | "cudnn" | "xla"; mesh: the devices whose
+    data axes split the rows for the packed path (None: one call)."""
+    impl = attention_impl(impl, q.dtype)
+    ids = segs.ids if isinstance(segs, Segments) else segs
+    if not isinstance(segs, Segments) or impl == "xla" or not _packed_supported():
+        return attention_ref(q, k, v, ids, implementation=impl)
+    (o,) = on_shards(lambda *a: (_packed_cudnn(*a),), q, k, v, segs.lengths, segs.offsets, mesh=mesh,
+                     batched=(True,) * 5, out_batched=(True,))
     return o

@@ -1,4 +1,4 @@
-"""On the GPU: packed attention through cuDNN's ragged layout (surogate_jax.ops.attention with max_segments)
+"""On the GPU: packed attention through cuDNN's ragged layout (surogate_jax.ops.attention with `segments`)
 against the dense same-document mask, forward and gradients, at Qwen3's head shapes (GQA, head_dim 128), with
 loader-style rows (documents, a padding run), single-segment rows, many short documents, a loose bound; and the
 compiled program: no [B, 1, T, T] mask, the offsets' cuDNN call."""
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surogate_jax.ops.attention import attention, attention_ref
+from surogate_jax.ops.attention import attention, attention_ref, segments
 
 pytestmark = pytest.mark.gpu
 
@@ -57,7 +57,7 @@ def test_packed_matches_masked(T, lo, hi, pad, slack):
     m = int(max(len(np.unique(r)) for r in seg)) + slack
     q, k, v = _qkv(B, T, seed=lo)
     seg = jnp.asarray(seg)
-    packed = jax.jit(lambda q, k, v, s: attention(q, k, v, s, impl="cudnn", max_segments=m))
+    packed = jax.jit(lambda q, k, v, s: attention(q, k, v, segments(s, m), impl="cudnn"))
     text = packed.lower(q, k, v, seg).as_text()
     assert f"{T}x{T}" not in text  # no dense mask
     f32 = [a.astype(jnp.float32) for a in (q, k, v)]
@@ -71,7 +71,7 @@ def test_packed_matches_masked(T, lo, hi, pad, slack):
     def loss(fn, q, k, v):
         return jnp.sum(jnp.tanh(fn(q, k, v).astype(jnp.float32)))
 
-    g = jax.jit(jax.grad(lambda *a: loss(lambda q, k, v: attention(q, k, v, seg, impl="cudnn", max_segments=m), *a),
+    g = jax.jit(jax.grad(lambda *a: loss(lambda q, k, v: attention(q, k, v, segments(seg, m), impl="cudnn"), *a),
                          (0, 1, 2)))(q, k, v)
     g_ref = jax.grad(lambda *a: loss(lambda q, k, v: attention_ref(q, k, v, seg), *a), (0, 1, 2))(*f32)
     for name, a, b in zip("qkv", g, g_ref, strict=True):
@@ -81,6 +81,6 @@ def test_packed_matches_masked(T, lo, hi, pad, slack):
 
 def test_unpacked_rows_unchanged():
     q, k, v = _qkv(2, 512, seed=3)
-    got = attention(q, k, v, None, impl="cudnn", max_segments=4).astype(jnp.float32)
+    got = attention(q, k, v, None, impl="cudnn").astype(jnp.float32)
     want = attention_ref(*[a.astype(jnp.float32) for a in (q, k, v)])
     assert _rel(got, want) < 1e-2

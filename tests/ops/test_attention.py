@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surogate_jax.ops.attention import attention, attention_ref, resolve_impl, segment_offsets
+from surogate_jax.ops.attention import Segments, attention, attention_impl, attention_ref, segment_offsets, segments
 
 
 def _runs(row):
@@ -94,10 +94,10 @@ def test_reference_equals_each_document_alone():
 def test_public_op_off_gpu_is_the_reference():
     q, k, v = _qkv(2, 24, 4, 4, 8, seed=1)
     seg = jnp.asarray(np.stack([_loader_row(np.random.default_rng(b), 24, 9) for b in range(2)]))
-    for kw in ({}, {"max_segments": 8}, {"impl": "xla", "max_segments": 8}):
-        np.testing.assert_array_equal(attention(q, k, v, seg, **kw), attention_ref(q, k, v, seg))
+    for segs, kw in ((seg, {}), (segments(seg, 8), {}), (segments(seg, 8), {"impl": "xla"})):
+        np.testing.assert_array_equal(attention(q, k, v, segs, **kw), attention_ref(q, k, v, seg))
     np.testing.assert_array_equal(attention(q, k, v), attention_ref(q, k, v))
-    assert resolve_impl("auto", jnp.float32) == "xla"
+    assert attention_impl("auto", jnp.float32) == "xla"
 
 
 def test_gradients_match_reference():
@@ -107,20 +107,61 @@ def test_gradients_match_reference():
     def loss(fn, q, k, v):
         return jnp.sum(jnp.tanh(fn(q, k, v)))
 
-    got = jax.grad(lambda *a: loss(lambda q, k, v: attention(q, k, v, seg, max_segments=4), *a), (0, 1, 2))(q, k, v)
+    segs = segments(seg, 4)
+    got = jax.grad(lambda *a: loss(lambda q, k, v: attention(q, k, v, segs), *a), (0, 1, 2))(q, k, v)
     want = jax.grad(lambda *a: loss(lambda q, k, v: attention_ref(q, k, v, seg), *a), (0, 1, 2))(q, k, v)
     for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(g, w)  # off GPU the op is the reference itself
 
 
 @pytest.mark.parametrize("bad", [0, -1, True])
 def test_bad_max_segments(bad):
-    q, k, v = _qkv(1, 4, 1, 1, 8)
     with pytest.raises(ValueError, match="max_segments"):
-        attention(q, k, v, jnp.ones((1, 4), jnp.int32), max_segments=bad)
+        segments(jnp.ones((1, 4), jnp.int32), bad)
+
+
+def test_segments_carry_the_offsets():
+    ids = jnp.asarray([[1, 1, 2, 0]], jnp.int32)
+    segs = segments(ids, 4)
+    assert isinstance(segs, Segments)
+    np.testing.assert_array_equal(segs.ids, ids)
+    np.testing.assert_array_equal(segs.lengths, segment_offsets(ids, 4)[0])
+    np.testing.assert_array_equal(segs.offsets, segment_offsets(ids, 4)[1])
 
 
 def test_bad_impl():
     q, k, v = _qkv(1, 4, 1, 1, 8)
     with pytest.raises(ValueError, match="attention impl"):
         attention(q, k, v, impl="flash")
+
+
+def test_decoder_computes_segments_once_and_matches_the_mask():
+    """With max_segments the decoder builds the segments' offsets once for all layers (one more cumsum in the
+    program, however many layers), and off GPU its logits are those of the dense-mask path."""
+    import flax.linen as nn
+
+    from surogate_jax.models import Decoder, DecoderConfig
+
+    cfg = DecoderConfig(model_type="qwen3", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=3,
+                        num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 50, (2, 24)), jnp.int32)
+    seg = jnp.asarray(np.stack([_loader_row(np.random.default_rng(b), 24, 9) for b in range(2)]))
+    params = nn.meta.unbox(Decoder(cfg).init(jax.random.key(0), ids[:, :4])["params"])
+    packed = Decoder(cfg.replace(max_segments=8))
+    def cumsums_outside_scans(model):
+        """cumsum equations reachable without entering a scan (the layer stack is one)."""
+        def walk(jaxpr):
+            n = 0
+            for eqn in jaxpr.eqns:
+                if eqn.primitive.name == "cumsum":
+                    n += 1
+                elif eqn.primitive.name != "scan":
+                    subs = [getattr(v, "jaxpr", v) for v in eqn.params.values()]
+                    n += sum(walk(j) for j in subs if hasattr(j, "eqns"))
+            return n
+
+        return walk(jax.make_jaxpr(lambda p: model.apply({"params": p}, ids, segment_ids=seg))(params).jaxpr)
+
+    assert cumsums_outside_scans(packed) == 1 and cumsums_outside_scans(Decoder(cfg)) == 0
+    np.testing.assert_array_equal(packed.apply({"params": params}, ids, segment_ids=seg),
+                                  Decoder(cfg).apply({"params": params}, ids, segment_ids=seg))
