@@ -229,6 +229,8 @@ def main():
                     "documents of a row (-1: the data's, ceil(seq / 64)); 0 (default): the dense same-document mask")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.max_segments < -1:
+        ap.error(f"--max-segments {a.max_segments}: use -1 (the data's bound), 0 (the dense mask) or a positive bound")
     kernels = None if a.kernels is None else tuple(k for k in a.kernels.split(",") if k and k != "none")
     offload = tuple(o for o in OFFLOADS if getattr(a, f"offload_{o}"))
     res = run(a.size, a.steps, a.recompute, a.batch, a.accum, a.seq, gpus=a.gpus, zero_level=a.zero_level,

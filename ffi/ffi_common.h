@@ -10,6 +10,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime_api.h>
 
 #include "xla/ffi/api/ffi.h"
@@ -107,6 +108,17 @@ ffi::Error DispatchFloat(std::string_view op, ffi::DataType t, F&& f) {
       return InvalidArg(
           op, "unsupported dtype " + DtypeName(t) + "; expected float32, bfloat16 or float16");
   }
+}
+
+// DispatchFloat plus float8_e4m3fn (__nv_fp8_e4m3): the outputs of the dequantization ops.
+template <typename F>
+ffi::Error DispatchFloatOrE4m3(std::string_view op, ffi::DataType t, F&& f) {
+  if (t == ffi::DataType::F8E4M3FN) return f(__nv_fp8_e4m3{});
+  if (t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16) {
+    return DispatchFloat(op, t, std::forward<F>(f));
+  }
+  return InvalidArg(op, "unsupported dtype " + DtypeName(t) +
+                            "; expected float32, bfloat16, float16 or float8_e4m3fn");
 }
 
 inline ffi::Error ExpectDtype(std::string_view op, const char* name, const ffi::AnyBuffer& b,

@@ -21,24 +21,6 @@ namespace {
 
 constexpr std::string_view kOp = "surogate_nf4_dequantize";
 
-// Calls f(OutT{}) with OutT the CUDA type of the output dtype; errors otherwise.
-template <typename F>
-ffi::Error DispatchOut(ffi::DataType t, F&& f) {
-  switch (t) {
-    case ffi::DataType::F32:
-      return f(float{});
-    case ffi::DataType::BF16:
-      return f(__nv_bfloat16{});
-    case ffi::DataType::F16:
-      return f(__half{});
-    case ffi::DataType::F8E4M3FN:
-      return f(__nv_fp8_e4m3{});
-    default:
-      return InvalidArg(kOp, "out has unsupported dtype " + DtypeName(t) +
-                                 "; expected float32, bfloat16, float16 or float8_e4m3fn");
-  }
-}
-
 ffi::Error Nf4Dequantize(cudaStream_t stream, int64_t block_size, int32_t has_scale, int32_t via,
                          ffi::AnyBuffer codes, ffi::AnyBuffer absmax, ffi::AnyBuffer code_table,
                          ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out) {
@@ -76,7 +58,7 @@ ffi::Error Nf4Dequantize(cudaStream_t stream, int64_t block_size, int32_t has_sc
     if (auto e = ExpectCount(kOp, "scale", scale, 1, "a scalar"); e.failure()) return e;
   }
   const auto* sc = has_scale ? static_cast<const float*>(scale.untyped_data()) : nullptr;
-  return DispatchOut(out->element_type(), [&](auto tag) -> ffi::Error {
+  return DispatchFloatOrE4m3(kOp, out->element_type(), [&](auto tag) -> ffi::Error {
     using OutT = decltype(tag);
     return CudaError(
         kOp, nf4_dequantize<OutT>(In<uint8_t>(codes), In<float>(absmax), In<float>(code_table), sc,

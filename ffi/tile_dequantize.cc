@@ -22,24 +22,6 @@ namespace {
 
 constexpr std::string_view kOp = "surogate_tile_dequantize";
 
-// Calls f(OutT{}) with OutT the CUDA type of the output dtype; errors otherwise.
-template <typename F>
-ffi::Error DispatchOut(ffi::DataType t, F&& f) {
-  switch (t) {
-    case ffi::DataType::F32:
-      return f(float{});
-    case ffi::DataType::BF16:
-      return f(__nv_bfloat16{});
-    case ffi::DataType::F16:
-      return f(__half{});
-    case ffi::DataType::F8E4M3FN:
-      return f(__nv_fp8_e4m3{});
-    default:
-      return InvalidArg(kOp, "out has unsupported dtype " + DtypeName(t) +
-                                 "; expected float32, bfloat16, float16 or float8_e4m3fn");
-  }
-}
-
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 ffi::Error TileDequantize(cudaStream_t stream, int32_t format, int64_t tile, int32_t has_scale,
@@ -102,7 +84,7 @@ ffi::Error TileDequantize(cudaStream_t stream, int32_t format, int64_t tile, int
   }
   const auto* sc = has_scale ? static_cast<const float*>(scale.untyped_data()) : nullptr;
   const auto* gs = nvfp4 ? static_cast<const float*>(global_scale.untyped_data()) : nullptr;
-  return DispatchOut(out->element_type(), [&](auto tag) -> ffi::Error {
+  return DispatchFloatOrE4m3(kOp, out->element_type(), [&](auto tag) -> ffi::Error {
     using OutT = decltype(tag);
     return CudaError(
         kOp, tile_dequantize<OutT>(static_cast<TileFormat>(format), In<uint8_t>(codes),

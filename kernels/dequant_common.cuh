@@ -1,8 +1,10 @@
-// Device helpers of the dequantization kernels (nf4_dequantize.cu, tile_dequantize.cu): the
-// optional rounding to the model dtype and the 16-byte stores of fp32 values to any output type,
-// float8_e4m3fn included (saturating, as jnp.clip(v, -448, 448).astype(float8_e4m3fn)).
+// Shared by the dequantization kernels (nf4_dequantize.cu, tile_dequantize.cu): their launch shape
+// (256-thread blocks, 4 chunks a thread, a grid-stride loop past kMaxBlocks), the optional rounding
+// to the model dtype and the 16-byte stores of fp32 values to any output type, float8_e4m3fn
+// included (saturating, as jnp.clip(v, -448, 448).astype(float8_e4m3fn)).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -12,6 +14,16 @@
 #include "kernels/device_common.cuh"
 
 namespace surogate::dequant {
+
+constexpr int kThreads = 256;
+constexpr int kChunksPerThread = 4;
+constexpr int64_t kMaxBlocks = int64_t{1} << 20;  // larger grids loop; no weight comes near it
+
+// Blocks for `units` work items, `per_block` a block (at least 1, at most kMaxBlocks).
+inline unsigned grid_for(int64_t units, int64_t per_block) {
+  return static_cast<unsigned>(
+      std::clamp<int64_t>((units + per_block - 1) / per_block, 1, kMaxBlocks));
+}
 
 template <typename OutT>
 constexpr int kElems = 16 / static_cast<int>(sizeof(OutT));  // outputs per 16-byte store

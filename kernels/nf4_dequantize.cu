@@ -29,21 +29,12 @@
 //    (XLA's buffers always are; a sliced view from another caller may not be).
 #include "kernels/nf4_dequantize.h"
 
-#include <algorithm>
-
 #include "kernels/dequant_common.cuh"
 
 namespace surogate {
 namespace {
 
-using dequant::kElems;
-using dequant::pack16;
-using dequant::round_via;
-using dequant::store_one;
-
-constexpr int kThreads = 256;
-constexpr int kChunksPerThread = 4;
-constexpr int64_t kMaxBlocks = int64_t{1} << 20;  // larger grids loop; no weight comes near it
+using namespace dequant;  // the launch shape, round_via, pack16, store_one
 
 // The B code bytes of one chunk as 32-bit words, byte 0 in the low bits of word 0.
 template <int B>
@@ -154,11 +145,6 @@ int log2_block_size(int block_size) {
     default:
       return -1;
   }
-}
-
-unsigned grid_for(int64_t units, int64_t per_block) {
-  return static_cast<unsigned>(
-      std::clamp<int64_t>((units + per_block - 1) / per_block, 1, kMaxBlocks));
 }
 
 }  // namespace

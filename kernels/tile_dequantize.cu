@@ -25,21 +25,12 @@
 //    aligned for the vector path (XLA's buffers always are; a sliced view may not be).
 #include "kernels/tile_dequantize.h"
 
-#include <algorithm>
-
 #include "kernels/dequant_common.cuh"
 
 namespace surogate {
 namespace {
 
-using dequant::kElems;
-using dequant::pack16;
-using dequant::round_via;
-using dequant::store_one;
-
-constexpr int kThreads = 256;
-constexpr int kChunksPerThread = 4;
-constexpr int64_t kMaxBlocks = int64_t{1} << 20;  // larger grids loop; no weight comes near it
+using namespace dequant;  // the launch shape, round_via, pack16, store_one
 
 // E2M1 values by 4-bit code (bit 3 the sign; code 8 is -0).
 __constant__ float kE2m1[16] = {0.f,  0.5f,  1.f,  1.5f,  2.f,  3.f,  4.f,  6.f,
@@ -188,11 +179,6 @@ int log2_exact(int x) {
   int l = 0;
   while ((1 << l) < x) ++l;
   return l;
-}
-
-unsigned grid_for(int64_t units, int64_t per_block) {
-  return static_cast<unsigned>(
-      std::clamp<int64_t>((units + per_block - 1) / per_block, 1, kMaxBlocks));
 }
 
 template <TileFormat F, typename OutT>
