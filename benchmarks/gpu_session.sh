@@ -15,7 +15,8 @@
 #       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon, nf4_dequantize, tile_dequantize
 #     model: forward, sft:<size>[,<size>...] (one fresh process per size; SFT_ARGS="--qlora bnb ..." adds flags;
 #       SFT_VARIANTS="--max-segments 0|--max-segments -1" runs each size once per '|'-separated flag set: an A/B),
-#       peer:<size>[,<size>...] (the HF transformers + PEFT peer, without then with gradient checkpointing)
+#       peer:<size>[,<size>...] (the HF transformers + PEFT peer, without then with gradient checkpointing),
+#       cli:<size>[,<size>...] (the trainer's CLI, its logged tokens/s; CLI_ARGS="--recipe fp8-hybrid ..." adds flags)
 #     profilers: calibrate (the op-bench timing checked on a copy), ncu_rope (Nsight Compute on the
 #       RoPE kernels), ncu_ops (kernel-only ours / XLA / same-bytes copy for rope_qk, swiglu, the
 #       norms), ncu_swiglu_lora (the same for swiglu_lora, both forms)
@@ -134,6 +135,10 @@ for b in "${benches[@]}"; do
            for s in ${sizes//,/ }; do for v in "${variants[@]}"; do
              python3 "$B/sft_throughput.py" --size "$s" ${SFT_ARGS:-} $v --out "$OUT/sft_throughput.jsonl" 2>&1 | tail -2
            done; done ;;
+    cli:*) sizes=${b#cli:}   # the trainer's CLI at the seed configuration (CLI_ARGS adds flags / key=value)
+           for s in ${sizes//,/ }; do
+             python3 "$B/cli_throughput.py" --size "$s" ${CLI_ARGS:-} --out "$OUT/cli_throughput.jsonl" 2>&1 | tail -1
+           done ;;
     peer:*) sizes=${b#peer:}   # the HF+PEFT peer, one fresh process per size and checkpointing setting
             for s in ${sizes//,/ }; do for gc in "" --gradient-checkpointing; do
               python3 "$B/peer_hf_peft.py" --size "$s" $gc --out "$OUT/peer_hf_peft.jsonl" 2>&1 | tail -1

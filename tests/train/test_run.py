@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -22,7 +23,8 @@ def env(tmp_path_factory):
 
 def test_lora_run_outputs_and_exact_resume(tmp_path, env):
     cfg = write_config(tmp_path, merge_adapter=True)
-    sft(cfg, env)
+    r = sft(cfg, env)
+    assert re.search(r"attention over at most \d+ segments a row", r.stderr)  # the packed path's bound is set
     out = tmp_path / "out"
     for f in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json", "merged/config.json",
               "metrics.jsonl", "training_plot.png", "summary.json", "checkpoints/6", "checkpoints/3"):
