@@ -3,8 +3,11 @@ multi-GPU / ZeRO / host-offload / full fine-tuning variants of issue 7.
 
 Random-init Qwen3 shapes (0.6B, 1.7B, 4B, 8B, 14B), bf16 base weights, LoRA r=16 alpha=32 on
 q,k,v,o,gate,up,down (fp32 adapters), sequence 2048, batch 2, gradient accumulation 4, packed rows
-(random document lengths, per-document attention and positions), AdamW, the production train
-step (surogate_jax.train.jit_train_step). Tokens/s = B x GPUs x GA x T / median step seconds after
+(random document lengths 64..1024, per-document attention and positions), AdamW, the production train
+step (surogate_jax.train.jit_train_step) with the trainer's defaults: `recompute: auto` (train.pick_remat) and
+cuDNN packed attention bounded by the most documents of any row plus one (its loader's bound); --max-segments 0
+gives the dense same-document mask, --recompute true the per-layer recomputation. --long-docs: one document a
+row (no packing boundary within the sequence). Tokens/s = B x GPUs x GA x T / median step seconds after
 warm-up (compile excluded); MFU per ARCHITECTURE.md (4 x P_linear + 6 x L x T x H x Dh per token,
 6 x P_linear with --full-ft, over 989 TFLOP/s x GPUs); peak = the devices' peak bytes in use over
 the whole process (max over the used devices, and each); init_peak_gb_per_gpu = the same before
@@ -17,7 +20,7 @@ ParallelConfig with --zero-level / --offload-*; train.init_state; train.jit_trai
 fine-tuning does. --baseline-tps (the 1-GPU tokens/s) adds the scaling efficiency
 (tokens/s per GPU / baseline).
 
-    python benchmarks/sft_throughput.py --size 0.6b [--steps 8] [--no-recompute | --auto-recompute] [--out f.json]
+    python benchmarks/sft_throughput.py --size 0.6b [--steps 8] [--recompute auto|true|false|dots] [--out f.json]
     python benchmarks/sft_throughput.py --size 8b --gpus 4 --full-ft --zero-level 3 --offload-optimizer
 """
 
@@ -59,8 +62,9 @@ def qwen3(size: str, recompute: bool | str, full_ft: bool = False, offload_resid
     )
 
 
-def packed_batches(rng, n, accum, rows, T_, vocab):
-    """n batches [accum, rows, T] of packed documents (lengths 64..1024) with shifted targets."""
+def packed_batches(rng, n, accum, rows, T_, vocab, long_docs=False):
+    """n batches [accum, rows, T] of packed documents (lengths 64..1024; long_docs: one of T a row), shifted
+    targets."""
     out = []
     for _ in range(n):
         b = {k: np.zeros((accum, rows, T_), np.int32) for k in ("input_ids", "targets", "positions", "segment_ids")}
@@ -69,7 +73,7 @@ def packed_batches(rng, n, accum, rows, T_, vocab):
             for r in range(rows):
                 t, seg = 0, 1
                 while t < T_:
-                    m = min(int(rng.integers(64, 1025)), T_ - t)
+                    m = T_ if long_docs else min(int(rng.integers(64, 1025)), T_ - t)
                     doc = rng.integers(0, vocab, m)
                     b["input_ids"][a, r, t:t + m] = doc
                     b["targets"][a, r, t:t + m - 1] = doc[1:]
@@ -118,11 +122,16 @@ def compiled_memory_gb(compiled) -> dict:
 def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, seq: int, gpus: int = 1,
         zero_level: int = 1, offload: tuple[str, ...] = (), full_ft: bool = False, optimizer: str = "adamw",
         baseline_tps: float | None = None, recipe: str = "bf16", kernels: tuple[str, ...] | None = None,
-        qlora: str | None = None, max_segments: int | None = None) -> dict:
+        qlora: str | None = None, max_segments: int | None = None, long_docs: bool = False) -> dict:
+    if recompute == "auto" and "residual" in offload:
+        recompute = True  # as the trainer: the offloaded layer input is what the recomputation starts from
     cfg = qwen3(size, recompute, full_ft, "residual" in offload)
-    # packed attention: documents of >= 64 tokens, so at most ceil(seq / 64) a row (packed_batches); 0/None: mask
-    max_segments = -(-seq // 64) if max_segments == -1 else max_segments
-    cfg = cfg.replace(max_segments=max_segments or None)
+    devices = par.run_devices(gpus)
+    rows = batch * len(devices)
+    host_batches = packed_batches(np.random.default_rng(0), 3, accum, rows, seq, cfg.vocab_size, long_docs)
+    if max_segments == -1:  # as the trainer's loader bound: the most documents of any row, plus a padding run
+        max_segments = 1 + max(int(b["segment_ids"].max()) for b in host_batches)
+    cfg = cfg.replace(max_segments=max_segments or None)  # 0 / None: the dense same-document mask
     if qlora is not None:  # the frozen base's projections stored quantized (the config keys' defaults)
         from surogate_jax.qlora.base import QloraSpec
 
@@ -135,7 +144,6 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
 
         cfg = cfg.replace(recipe=QuantRecipe(recipe))
     model = Decoder(cfg)
-    devices = par.run_devices(gpus)
     mesh = T.make_mesh(devices)
     pcfg = ParallelConfig(zero_level=zero_level, gpus=gpus, **{f"offload_{o}": True for o in offload})
     layout = par.Layout(mesh, par.Plan.from_config(pcfg))
@@ -148,9 +156,7 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
     state = T.init_state(model, tx, params, trainable, 0, mesh, layout)
     del params, trainable
     step = T.jit_train_step(model, tx, lambda s: 2e-4, mesh, state, layout)
-    rows = batch * len(devices)
-    batches = [T.global_batch(mesh, b, True)
-               for b in packed_batches(np.random.default_rng(0), 3, accum, rows, seq, cfg.vocab_size)]
+    batches = [T.global_batch(mesh, b, True) for b in host_batches]
     init_peaks = device_peaks(devices)  # before the first step: what building the state took
     t0 = time.perf_counter()
     note = None
@@ -185,7 +191,8 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
                optimizer=optimizer,
                init_peak_gb_per_gpu=init_peaks, compiled_gb=mem,
                parallel=layout.describe(), remat=model.config.remat_policy, remat_note=note, baseline_tps=baseline_tps,
-               kernels=list(cfg.kernels), max_segments=cfg.max_segments, ops_env=os.environ.get("SUROGATE_JAX_OPS", ""),
+               kernels=list(cfg.kernels), max_segments=cfg.max_segments, long_docs=long_docs,
+               ops_env=os.environ.get("SUROGATE_JAX_OPS", ""),
                ffi_graphs=os.environ.get("SUROGATE_JAX_FFI_GRAPHS", "1"),
                scaling_efficiency=(tps / len(devices) / baseline_tps) if baseline_tps else None)
     return res
@@ -212,9 +219,12 @@ def main():
     ap.add_argument("--batch", type=int, default=2, help="rows per GPU per micro-batch")
     ap.add_argument("--accum", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--no-recompute", dest="recompute", action="store_false")
-    ap.add_argument("--auto-recompute", dest="recompute", action="store_const", const="auto",
-                    help="the trainer's recompute: auto (no recompute when XLA's estimate of the step fits)")
+    ap.add_argument("--recompute", default="auto", choices=("auto", "true", "false", "full", "none", "dots",
+                                                             "dots_no_batch"),
+                    help="the trainer's `recompute` (default auto: no recomputation when XLA's estimate of the step "
+                    "fits the device, as the trainer's default)")
+    ap.add_argument("--no-recompute", dest="recompute", action="store_const", const="false")
+    ap.add_argument("--auto-recompute", dest="recompute", action="store_const", const="auto")
     ap.add_argument("--gpus", type=int, default=1, help="mesh over the first N local devices (0 = all)")
     ap.add_argument("--zero-level", type=int, choices=(0, 1, 2, 3), default=ParallelConfig().zero_level)
     for o in OFFLOADS:
@@ -225,17 +235,20 @@ def main():
     ap.add_argument("--recipe", choices=("bf16", "fp8-hybrid", "nvfp4"), default="bf16", help="precision recipe")
     ap.add_argument("--qlora", choices=("bnb", "fp8", "fp4"), help="QLoRA base format (LoRA only)")
     ap.add_argument("--kernels", help="comma list of DecoderConfig.kernels ('none' for all-XLA; default: the model's)")
-    ap.add_argument("--max-segments", type=int, default=0, help="cuDNN packed attention with this bound on the "
-                    "documents of a row (-1: the data's, ceil(seq / 64)); 0 (default): the dense same-document mask")
+    ap.add_argument("--max-segments", type=int, default=-1, help="packed attention's bound on a row's segments "
+                    "(default -1: the trainer's, the most documents of any row plus one); 0: the dense same-document "
+                    "mask")
+    ap.add_argument("--long-docs", action="store_true", help="one document of --seq tokens a row (no packing)")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.max_segments < -1:
         ap.error(f"--max-segments {a.max_segments}: use -1 (the data's bound), 0 (the dense mask) or a positive bound")
     kernels = None if a.kernels is None else tuple(k for k in a.kernels.split(",") if k and k != "none")
     offload = tuple(o for o in OFFLOADS if getattr(a, f"offload_{o}"))
-    res = run(a.size, a.steps, a.recompute, a.batch, a.accum, a.seq, gpus=a.gpus, zero_level=a.zero_level,
+    recompute = {"true": True, "false": False}.get(a.recompute, a.recompute)
+    res = run(a.size, a.steps, recompute, a.batch, a.accum, a.seq, gpus=a.gpus, zero_level=a.zero_level,
               offload=offload, full_ft=a.full_ft, optimizer=a.optimizer, baseline_tps=a.baseline_tps,
-              recipe=a.recipe, kernels=kernels, qlora=a.qlora, max_segments=a.max_segments)
+              recipe=a.recipe, kernels=kernels, qlora=a.qlora, max_segments=a.max_segments, long_docs=a.long_docs)
     plain = res["gpus"] == 1 and not (offload or a.full_ft or a.optimizer != "adamw" or a.baseline_tps or a.qlora)
     print(json.dumps(res))
     print(table_line(res, plain))

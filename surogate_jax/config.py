@@ -131,7 +131,7 @@ class RunConfig:
     report_to: list[str] | None = None
     wandb_project: str | None = None
     wandb_name: str | None = None
-    recompute: bool | str = True  # true/false, or a remat policy name (RECOMPUTE_POLICIES)
+    recompute: bool | str = "auto"  # true/false, or a remat policy name (RECOMPUTE_POLICIES); auto: train.pick_remat
     # surogate_jax additions: greedy exact-match accuracy on held-out chat rows after training.
     exact_match_file: str | None = None
     exact_match_samples: int = 100

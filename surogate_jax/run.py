@@ -53,6 +53,7 @@ from .metrics import (
 from .metrics import truncate as truncate_metrics
 from .models import Decoder, config_from_hf, config_to_hf
 from .names import QLORA_FORMATS
+from .ops import attention as attention_op
 from .optim import make_optimizer
 from .precision import fp8
 from .precision import recipe as recipe_lib
@@ -317,8 +318,9 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
     accum = cfg.run.gradient_accumulation_steps
     loader = BatchLoader(train_docs, batch_size=per_process_rows, sequence_len=seq, packing=cfg.data.sample_packing,
                          seed=cfg.run.train_seed, process_index=jax.process_index(), process_count=jax.process_count())
-    # packed attention computes only each document's own blocks; it needs a static bound on a row's segments
-    model = model.clone(config=model.config.replace(max_segments=loader.max_segments))
+    # packed attention computes only each document's own blocks, for a static bound on a row's segments
+    packed = loader.max_segments <= attention_op.MAX_PACKED_SEGMENTS
+    model = model.clone(config=model.config.replace(max_segments=loader.max_segments if packed else None))
     steps_per_epoch = max(loader.batches_per_epoch() // accum, 1)
     total = cfg.run.max_steps if cfg.run.max_steps > 0 else cfg.run.num_epochs * steps_per_epoch
     tx, schedule = make_optimizer(cfg.optim, total, mesh=mesh if layout.plan.shard_optimizer else None)
@@ -342,8 +344,11 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
         log.info("%s", note)
     else:
         step_fn = T.jit_train_step(model, tx, schedule, mesh, state, layout)
-    log.info("parallel: %s; %d process(es); remat %s; attention over at most %d segments a row",
-             layout.describe(), jax.process_count(), model.config.remat_policy, loader.max_segments)
+    log.info("parallel: %s; %d process(es); remat %s; attention: %s", layout.describe(), jax.process_count(),
+             model.config.remat_policy,
+             f"packed, at most {loader.max_segments} segments a row" if packed else
+             f"dense same-document mask (rows hold up to {loader.max_segments} segments, over the packed path's "
+             f"{attention_op.MAX_PACKED_SEGMENTS})")
     if model.config.recipe is not None:
         log.info("precision: %s", model.config.recipe.describe())
 

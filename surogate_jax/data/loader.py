@@ -3,9 +3,11 @@
 Each epoch shuffles the documents (numpy Generator seeded from (seed, epoch)) and lays them out
 in rows of T tokens. With packing, documents fill rows greedily in that order and never straddle
 rows: a document that does not fit closes the row (padded) and starts the next, and so does the
-document past `max_docs_per_row` (4x the documents an average row holds), so `max_segments` (that cap
-plus a padding run) bounds the segments of every row: the model's packed attention needs a static bound
-(surogate_jax/ops/attention.py). `positions` restart at 0 and `segment_ids` count 1, 2, ... per
+document past `max_docs_per_row`, so `max_segments` (that cap plus a padding run) bounds the segments of
+every row: the model's packed attention needs a static bound (surogate_jax/ops/attention.py), and its cost
+grows with it. The cap is by default the most documents any row of the first epoch holds when packed
+without one (`docs_per_row_cap`): the first epoch packs exactly as uncapped, later ones rarely close a row
+early. `positions` restart at 0 and `segment_ids` count 1, 2, ... per
 document in a row (0 = padding). Without
 packing, one document per row. Documents longer than T (tokenized with a larger sequence_len) are
 cut to T here too.
@@ -34,21 +36,39 @@ from .docs import DataError, TokenizedDocs
 STATE_VERSION = 1
 
 
-def docs_per_row_cap(sequence_len: int, mean_len: float) -> int:
-    """Most documents a packed row may hold: 4x what a row of average documents holds (so it rarely binds),
-    at most sequence_len."""
-    return int(min(sequence_len, 4 * -(-sequence_len // max(1, round(mean_len)))))
+def pack_rows(lengths: np.ndarray, sequence_len: int, cap: int | None) -> np.ndarray:
+    """Row pointers of greedy packing: documents of `lengths` (<= sequence_len each), in this order, fill a row
+    until the next does not fit or the row holds `cap` documents; row r holds documents ptr[r]:ptr[r + 1]."""
+    cap = len(lengths) + 1 if cap is None else cap
+    ptr = [0]
+    fill = 0
+    for i, n in enumerate(np.asarray(lengths).tolist()):
+        if fill + n > sequence_len or i - ptr[-1] == cap:
+            ptr.append(i)
+            fill = 0
+        fill += n
+    ptr.append(len(lengths))
+    return np.asarray(ptr, np.int64)
+
+
+def docs_per_row_cap(lengths: np.ndarray, sequence_len: int) -> int:
+    """The most documents a row holds when `lengths` (the first epoch's order) pack without a cap."""
+    return int(np.diff(pack_rows(lengths, sequence_len, None)).max(initial=1))
 
 
 class BatchLoader:
     def __init__(self, docs: TokenizedDocs, *, batch_size: int, sequence_len: int, packing: bool, seed: int,
-                 shuffle: bool = True, process_index: int = 0, process_count: int = 1):
+                 shuffle: bool = True, process_index: int = 0, process_count: int = 1,
+                 max_docs_per_row: int | None = None):
         if len(docs) == 0:
             raise DataError("the split has no documents to load")
         if batch_size < 1 or sequence_len < 2:
             raise ValueError(f"batch_size={batch_size} must be >= 1 and sequence_len={sequence_len} >= 2")
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
+        if max_docs_per_row is not None and (isinstance(max_docs_per_row, bool) or not isinstance(max_docs_per_row, int)
+                                             or max_docs_per_row < 1):
+            raise ValueError(f"max_docs_per_row={max_docs_per_row!r}: a positive int, or None (from the data)")
         self.docs = docs
         self.batch_size = batch_size
         self.sequence_len = sequence_len
@@ -58,7 +78,12 @@ class BatchLoader:
         self.process_index = process_index
         self.process_count = process_count
         self._lengths = np.minimum(docs.lengths, sequence_len)
-        self.max_docs_per_row = docs_per_row_cap(sequence_len, float(self._lengths.mean())) if packing else 1
+        if not packing:
+            self.max_docs_per_row = 1
+        elif max_docs_per_row is None:
+            self.max_docs_per_row = docs_per_row_cap(self._lengths[self._order(0)], sequence_len)
+        else:
+            self.max_docs_per_row = max_docs_per_row
         self._epoch = 0
         self._row = 0  # next global row of the current epoch
         self._layout_cache: tuple[int, np.ndarray, np.ndarray] | None = None
@@ -134,24 +159,18 @@ class BatchLoader:
     def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(document order, row pointers): row r holds documents order[ptr[r]:ptr[r + 1]]."""
         if self._layout_cache is None or self._layout_cache[0] != epoch:
-            n = len(self.docs)
-            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            order = self._order(epoch)
             self._layout_cache = (epoch, order, self._rows(order))
         return self._layout_cache[1], self._layout_cache[2]
+
+    def _order(self, epoch: int) -> np.ndarray:
+        n = len(self.docs)
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
 
     def _rows(self, order: np.ndarray) -> np.ndarray:
         if not self.packing:
             return np.arange(len(order) + 1)
-        T, cap = self.sequence_len, self.max_docs_per_row
-        ptr = [0]
-        fill = 0
-        for i, n in enumerate(self._lengths[order].tolist()):
-            if fill + n > T or i - ptr[-1] == cap:
-                ptr.append(i)
-                fill = 0
-            fill += n
-        ptr.append(len(order))
-        return np.asarray(ptr, np.int64)
+        return pack_rows(self._lengths[order], self.sequence_len, self.max_docs_per_row)
 
     def _assemble(self, order: np.ndarray, ptr: np.ndarray, first_row: int) -> dict[str, np.ndarray]:
         B, T = self.batch_size, self.sequence_len

@@ -1,4 +1,5 @@
-"""BatchLoader's cap on documents per packed row: `docs_per_row_cap`, `max_docs_per_row` / `max_segments` as bounds
+"""BatchLoader's cap on documents per packed row: `docs_per_row_cap` (the default: the fullest row of the first epoch
+packed without a cap), `max_docs_per_row` / `max_segments` as bounds
 on every row, the layout where the cap does not bind (plain greedy packing by length), state()/restore() of the cap,
 and `segment_offsets` (the packed attention's view of a row) on real loader batches.
 
@@ -108,27 +109,33 @@ def rows_of(batches):
 # --- docs_per_row_cap ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("seq_len", "mean_len", "cap"), [
-    (2048, 400, 24),  # 4 * ceil(2048 / 400) = 4 * 6
-    (2048, 400.3, 24),  # the mean is rounded first
-    (2048, 2048, 4),  # mean >= T: one document per average row, 4x that
-    (2048, 5000, 4),
-    (2, 1, 2),  # 4 * 2 = 8, clamped to T
-    (3, 100, 3),  # 4 clamped to T < 4
-    (2048, 1, 2048),  # one-token documents: T of them fit
-    (2048, 0.4, 2048),  # rounds to 0: treated as 1, not a division by zero
-    (64, 6, 44),  # 4 * ceil(64 / 6) = 4 * 11
-    (64, 23, 12),  # 4 * ceil(64 / 23) = 4 * 3
+@pytest.mark.parametrize(("lengths", "seq_len", "cap"), [
+    ([10] * 12, 64, 6),  # rows of 6 (60 tokens)
+    ([64] * 5, 64, 1),
+    ([1] * 200, 64, 64),  # rows of 64, 64, 64, 8
+    ([30, 30, 5, 40, 20, 4], 64, 2),  # [30, 30] [5, 40] [20, 4]: each next one would overflow
+    ([3] * 21 + [64], 64, 21),  # 63 tokens, then a full-row document
+    ([], 64, 1),
 ])
-def test_docs_per_row_cap(seq_len, mean_len, cap):
-    got = docs_per_row_cap(seq_len, mean_len)
+def test_docs_per_row_cap(lengths, seq_len, cap):
+    got = docs_per_row_cap(np.asarray(lengths, np.int64), seq_len)
     assert got == cap and isinstance(got, int)
 
 
-def test_max_docs_per_row_uses_the_mean_of_lengths_cut_to_the_row():
-    docs = make_docs([200, 2, 2])  # cut to 64: mean 68 / 3 -> 23 -> cap 12 (the uncut mean 68 would give 4)
-    loader = BatchLoader(docs, batch_size=1, sequence_len=T, packing=True, seed=0)
-    assert loader.max_docs_per_row == 12 and loader.max_segments == 13
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_default_cap_is_the_fullest_row_of_the_first_epoch_which_packs_as_uncapped(shuffle):
+    lengths = heavy_tailed_lengths()
+    loader = BatchLoader(make_docs(lengths), batch_size=4, sequence_len=T, packing=True, seed=3, shuffle=shuffle)
+    order = np.random.default_rng([3, 0]).permutation(len(lengths)) if shuffle else range(len(lengths))
+    uncapped = expected_rows(lengths, order, T)
+    assert loader.max_docs_per_row == max(map(len, uncapped)) and loader.max_segments == loader.max_docs_per_row + 1
+    assert rows_of(take(loader, loader.batches_per_epoch())) == uncapped
+
+
+def test_an_explicit_cap_must_be_a_positive_int():
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="max_docs_per_row"):
+            BatchLoader(make_docs([3, 4]), batch_size=1, sequence_len=T, packing=True, seed=0, max_docs_per_row=bad)
 
 
 @pytest.mark.parametrize("lengths", [heavy_tailed_lengths(), similar_lengths(), [1] * 9, [200, 3]])
@@ -141,15 +148,15 @@ def test_without_packing_one_document_per_row(lengths):
 # --- the cap bounds every row ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("lengths", "shuffle", "batch_size"), [
-    (heavy_tailed_lengths(), True, 8),
-    (clustered_lengths(), False, 3),
+@pytest.mark.parametrize(("lengths", "shuffle", "batch_size", "cap"), [
+    (heavy_tailed_lengths(), True, 8, 32),
+    (clustered_lengths(), False, 3, 52),
 ], ids=["shuffled_heavy_tail", "clustered_in_order"])
-def test_every_row_respects_the_cap_and_every_document_comes_once_per_epoch(lengths, shuffle, batch_size):
+def test_every_row_respects_the_cap_and_every_document_comes_once_per_epoch(lengths, shuffle, batch_size, cap):
     docs = make_docs(lengths)
-    loader = BatchLoader(docs, batch_size=batch_size, sequence_len=T, packing=True, seed=0, shuffle=shuffle)
-    cap = loader.max_docs_per_row
-    assert cap == docs_per_row_cap(T, float(np.mean(lengths))) and loader.max_segments == cap + 1
+    loader = BatchLoader(docs, batch_size=batch_size, sequence_len=T, packing=True, seed=0, shuffle=shuffle,
+                         max_docs_per_row=cap)
+    assert loader.max_docs_per_row == cap and loader.max_segments == cap + 1
     short = [n for n in lengths if n <= 2]
     assert cap * np.mean(short) < T and len(short) > cap  # a row of short documents reaches the cap before T tokens
     supervised = Counter(docs.tokens[docs.loss_mask].tolist())
@@ -184,7 +191,7 @@ def test_every_row_respects_the_cap_and_every_document_comes_once_per_epoch(leng
 def test_clustered_layout_is_greedy_with_the_cap():
     lengths = clustered_lengths()
     docs = make_docs(lengths)
-    loader = BatchLoader(docs, batch_size=4, sequence_len=T, packing=True, seed=0, shuffle=False)
+    loader = BatchLoader(docs, batch_size=4, sequence_len=T, packing=True, seed=0, shuffle=False, max_docs_per_row=52)
     cap = loader.max_docs_per_row
     want = expected_rows(lengths, range(len(lengths)), T, cap)
     assert sum(len(r) == cap and sum(lengths[d] for d in r) < T for r in want) >= 2  # closed by the cap
@@ -203,9 +210,8 @@ def test_layout_without_binding_is_greedy_by_length(make_lengths, seed):
     lengths = make_lengths()
     docs = make_docs(lengths)
     B = 3
-    loader = BatchLoader(docs, batch_size=B, sequence_len=T, packing=True, seed=seed)
+    loader = BatchLoader(docs, batch_size=B, sequence_len=T, packing=True, seed=seed, max_docs_per_row=12)
     cap = loader.max_docs_per_row
-    assert cap == docs_per_row_cap(T, float(np.mean(lengths))) == 12  # mean ~24-25: 4 * 3
     assert cap * min(lengths) > T  # no row can reach the cap
     for epoch in range(2):
         order = np.random.default_rng([seed, epoch]).permutation(len(docs))
@@ -229,9 +235,11 @@ def test_layout_without_binding_is_greedy_by_length(make_lengths, seed):
 
 
 def test_state_records_the_cap():
-    loader = BatchLoader(make_docs(heavy_tailed_lengths()), batch_size=4, sequence_len=T, packing=True, seed=1)
+    lengths = heavy_tailed_lengths()
+    loader = BatchLoader(make_docs(lengths), batch_size=4, sequence_len=T, packing=True, seed=1)
     state = json.loads(json.dumps(loader.state()))
-    assert state["max_docs_per_row"] == loader.max_docs_per_row == 32
+    order = np.random.default_rng([1, 0]).permutation(len(lengths))
+    assert state["max_docs_per_row"] == loader.max_docs_per_row == docs_per_row_cap(np.asarray(lengths)[order], T)
 
 
 def test_restore_refuses_a_different_cap():
@@ -242,7 +250,8 @@ def test_restore_refuses_a_different_cap():
     before = loader.state()
     bad = dict(state, max_docs_per_row=state["max_docs_per_row"] + 1)
     other = BatchLoader(docs, batch_size=4, sequence_len=T, packing=True, seed=1)
-    with pytest.raises(DataError, match=r"max_docs_per_row was 33 and is now 32"):
+    cap = state["max_docs_per_row"]
+    with pytest.raises(DataError, match=rf"max_docs_per_row was {cap + 1} and is now {cap}"):
         other.restore(bad)
     assert other.state()["row"] == 0 and other.epoch == 0  # a refused restore leaves the position alone
     assert loader.state() == before
@@ -250,11 +259,11 @@ def test_restore_refuses_a_different_cap():
 
 def test_restore_refuses_documents_whose_cut_lengths_give_another_cap():
     # same n_docs, n_tokens, seed, sequence_len: only the lengths cut to T (so the cap) differ
-    a = BatchLoader(make_docs([200, 2, 2]), batch_size=1, sequence_len=T, packing=True, seed=0)
-    b = BatchLoader(make_docs([68, 68, 68]), batch_size=1, sequence_len=T, packing=True, seed=0)
+    a = BatchLoader(make_docs([200, 2, 2]), batch_size=1, sequence_len=T, packing=True, seed=0, shuffle=False)
+    b = BatchLoader(make_docs([68, 68, 68]), batch_size=1, sequence_len=T, packing=True, seed=0, shuffle=False)
     assert (a.state()["n_docs"], a.state()["n_tokens"]) == (b.state()["n_docs"], b.state()["n_tokens"])
-    assert (a.max_docs_per_row, b.max_docs_per_row) == (12, 4)
-    with pytest.raises(DataError, match="max_docs_per_row was 12 and is now 4"):
+    assert (a.max_docs_per_row, b.max_docs_per_row) == (2, 1)  # rows [64] [2, 2] and [64] [64] [64]
+    with pytest.raises(DataError, match="max_docs_per_row was 2 and is now 1"):
         b.restore(a.state())
 
 
@@ -282,10 +291,12 @@ def test_restore_accepts_a_state_from_before_the_cap(packing, skip):
 # --- segment_offsets on real batches ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("lengths", "shuffle"), [(clustered_lengths(), False), (heavy_tailed_lengths(), True)],
+@pytest.mark.parametrize(("lengths", "shuffle", "cap"), [(clustered_lengths(), False, 52),
+                                                         (heavy_tailed_lengths(), True, None)],
                          ids=["clustered_in_order", "shuffled_heavy_tail"])
-def test_segment_offsets_of_loader_batches_cover_every_token(lengths, shuffle):
-    loader = BatchLoader(make_docs(lengths), batch_size=8, sequence_len=T, packing=True, seed=0, shuffle=shuffle)
+def test_segment_offsets_of_loader_batches_cover_every_token(lengths, shuffle, cap):
+    loader = BatchLoader(make_docs(lengths), batch_size=8, sequence_len=T, packing=True, seed=0, shuffle=shuffle,
+                         max_docs_per_row=cap)
     M = loader.max_segments
     checked_full = 0
     for batch in take(loader, loader.batches_per_epoch()):

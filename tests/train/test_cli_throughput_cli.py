@@ -24,7 +24,7 @@ def test_tiny_cli_run_reports_its_logged_throughput(tmp_path):
     (res,) = [json.loads(x) for x in out.read_text().splitlines()]
     assert [s for s, _ in res["per_step"]][-2:] == [2, 3]
     assert res["tokens_per_s"] == float(np.median([t for s, t in res["per_step"] if s > 1])) > 0
-    assert any("attention over at most" in ln for ln in res["log"])  # the trainer's packed-attention bound
+    assert any("attention: packed, at most" in ln for ln in res["log"])  # the trainer's packed-attention bound
     cfg = json.loads((work / "out/config.json").read_text())
     assert (cfg["sequence_len"], cfg["per_device_train_batch_size"], cfg["gradient_accumulation_steps"]) == (2048, 2, 4)
     assert cfg["lora_rank"] == 16 and cfg["optimizer"] == "adamw_8bit" and cfg["sample_packing"] is True

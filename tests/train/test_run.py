@@ -24,7 +24,7 @@ def env(tmp_path_factory):
 def test_lora_run_outputs_and_exact_resume(tmp_path, env):
     cfg = write_config(tmp_path, merge_adapter=True)
     r = sft(cfg, env)
-    assert re.search(r"attention over at most \d+ segments a row", r.stderr)  # the packed path's bound is set
+    assert re.search(r"attention: packed, at most \d+ segments a row", r.stderr)  # the packed path's bound is set
     out = tmp_path / "out"
     for f in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json", "merged/config.json",
               "metrics.jsonl", "training_plot.png", "summary.json", "checkpoints/6", "checkpoints/3"):
@@ -70,6 +70,17 @@ def test_recompute_auto_says_what_it_picked(tmp_path, env):
     cfg = write_config(tmp_path, recompute="auto", max_steps=2, save_steps=2, eval_steps=0)
     r = sft(cfg, env)
     assert "recompute auto: full" in r.stderr and "no device memory limit known" in r.stderr  # CPU: no limit
+    assert max(losses(tmp_path / "out")) == 2
+
+
+def test_rows_of_many_tiny_documents_take_the_dense_mask(tmp_path, env):
+    text = tmp_path / "tiny_docs.txt"
+    text.write_text("a\n" * 3000)  # a few tokens each: a 256-token row holds far more than the packed path's bound
+    cfg = write_config(tmp_path, datasets=[{"path": str(text), "type": "text"}], sequence_len=256, max_steps=2,
+                       save_steps=2, eval_steps=0, validation_split_ratio=0.0)
+    r = sft(cfg, env)
+    assert re.search(r"attention: dense same-document mask \(rows hold up to \d+ segments, over the packed path's 64\)",
+                     r.stderr), r.stderr[-2000:]
     assert max(losses(tmp_path / "out")) == 2
 
 
