@@ -1,6 +1,7 @@
 """`recompute: auto` (train.pick_remat): the first remat policy whose compiled step fits the memory budget is
 taken, the last one otherwise or when no device limit is known; the compiled step it returns trains exactly like a
-step jitted with that policy; the budget arithmetic (train.step_device_bytes) is XLA's memory analysis."""
+step jitted with that policy; the budget arithmetic (train.step_bytes, train.step_fits) is XLA's memory analysis
+against the device's limit, what else is in use and its largest free block."""
 
 from __future__ import annotations
 
@@ -32,30 +33,65 @@ def _setup():
 
 
 def _needs(mesh, model, tx, state, batch):
-    """Each policy's step bytes, from the same analysis pick_remat reads."""
+    """Each policy's StepBytes, from the same analysis pick_remat reads."""
     out = {}
     for p in T.AUTO_REMAT_POLICIES:
         m = model.clone(config=model.config.replace(remat_policy=p))
-        out[p] = T.step_device_bytes(T.jit_train_step(m, tx, lambda s: 1e-2, mesh, state).lower(state, batch).compile())
+        out[p] = T.step_bytes(T.jit_train_step(m, tx, lambda s: 1e-2, mesh, state).lower(state, batch).compile())
     return out
+
+
+def _pick(mesh, model, tx, state, batch, **memory):
+    m, _, note = T.pick_remat(model, tx, lambda s: 1e-2, mesh, state, T.Layout(mesh), batch,
+                              memory={"bytes_in_use": 0, **memory})
+    return m.config.remat_policy, note
 
 
 def test_picks_the_fastest_policy_that_fits():
     mesh, model, tx, mk_state, batch = _setup()
     state = mk_state()
     needs = _needs(mesh, model, tx, state, batch)
-    assert needs["none"] > needs["full"] > 0  # saving every activation needs more than recomputing
-    roomy = int(needs["none"] / T.AUTO_REMAT_HEADROOM) + 1
-    m, _, note = T.pick_remat(model, tx, lambda s: 1e-2, mesh, state, T.Layout(mesh), batch, limit=roomy)
-    assert m.config.remat_policy == "none" and "recompute auto: none" in note
-    tight = int(needs["none"] / T.AUTO_REMAT_HEADROOM) - 1  # "none" is just over the budget
-    m, _, note = T.pick_remat(model, tx, lambda s: 1e-2, mesh, state, T.Layout(mesh), batch, limit=tight)
-    assert m.config.remat_policy == "full" and "recompute auto: full" in note and "none " in note
+    assert needs["none"].total > needs["dots"].total > needs["full"].total > 0  # each saves less than the one before
+    budgets = [int(needs[p].total / T.AUTO_REMAT_HEADROOM) + d for p in T.AUTO_REMAT_POLICIES for d in (-1, 1)]
+    picked = set()
+    for limit in budgets:
+        want = next((p for p in T.AUTO_REMAT_POLICIES if needs[p].total <= T.AUTO_REMAT_HEADROOM * limit), "full")
+        got, note = _pick(mesh, model, tx, state, batch, bytes_limit=limit)
+        assert got == want and f"recompute auto: {want}" in note, (limit, got, want, note)
+        picked.add(got)
+    assert picked == set(T.AUTO_REMAT_POLICIES)  # every branch taken
+
+
+def test_memory_in_other_use_counts_against_the_budget():
+    mesh, model, tx, mk_state, batch = _setup()
+    state = mk_state()
+    needs = _needs(mesh, model, tx, state, batch)
+    limit = int(needs["none"].total / T.AUTO_REMAT_HEADROOM) + 1  # "none" fits an otherwise empty device
+    assert _pick(mesh, model, tx, state, batch, bytes_limit=limit)[0] == "none"
+    in_use = needs["none"].arguments  # the step's own arguments are already allocated: still fits
+    assert _pick(mesh, model, tx, state, batch, bytes_limit=limit, bytes_in_use=in_use)[0] == "none"
+    others = needs["none"].total - needs["dots"].total  # something else holds this much: "none" no longer fits
+    got, note = _pick(mesh, model, tx, state, batch, bytes_limit=limit, bytes_in_use=in_use + others)
+    assert got == "dots" and "in other use" in note
+
+
+def test_a_fragmented_pool_refuses_a_temporary_larger_than_its_largest_free_block():
+    mesh, model, tx, mk_state, batch = _setup()
+    state = mk_state()
+    needs = _needs(mesh, model, tx, state, batch)
+    assert needs["none"].temp > needs["dots"].temp
+    limit = 1 << 40
+    small = needs["none"].temp - 1  # the bytes fit, the one temporary allocation does not
+    full_pool = {"bytes_limit": limit, "largest_free_block_bytes": small, "pool_bytes": limit}
+    got, note = _pick(mesh, model, tx, state, batch, **full_pool)
+    assert got == "dots" and "largest free block" in note
+    growable = dict(full_pool, pool_bytes=limit - needs["none"].temp)  # the pool may still grow a region that big
+    assert _pick(mesh, model, tx, state, batch, **growable)[0] == "none"
 
 
 def test_no_known_limit_keeps_recomputation():
     mesh, model, tx, mk_state, batch = _setup()
-    if T.device_memory_limit(mesh) is not None:
+    if T.device_memory(mesh) is not None:
         pytest.skip("a GPU reports its memory limit, so the no-limit branch cannot run here (CPU runs it)")
     m, _, note = T.pick_remat(model, tx, lambda s: 1e-2, mesh, mk_state(), T.Layout(mesh), batch)
     assert m.config.remat_policy == "full" and "no device memory limit known" in note
@@ -65,7 +101,8 @@ def test_compiled_step_trains_like_the_jitted_one():
     mesh, model, tx, mk_state, batch = _setup()
     state = mk_state()
     abstract = T.abstract_batch(mesh, 2, 4, 32)
-    m, compiled, _ = T.pick_remat(model, tx, lambda s: 1e-2, mesh, state, T.Layout(mesh), abstract, limit=1 << 40)
+    m, compiled, _ = T.pick_remat(model, tx, lambda s: 1e-2, mesh, state, T.Layout(mesh), abstract,
+                                  memory={"bytes_limit": 1 << 40, "bytes_in_use": 0})
     assert m.config.remat_policy == "none"
     plain = T.jit_train_step(m, tx, lambda s: 1e-2, mesh, mk_state())
     s1, s2 = state, mk_state()
