@@ -75,7 +75,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", required=True, help="a Qwen3 size of sft_throughput.py (0.6b, 8b, ...)")
     ap.add_argument("--recipe", default="bf16", choices=("bf16", "fp8-hybrid", "nvfp4"))
-    ap.add_argument("--recompute", default="true", choices=("true", "false", "auto"))
+    ap.add_argument("--recompute", default="auto", choices=("true", "false", "auto"), help="default: the trainer's")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=2, help="first logged steps left out of the median (compilation)")
     ap.add_argument("--work", default="/tmp/cli_bench")

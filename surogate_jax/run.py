@@ -368,20 +368,25 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
     plateau = PlateauWatch()
     last_eval = None
     timer = Throughput()
+    def next_batch():
+        local = [next(loader) for _ in range(accum)]
+        return T.global_batch(mesh, {k: np.stack([b[k] for b in local]) for k in T.BATCH_KEYS}, True)
+
     try:
         with stop.at_step_boundary():
+            batch = next_batch() if start < total else None
             for step in range(start, total):
-                local = [next(loader) for _ in range(accum)]
-                batch = T.global_batch(mesh, {k: np.stack([b[k] for b in local]) for k in T.BATCH_KEYS}, True)
-                state, metrics = step_fn(state, batch)
+                state, metrics = step_fn(state, batch)  # dispatched: the device runs while the host goes on
                 done = step + 1
+                data_state, epoch = loader.state(), loader.epoch  # where the data stands after this step
+                batch = next_batch() if done < total else None  # the next step's rows, built during this one
                 ckpt.check_errors()  # a failed background save stops the run here, not at the next save
                 logged = done % cfg.run.logging_steps == 0 or done == total or done == start + 1
                 if logged:
                     m = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     bad = int(m.pop("first_nonfinite"))
                     sec = timer.update(done)  # None until a step after the compiled first one
-                    m.update(step=done, epoch=loader.epoch,
+                    m.update(step=done, epoch=epoch,
                              tokens_per_s=tokens_per_step / sec if sec else None,
                              mfu=flops * tokens_per_step / sec / peak if (peak and sec) else None)
                     logger.log(m)
@@ -399,7 +404,7 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
                 if stopping or done % cfg.run.save_steps == 0 or done == total:
                     if not logged:  # never save a non-finite state (a logged step was checked above)
                         check_finite(int(jax.device_get(state.first_nonfinite)), ckpt, cfg)
-                    ckpt.save(done, state, loader.state(), meta)
+                    ckpt.save(done, state, data_state, meta)
                 if stopping:
                     ckpt.wait()
                     raise Interrupted(stop.signum, f"stopped by {stop.name} after step {done}: checkpoint saved in "
