@@ -80,6 +80,7 @@ def main():
     ap.add_argument("--skip", type=int, default=2, help="first logged steps left out of the median (compilation)")
     ap.add_argument("--work", default="/tmp/cli_bench")
     ap.add_argument("--out")
+    ap.add_argument("--build-only", action="store_true", help="only build the model directory (run in a child)")
     ap.add_argument("overrides", nargs="*", help="key=value config keys for the run")
     a = ap.parse_args()
     if a.steps <= a.skip:
@@ -88,7 +89,11 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     model_dir, data = work / f"qwen3-{a.size}", work / "docs.jsonl"
     t0 = time.perf_counter()
-    build_model(a.size, model_dir)
+    if a.build_only:
+        build_model(a.size, model_dir)
+        return
+    if not (model_dir / "config.json").is_file():  # in a child process: this one must hold no GPU memory
+        subprocess.run([sys.executable, __file__, "--size", a.size, "--work", str(work), "--build-only"], check=True)
     if not data.is_file():  # enough documents for the steps (about 3.5 a row) and some spare
         build_data(model_dir, data, n_docs=int(a.steps * ROWS * ACCUM * 5) + 200)
     built_s = time.perf_counter() - t0

@@ -122,7 +122,8 @@ def compiled_memory_gb(compiled) -> dict:
 def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, seq: int, gpus: int = 1,
         zero_level: int = 1, offload: tuple[str, ...] = (), full_ft: bool = False, optimizer: str = "adamw",
         baseline_tps: float | None = None, recipe: str = "bf16", kernels: tuple[str, ...] | None = None,
-        qlora: str | None = None, max_segments: int | None = None, long_docs: bool = False) -> dict:
+        qlora: str | None = None, max_segments: int | None = None, long_docs: bool = False,
+        trace_dir: str | None = None) -> dict:
     if recompute == "auto" and "residual" in offload:
         recompute = True  # as the trainer: the offloaded layer input is what the recomputation starts from
     cfg = qwen3(size, recompute, full_ft, "residual" in offload)
@@ -176,6 +177,11 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
         losses.append(float(m["loss"]))  # fetching the loss syncs, as the training loop's logging does
         times.append(time.perf_counter() - t0)
     sec = statistics.median(times[1:])
+    if trace_dir:  # two more steps under the profiler (benchmarks/profile/step_breakdown.py reads the trace)
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for i in range(2):
+                state, m = step(state, batches[i % len(batches)])
+                float(m["loss"])
     tokens = rows * accum * seq
     tps = tokens / sec
     mfu = flops_per_token(cfg, seq, frozen_base=not full_ft) * tps / (H100_BF16_PEAK * len(devices))
@@ -238,6 +244,7 @@ def main():
     ap.add_argument("--max-segments", type=int, default=-1, help="packed attention's bound on a row's segments "
                     "(default -1: the trainer's, the most documents of any row plus one); 0: the dense same-document "
                     "mask")
+    ap.add_argument("--trace", help="also profile two steps into this directory (jax.profiler, perfetto json)")
     ap.add_argument("--long-docs", action="store_true", help="one document of --seq tokens a row (no packing)")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -248,7 +255,8 @@ def main():
     recompute = {"true": True, "false": False}.get(a.recompute, a.recompute)
     res = run(a.size, a.steps, recompute, a.batch, a.accum, a.seq, gpus=a.gpus, zero_level=a.zero_level,
               offload=offload, full_ft=a.full_ft, optimizer=a.optimizer, baseline_tps=a.baseline_tps,
-              recipe=a.recipe, kernels=kernels, qlora=a.qlora, max_segments=a.max_segments, long_docs=a.long_docs)
+              recipe=a.recipe, kernels=kernels, qlora=a.qlora, max_segments=a.max_segments, long_docs=a.long_docs,
+              trace_dir=a.trace)
     plain = res["gpus"] == 1 and not (offload or a.full_ft or a.optimizer != "adamw" or a.baseline_tps or a.qlora)
     print(json.dumps(res))
     print(table_line(res, plain))
