@@ -1,0 +1,108 @@
+"""models/moe.py (the MoE reference) against transformers' Qwen3-MoE block and load-balancing loss, fp32, on random
+weights: uneven expert counts, top-k with and without renormalisation, padding masks; and the routing rules on
+their own (softmax in f32, top-k, weights that sum to one)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from surogate_jax.models import moe
+
+torch = pytest.importorskip("torch")
+qwen3_moe = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+Qwen3MoeConfig = pytest.importorskip("transformers").Qwen3MoeConfig
+
+
+def _block(D, I, E, k, norm, seed):
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k,
+                         norm_topk_prob=norm, hidden_act="silu")
+    block = qwen3_moe.Qwen3MoeSparseMoeBlock(cfg).float()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.3)
+    return block
+
+
+def _weights(block, E, I):
+    """(router [E, D], gate [E, D, I], up [E, D, I], down [E, I, D]) from either expert layout transformers uses:
+    fused 3-D tensors (gate_up_proj [E, 2I, D], down_proj [E, D, I]) or one module per expert."""
+    ex = block.experts
+    np_ = lambda t: t.detach().numpy()  # noqa: E731
+    router = np_(block.gate.weight)
+    if hasattr(ex, "gate_up_proj"):
+        gu = np_(ex.gate_up_proj)
+        gate, up = gu[:, :I].transpose(0, 2, 1), gu[:, I:].transpose(0, 2, 1)
+        down = np_(ex.down_proj).transpose(0, 2, 1)
+    else:
+        gate = np.stack([np_(ex[e].gate_proj.weight).T for e in range(E)])
+        up = np.stack([np_(ex[e].up_proj.weight).T for e in range(E)])
+        down = np.stack([np_(ex[e].down_proj.weight).T for e in range(E)])
+    return router, gate, up, down
+
+
+@pytest.mark.parametrize(("D", "I", "E", "k", "norm"), [
+    (16, 24, 8, 2, True),
+    (16, 24, 8, 2, False),
+    (12, 20, 5, 3, True),  # uneven expert count, odd top-k
+    (8, 12, 7, 1, False),
+    (8, 12, 6, 6, True),  # every expert chosen
+])
+def test_block_matches_transformers(D, I, E, k, norm):
+    block = _block(D, I, E, k, norm, seed=E * 10 + k)
+    x = torch.randn(3, 11, D)
+    with torch.no_grad():
+        want = block(x).numpy().reshape(-1, D)
+    router, gate, up, down = _weights(block, E, I)
+    got, logits = moe.moe_mlp_ref(jnp.asarray(x.numpy().reshape(-1, D)), jnp.asarray(router), jnp.asarray(gate),
+                                  jnp.asarray(up), jnp.asarray(down), k=k, norm_topk_prob=norm)
+    scale = np.abs(want).max()
+    assert np.abs(np.asarray(got) - want).max() <= 1e-4 * scale
+    np.testing.assert_allclose(np.asarray(logits), x.numpy().reshape(-1, D) @ router.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize(("E", "k"), [(8, 2), (5, 3), (6, 1)])
+def test_load_balancing_loss_matches_transformers(E, k, masked):
+    rng = np.random.default_rng(E + k)
+    B, T, layers = 2, 9, 3
+    logits = [rng.normal(size=(B * T, E)).astype(np.float32) for _ in range(layers)]
+    mask = (rng.random((B, T)) < 0.7).astype(np.int64) if masked else None
+    want = qwen3_moe.load_balancing_loss_func(tuple(torch.from_numpy(x) for x in logits), E, k,
+                                              None if mask is None else torch.from_numpy(mask))
+    got = moe.load_balancing_loss([jnp.asarray(x) for x in logits], k,
+                                  None if mask is None else jnp.asarray(mask.reshape(-1)))
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+
+
+def test_balanced_routing_gives_loss_k():
+    # uniform router probabilities and every expert taken equally often: E * sum_e (k / E) * (1 / E) = k
+    E, k = 4, 2
+    logits = jnp.zeros((8, E)).at[jnp.arange(8), jnp.arange(8) % E].add(1e-3)
+    logits = logits.at[jnp.arange(8), (jnp.arange(8) + 1) % E].add(1e-3)
+    np.testing.assert_allclose(float(moe.load_balancing_loss([logits], k)), k, rtol=1e-3)
+
+
+def test_route_renormalises_and_keeps_the_logits_dtype():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(6, 5)), jnp.bfloat16)
+    w, idx = moe.route(logits, 2, True)
+    assert w.dtype == jnp.bfloat16 and idx.dtype == jnp.int32 and idx.shape == (6, 2)
+    np.testing.assert_allclose(np.asarray(w, np.float32).sum(-1), 1.0, atol=1e-2)
+    p = np.asarray(jnp.asarray(logits, jnp.float32))
+    assert (np.asarray(idx)[:, 0] == p.argmax(-1)).all()
+    w_raw, _ = moe.route(logits, 2, False)
+    sm = np.exp(p - p.max(-1, keepdims=True))
+    sm /= sm.sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(w_raw, np.float32), np.sort(sm, -1)[:, ::-1][:, :2], rtol=1e-2)
+
+
+def test_z_loss_is_the_mean_squared_logsumexp_over_unmasked_rows():
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(size=(4, 3)), rng.normal(size=(4, 3))
+    mask = np.array([1, 0, 1, 1])
+    lse = lambda x: np.log(np.exp(x).sum(-1))  # noqa: E731
+    want = ((lse(a) ** 2 * mask).sum() + (lse(b) ** 2 * mask).sum()) / (2 * mask.sum())
+    got = moe.router_z_loss([jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)], jnp.asarray(mask))
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
