@@ -368,6 +368,7 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
     plateau = PlateauWatch()
     last_eval = None
     timer = Throughput()
+
     def next_batch():
         local = [next(loader) for _ in range(accum)]
         return T.global_batch(mesh, {k: np.stack([b[k] for b in local]) for k in T.BATCH_KEYS}, True)
