@@ -37,6 +37,8 @@ from surogate_jax.precision.recipe import QuantRecipe
 from surogate_jax.qlora import base as qlora_base
 from surogate_jax.qlora.base import QloraSpec
 
+from . import moe
+
 Dtype = Any
 
 # "offload_residual": "full" with each layer's input (the residual stream) kept in pinned host memory.
@@ -113,6 +115,12 @@ class DecoderConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     initializer_range: float = 0.02
+    # Mixture-of-experts feed-forward in every layer when num_experts > 0 (models/moe.py: top-k of num_experts
+    # experts of moe_intermediate_size, drop-free, as Qwen3-MoE); not yet with LoRA, QLoRA or a precision recipe.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
     # Numerics and execution (not part of the HF math).
     dtype: Dtype = jnp.float32  # activations / matmul inputs
     param_dtype: Dtype = jnp.float32
@@ -145,6 +153,12 @@ class DecoderConfig:
             raise ValueError(f"kernels={self.kernels!r}: choose among {MODEL_KERNELS}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                                 f"{self.num_experts}] and moe_intermediate_size={self.moe_intermediate_size} >= 1")
+            if self.lora is not None or self.qlora is not None or self.recipe is not None:
+                raise ValueError("mixture-of-experts layers do not take LoRA, QLoRA or a precision recipe yet")
         if self.recipe is not None:
             self.recipe.check_model(self)
         if self.qlora is not None and self.recipe is not None and self.recipe.skips:
@@ -444,6 +458,48 @@ class MLP(nn.Module):
         return Linear((cfg.hidden_size,), cfg, name="down_proj")(h, layer)
 
 
+class SparseMoeMLP(nn.Module):
+    """The MoE feed-forward (models/moe.py's reference: every expert on every token, combined by the routing
+    weights). Params as HF names them: the router `gate` kernel [D, E]; `experts` gate_proj / up_proj [E, D, I],
+    down_proj [E, I, D]."""
+
+    cfg: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        cfg = self.cfg
+        D = cfg.hidden_size
+        router_DE = _Router(cfg, name="gate")()
+        experts = _Experts(cfg, name="experts")()
+        x_TD = x_BTD.reshape(-1, D).astype(cfg.dtype)
+        y_TD, _ = moe.moe_mlp_ref(x_TD, router_DE.T.astype(cfg.dtype), *(w.astype(cfg.dtype) for w in experts),
+                                  k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob)
+        return y_TD.reshape(x_BTD.shape)
+
+
+class _Router(nn.Module):
+    cfg: DecoderConfig
+
+    @nn.compact
+    def __call__(self):
+        cfg = self.cfg
+        return _param(self, "kernel", nn.initializers.normal(cfg.initializer_range),
+                      (cfg.hidden_size, cfg.num_experts), cfg.param_dtype)
+
+
+class _Experts(nn.Module):
+    cfg: DecoderConfig
+
+    @nn.compact
+    def __call__(self):
+        cfg = self.cfg
+        D, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        init = nn.initializers.normal(cfg.initializer_range)
+        return (_param(self, "gate_proj", init, (E, D, I), cfg.param_dtype),
+                _param(self, "up_proj", init, (E, D, I), cfg.param_dtype),
+                _param(self, "down_proj", init, (E, I, D), cfg.param_dtype))
+
+
 class DecoderLayer(nn.Module):
     cfg: DecoderConfig
 
@@ -459,7 +515,8 @@ class DecoderLayer(nn.Module):
         # need the un-added MLP output carried across the nn.scan boundary, i.e. two [B, T, D]
         # carries per layer that remat keeps, for saving one element-wise pass.
         h, x_BTD = AddRMSNorm(**norm, impl=cfg.impl("add_rms_norm"), name="post_attention_layernorm")(attn_BTD, x_BTD)
-        x_BTD = x_BTD + MLP(cfg, name="mlp")(h, layer)
+        mlp = SparseMoeMLP(cfg, name="mlp")(h) if cfg.num_experts else MLP(cfg, name="mlp")(h, layer)
+        x_BTD = x_BTD + mlp
         return x_BTD, None
 
 
