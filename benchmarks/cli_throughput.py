@@ -108,7 +108,10 @@ def main():
            "logging_steps": 1, "save_steps": 10**6, "eval_steps": 0, "learning_rate": 2e-4}
     for kv in a.overrides:
         k, _, v = kv.partition("=")
-        cfg[k] = json.loads(v) if v[:1] in "[{0123456789-tfn" and v not in ("-",) else v
+        try:
+            cfg[k] = json.loads(v)  # numbers, true/false/null, lists
+        except json.JSONDecodeError:
+            cfg[k] = v  # a plain string
     cfg_path = work / "cfg.yaml"
     cfg_path.write_text(json.dumps(cfg))  # JSON is YAML
     t0 = time.perf_counter()

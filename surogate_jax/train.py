@@ -370,12 +370,6 @@ def step_bytes(compiled) -> StepBytes | None:
     return StepBytes(total, g("argument_size_in_bytes"), g("temp_size_in_bytes"))
 
 
-def step_device_bytes(compiled) -> int | None:
-    """Device bytes one call of a compiled step holds per device (StepBytes.total); None without an analysis."""
-    b = step_bytes(compiled)
-    return None if b is None else b.total
-
-
 def device_memory(mesh: Mesh) -> dict | None:
     """The tightest memory figures of this process's devices of `mesh`: bytes_limit, bytes_in_use and (where the
     allocator says) largest_free_block_bytes and pool_bytes; None where the backend reports no limit (CPU)."""
@@ -394,20 +388,18 @@ def device_memory(mesh: Mesh) -> dict | None:
     return out or None
 
 
-def device_memory_limit(mesh: Mesh) -> int | None:
-    """The memory limit (bytes) of the tightest of this process's devices of `mesh`; None where none is reported."""
-    mem = device_memory(mesh)
-    return None if mem is None else mem["bytes_limit"]
-
-
 def step_fits(need: StepBytes, mem: dict) -> bool:
     """Whether a step of `need` runs in `mem` (device_memory's figures, taken while its arguments are allocated):
     its bytes fit AUTO_REMAT_HEADROOM of the limit less what else is in use, and its temporaries fit the largest
     free block (a fragmented pool can hold the bytes but not the one allocation)."""
-    others = max(0, mem["bytes_in_use"] - need.arguments)  # memory held by anything but the step's arguments
-    if need.total > AUTO_REMAT_HEADROOM * (mem["bytes_limit"] - others):
+    if need.total > AUTO_REMAT_HEADROOM * (mem["bytes_limit"] - other_use(need, mem)):
         return False
     return need.temp <= free_block(mem)
+
+
+def other_use(need: StepBytes, mem: dict) -> int:
+    """Device bytes held by anything but the step's own (already allocated) arguments."""
+    return max(0, mem["bytes_in_use"] - need.arguments)
 
 
 def free_block(mem: dict) -> float:
@@ -437,8 +429,9 @@ def pick_remat(model, tx, schedule, mesh: Mesh, state: TrainState, layout: Layou
         if fits or policy == AUTO_REMAT_POLICIES[-1]:
             if mem:
                 block = free_block(mem)
+                others = other_use(need, mem) if need is not None else mem["bytes_in_use"]
                 budget = (f"{AUTO_REMAT_HEADROOM:.0%} of {mem['bytes_limit'] / 1e9:.1f} GB less "
-                          f"{max(0, mem['bytes_in_use'] - (need.arguments if need else 0)) / 1e9:.1f} GB in other use"
+                          f"{others / 1e9:.1f} GB in other use"
                           + (f"; largest free block {block / 1e9:.1f} GB" if block != float("inf") else ""))
             else:
                 budget = "no device memory limit known"

@@ -51,9 +51,9 @@ def pack_rows(lengths: np.ndarray, sequence_len: int, cap: int | None) -> np.nda
     return np.asarray(ptr, np.int64)
 
 
-def docs_per_row_cap(lengths: np.ndarray, sequence_len: int) -> int:
-    """The most documents a row holds when `lengths` (the first epoch's order) pack without a cap."""
-    return int(np.diff(pack_rows(lengths, sequence_len, None)).max(initial=1))
+def docs_per_row_cap(ptr: np.ndarray) -> int:
+    """The most documents any row of a layout (`pack_rows`' row pointers) holds; at least 1."""
+    return int(np.diff(ptr).max(initial=1))
 
 
 class BatchLoader:
@@ -78,15 +78,18 @@ class BatchLoader:
         self.process_index = process_index
         self.process_count = process_count
         self._lengths = np.minimum(docs.lengths, sequence_len)
-        if not packing:
-            self.max_docs_per_row = 1
-        elif max_docs_per_row is None:
-            self.max_docs_per_row = docs_per_row_cap(self._lengths[self._order(0)], sequence_len)
-        else:
-            self.max_docs_per_row = max_docs_per_row
         self._epoch = 0
         self._row = 0  # next global row of the current epoch
         self._layout_cache: tuple[int, np.ndarray, np.ndarray] | None = None
+        if not packing:
+            self.max_docs_per_row = 1
+        elif max_docs_per_row is None:  # the first epoch packed uncapped: its layout is also the capped one
+            order = self._order(0)
+            ptr = pack_rows(self._lengths[order], sequence_len, None)
+            self.max_docs_per_row = docs_per_row_cap(ptr)
+            self._layout_cache = (0, order, ptr)
+        else:
+            self.max_docs_per_row = max_docs_per_row
 
     @property
     def max_segments(self) -> int:

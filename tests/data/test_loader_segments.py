@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from surogate_jax.data import BatchLoader, DataError, TokenizedDocs
-from surogate_jax.data.loader import docs_per_row_cap
+from surogate_jax.data.loader import docs_per_row_cap, pack_rows
 from surogate_jax.ops.attention import segment_offsets
 
 PAD = 10**9
@@ -118,7 +118,7 @@ def rows_of(batches):
     ([], 64, 1),
 ])
 def test_docs_per_row_cap(lengths, seq_len, cap):
-    got = docs_per_row_cap(np.asarray(lengths, np.int64), seq_len)
+    got = docs_per_row_cap(pack_rows(np.asarray(lengths, np.int64), seq_len, None))
     assert got == cap and isinstance(got, int)
 
 
@@ -239,7 +239,8 @@ def test_state_records_the_cap():
     loader = BatchLoader(make_docs(lengths), batch_size=4, sequence_len=T, packing=True, seed=1)
     state = json.loads(json.dumps(loader.state()))
     order = np.random.default_rng([1, 0]).permutation(len(lengths))
-    assert state["max_docs_per_row"] == loader.max_docs_per_row == docs_per_row_cap(np.asarray(lengths)[order], T)
+    want = docs_per_row_cap(pack_rows(np.asarray(lengths)[order], T, None))
+    assert state["max_docs_per_row"] == loader.max_docs_per_row == want
 
 
 def test_restore_refuses_a_different_cap():

@@ -57,3 +57,14 @@ def rel_err(a, ref) -> float:
 
 
 
+
+def hf_experts(sd: dict, prefix: str, num_experts: int, inter: int) -> dict[str, np.ndarray]:
+    """Our expert arrays (gate_proj / up_proj [E, D, I], down_proj [E, I, D]) from a Qwen3-MoE state dict (numpy)
+    under `prefix` ("model.layers.0.mlp.experts"), in either layout transformers uses: fused 3-D tensors
+    (gate_up_proj [E, 2I, D], down_proj [E, D, I]) or one module per expert."""
+    if f"{prefix}.gate_up_proj" in sd:
+        gu, down = sd[f"{prefix}.gate_up_proj"], sd[f"{prefix}.down_proj"]
+        return {"gate_proj": gu[:, :inter].transpose(0, 2, 1), "up_proj": gu[:, inter:].transpose(0, 2, 1),
+                "down_proj": down.transpose(0, 2, 1)}
+    return {n: np.stack([sd[f"{prefix}.{e}.{n}.weight"].T for e in range(num_experts)])
+            for n in ("gate_proj", "up_proj", "down_proj")}

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_tiny import hf_logits, rel_err
+from hf_tiny import hf_experts, hf_logits, rel_err
 
 from surogate_jax.models import Decoder, config_from_hf
 from surogate_jax.models import hf_names as names
@@ -43,13 +43,6 @@ def _ours(hf, E, k, norm):
     sd = {n: t.detach().numpy() for n, t in hf.state_dict().items()}
     I = cfg.moe_intermediate_size
 
-    def expert(layer, name):  # ours [E, D, I] / [E, I, D] from either expert layout transformers uses
-        base = f"model.layers.{layer}.mlp.experts"
-        if f"{base}.gate_up_proj" in sd:
-            gu, down = sd[f"{base}.gate_up_proj"], sd[f"{base}.down_proj"]
-            return {"gate_proj": gu[:, :I], "up_proj": gu[:, I:], "down_proj": down}[name].transpose(0, 2, 1)
-        return np.stack([sd[f"{base}.{e}.{name}.weight"].T for e in range(E)])
-
     def leaf(kp, sds):
         path = tuple(p.key for p in kp)
         if not names.is_stacked(path):
@@ -57,7 +50,7 @@ def _ours(hf, E, k, norm):
         per = []
         for layer in range(sds.shape[0]):
             if path[1:3] == ("mlp", "experts"):
-                per.append(expert(layer, path[3]))
+                per.append(hf_experts(sd, f"model.layers.{layer}.mlp.experts", E, I)[path[3]])
             else:
                 per.append(names.from_hf(path, sd[names.hf_name(path, layer)], sds.shape[1:]))
         return jnp.asarray(np.stack(per))

@@ -4,9 +4,11 @@ their own (softmax in f32, top-k, weights that sum to one)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_tiny import hf_experts
 
 from surogate_jax.models import moe
 
@@ -27,20 +29,10 @@ def _block(D, I, E, k, norm, seed):
 
 
 def _weights(block, E, I):
-    """(router [E, D], gate [E, D, I], up [E, D, I], down [E, I, D]) from either expert layout transformers uses:
-    fused 3-D tensors (gate_up_proj [E, 2I, D], down_proj [E, D, I]) or one module per expert."""
-    ex = block.experts
-    np_ = lambda t: t.detach().numpy()  # noqa: E731
-    router = np_(block.gate.weight)
-    if hasattr(ex, "gate_up_proj"):
-        gu = np_(ex.gate_up_proj)
-        gate, up = gu[:, :I].transpose(0, 2, 1), gu[:, I:].transpose(0, 2, 1)
-        down = np_(ex.down_proj).transpose(0, 2, 1)
-    else:
-        gate = np.stack([np_(ex[e].gate_proj.weight).T for e in range(E)])
-        up = np.stack([np_(ex[e].up_proj.weight).T for e in range(E)])
-        down = np.stack([np_(ex[e].down_proj.weight).T for e in range(E)])
-    return router, gate, up, down
+    """(router [E, D], gate [E, D, I], up [E, D, I], down [E, I, D]) of a transformers MoE block."""
+    sd = {n: t.detach().numpy() for n, t in block.state_dict().items()}
+    ex = hf_experts(sd, "experts", E, I)
+    return sd["gate.weight"], ex["gate_proj"], ex["up_proj"], ex["down_proj"]
 
 
 @pytest.mark.parametrize(("D", "I", "E", "k", "norm"), [
@@ -61,6 +53,28 @@ def test_block_matches_transformers(D, I, E, k, norm):
     scale = np.abs(want).max()
     assert np.abs(np.asarray(got) - want).max() <= 1e-4 * scale
     np.testing.assert_allclose(np.asarray(logits), x.numpy().reshape(-1, D) @ router.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("E", "k", "norm"), [(8, 2, True), (5, 3, False)])
+def test_block_gradients_match_transformers(E, k, norm):
+    D, I = 12, 20
+    block = _block(D, I, E, k, norm, seed=E)
+    x = torch.randn(17, D, requires_grad=True)
+    g = torch.randn(17, D)
+    (block(x[None])[0] * g).sum().backward()
+    router, gate, up, down = _weights(block, E, I)
+
+    def loss(x, router, gate, up, down):
+        y, _ = moe.moe_mlp_ref(x, router, gate, up, down, k=k, norm_topk_prob=norm)
+        return jnp.sum(y * jnp.asarray(g.numpy()))
+
+    got = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(jnp.asarray(x.detach().numpy()), *map(jnp.asarray,
+                                                                                          (router, gate, up, down)))
+    sd_grads = {n: p.grad.numpy() for n, p in block.named_parameters()}
+    ex = hf_experts(sd_grads, "experts", E, I)
+    want = (x.grad.numpy(), sd_grads["gate.weight"], ex["gate_proj"], ex["up_proj"], ex["down_proj"])
+    for name, a, b in zip(("x", "router", "gate", "up", "down"), got, want, strict=True):
+        assert np.abs(np.asarray(a) - b).max() <= 1e-4 * np.abs(b).max(), name
 
 
 @pytest.mark.parametrize("masked", [False, True])
