@@ -123,7 +123,7 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
         zero_level: int = 1, offload: tuple[str, ...] = (), full_ft: bool = False, optimizer: str = "adamw",
         baseline_tps: float | None = None, recipe: str = "bf16", kernels: tuple[str, ...] | None = None,
         qlora: str | None = None, max_segments: int | None = None, long_docs: bool = False,
-        trace_dir: str | None = None) -> dict:
+        trace_dir: str | None = None, unroll: bool | None = None) -> dict:
     if recompute == "auto" and "residual" in offload:
         recompute = True  # as the trainer: the offloaded layer input is what the recomputation starts from
     cfg = qwen3(size, recompute, full_ft, "residual" in offload)
@@ -138,6 +138,8 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
 
         cfg = cfg.replace(qlora={"bnb": QloraSpec("nf4", 64, True), "fp8": QloraSpec("fp8", 128),
                                  "fp4": QloraSpec("fp4", 16)}[qlora])
+    if recompute != "auto":  # as the trainer: an explicit recompute keeps the layer loop unless unroll_layers: true
+        cfg = cfg.replace(unroll_layers=bool(unroll))
     if kernels is not None:  # which model ops run our CUDA kernels (DecoderConfig.kernels)
         cfg = cfg.replace(kernels=kernels)
     if recipe != "bf16":  # precision recipe of the seven projections (LoRA: frozen base quantized once)
@@ -162,7 +164,7 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
     t0 = time.perf_counter()
     note = None
     if recompute == "auto":  # the trainer's `recompute: auto`: the fastest remat policy whose step fits
-        model, step, note = T.pick_remat(model, tx, lambda s: 2e-4, mesh, state, layout, batches[0])
+        model, step, note = T.pick_remat(model, tx, lambda s: 2e-4, mesh, state, layout, batches[0], unroll=unroll)
         print(note, flush=True)
     else:
         step = step.lower(state, batches[0]).compile()
@@ -196,7 +198,8 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
                zero_level=zero_level, offload=list(offload),
                optimizer=optimizer,
                init_peak_gb_per_gpu=init_peaks, compiled_gb=mem,
-               parallel=layout.describe(), remat=model.config.remat_policy, remat_note=note, baseline_tps=baseline_tps,
+               parallel=layout.describe(), remat=model.config.remat_policy,
+               unroll_layers=model.config.unroll_layers, remat_note=note, baseline_tps=baseline_tps,
                kernels=list(cfg.kernels), max_segments=cfg.max_segments, long_docs=long_docs,
                ops_env=os.environ.get("SUROGATE_JAX_OPS", ""),
                ffi_graphs=os.environ.get("SUROGATE_JAX_FFI_GRAPHS", "1"),
@@ -244,6 +247,8 @@ def main():
     ap.add_argument("--max-segments", type=int, default=-1, help="packed attention's bound on a row's segments "
                     "(default -1: the trainer's, the most documents of any row plus one); 0: the dense same-document "
                     "mask")
+    ap.add_argument("--unroll-layers", choices=("auto", "true", "false"), default="auto",
+                    help="the trainer's `unroll_layers` (default auto: picked with recompute auto; else the loop)")
     ap.add_argument("--trace", help="also profile two steps into this directory (jax.profiler, perfetto json)")
     ap.add_argument("--long-docs", action="store_true", help="one document of --seq tokens a row (no packing)")
     ap.add_argument("--out")
@@ -256,7 +261,7 @@ def main():
     res = run(a.size, a.steps, recompute, a.batch, a.accum, a.seq, gpus=a.gpus, zero_level=a.zero_level,
               offload=offload, full_ft=a.full_ft, optimizer=a.optimizer, baseline_tps=a.baseline_tps,
               recipe=a.recipe, kernels=kernels, qlora=a.qlora, max_segments=a.max_segments, long_docs=a.long_docs,
-              trace_dir=a.trace)
+              trace_dir=a.trace, unroll={"auto": None, "true": True, "false": False}[a.unroll_layers])
     plain = res["gpus"] == 1 and not (offload or a.full_ft or a.optimizer != "adamw" or a.baseline_tps or a.qlora)
     print(json.dumps(res))
     print(table_line(res, plain))

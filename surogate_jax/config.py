@@ -132,6 +132,9 @@ class RunConfig:
     wandb_project: str | None = None
     wandb_name: str | None = None
     recompute: bool | str = "auto"  # true/false, or a remat policy name (RECOMPUTE_POLICIES); auto: train.pick_remat
+    # The decoder layers as straight-line code instead of a loop (DecoderConfig.unroll_layers): faster steps, twice the
+    # compile time. auto: recompute auto picks it with the policy; with an explicit recompute, the loop.
+    unroll_layers: bool | str = "auto"
     # surogate_jax additions: greedy exact-match accuracy on held-out chat rows after training.
     exact_match_file: str | None = None
     exact_match_samples: int = 100
@@ -150,6 +153,8 @@ class RunConfig:
             _check(r in ("wandb", "tensorboard"), f"report_to: {r!r} is not supported (use wandb or tensorboard)")
         _check(isinstance(self.recompute, bool) or self.recompute in RECOMPUTE_POLICIES,
                f"recompute={self.recompute!r}: use true, false or one of {RECOMPUTE_POLICIES}")
+        _check(isinstance(self.unroll_layers, bool) or self.unroll_layers == "auto",
+               f"unroll_layers={self.unroll_layers!r}: use true, false or auto")
 
 
 

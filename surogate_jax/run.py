@@ -337,15 +337,17 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
              "%d device(s)",
              model.config.model_type, f"{count(state.trainable):,}", "LoRA" if model.config.lora else "full",
              total, steps_per_epoch, accum, cfg.run.per_device_train_batch_size * n_dev, seq, n_dev)
+    unroll = None if cfg.run.unroll_layers == "auto" else cfg.run.unroll_layers
     if cfg.run.recompute == "auto" and not cfg.parallel.offload_residual:
         rows = cfg.run.per_device_train_batch_size * n_dev
         model, step_fn, note = T.pick_remat(model, tx, schedule, mesh, state, layout,
-                                            T.abstract_batch(mesh, accum, rows, seq))
+                                            T.abstract_batch(mesh, accum, rows, seq), unroll=unroll)
         log.info("%s", note)
     else:
+        model = model.clone(config=model.config.replace(unroll_layers=bool(unroll)))
         step_fn = T.jit_train_step(model, tx, schedule, mesh, state, layout)
-    log.info("parallel: %s; %d process(es); remat %s; attention: %s", layout.describe(), jax.process_count(),
-             model.config.remat_policy,
+    log.info("parallel: %s; %d process(es); remat %s, layers %s; attention: %s", layout.describe(),
+             jax.process_count(), model.config.remat_policy, "unrolled" if model.config.unroll_layers else "in a loop",
              f"packed, at most {loader.max_segments} segments a row" if packed else
              f"dense same-document mask (rows hold up to {loader.max_segments} segments, over the packed path's "
              f"{attention_op.MAX_PACKED_SEGMENTS})")

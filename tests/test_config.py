@@ -43,6 +43,7 @@ def test_validation_datasets_turn_the_split_off():
     ({"distributed": {"num_node": 2}}, "distributed.num_node: unknown key (did you mean 'num_nodes'?)"),
     ({"distributed": {"num_nodes": "two"}}, "distributed.num_nodes: expected int"),
     ({"recompute": "some"}, "recompute='some': use true, false or one of"),
+    ({"unroll_layers": "some"}, "unroll_layers='some': use true, false or auto"),
     ({"cpu_training": True}, "cpu_training: not supported yet"),
     ({"qlora_fp8": True, "qlora_fp4": True}, "qlora_fp8 and qlora_fp4: pick one QLoRA base format"),
     ({"qlora_selective_expert_dequant": True}, "qlora_selective_expert_dequant: not supported yet"),

@@ -1,7 +1,7 @@
-"""`recompute: auto` (train.pick_remat): the first remat policy whose compiled step fits the memory budget is
-taken, the last one otherwise or when no device limit is known; the compiled step it returns trains exactly like a
-step jitted with that policy; the budget arithmetic (train.step_bytes, train.step_fits) is XLA's memory analysis
-against the device's limit, what else is in use and its largest free block."""
+"""`recompute: auto` (train.pick_remat): the first (remat policy, layers unrolled) choice whose compiled step fits the
+memory budget is taken, the last one otherwise or when no device limit is known; the compiled step it returns trains
+exactly like a step jitted with that choice; the budget arithmetic (train.step_bytes, train.step_fits) is XLA's memory
+analysis against the device's limit, what else is in use and its largest free block."""
 
 from __future__ import annotations
 
@@ -33,60 +33,80 @@ def _setup():
 
 
 def _needs(mesh, model, tx, state, batch):
-    """Each policy's StepBytes, from the same analysis pick_remat reads."""
+    """Each auto choice's StepBytes, from the same analysis pick_remat reads."""
     out = {}
-    for p in T.AUTO_REMAT_POLICIES:
-        m = model.clone(config=model.config.replace(remat_policy=p))
-        out[p] = T.step_bytes(T.jit_train_step(m, tx, lambda s: 1e-2, mesh, state).lower(state, batch).compile())
+    for p, u in T.AUTO_REMAT_CHOICES:
+        m = model.clone(config=model.config.replace(remat_policy=p, unroll_layers=u))
+        out[p, u] = T.step_bytes(T.jit_train_step(m, tx, lambda s: 1e-2, mesh, state).lower(state, batch).compile())
     return out
 
 
-def _pick(mesh, model, tx, state, batch, **memory):
+def _pick(mesh, model, tx, state, batch, unroll=None, **memory):
     m, _, note = T.pick_remat(model, tx, lambda s: 1e-2, mesh, state, T.Layout(mesh), batch,
-                              memory={"bytes_in_use": 0, **memory})
-    return m.config.remat_policy, note
+                              memory={"bytes_in_use": 0, **memory}, unroll=unroll)
+    return (m.config.remat_policy, m.config.unroll_layers), note
+
+
+def _name(choice):
+    return f"{'unrolled' if choice[1] else 'loop'} {choice[0]}"
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    """(mesh, model, tx, state, batch, each policy's StepBytes), shared: pick_remat only compiles (the state is
+    """(mesh, model, tx, state, batch, each choice's StepBytes), shared: pick_remat only compiles (the state is
     never donated), so every test here can reuse them."""
     mesh, model, tx, mk_state, batch = _setup()
     state = mk_state()
     return mesh, model, tx, state, batch, _needs(mesh, model, tx, state, batch)
 
 
-def test_picks_the_fastest_policy_that_fits(compiled):
+def test_picks_the_first_choice_that_fits(compiled):
     mesh, model, tx, state, batch, needs = compiled
-    assert needs["none"].total > needs["dots"].total > needs["full"].total > 0  # each saves less than the one before
-    for p in T.AUTO_REMAT_POLICIES:  # a budget p just fits (the ones before it need more)
-        got, note = _pick(mesh, model, tx, state, batch, bytes_limit=int(needs[p].total / T.AUTO_REMAT_HEADROOM) + 1)
-        assert got == p and f"recompute auto: {p}" in note, (p, note)
-    tight = int(needs["full"].total / T.AUTO_REMAT_HEADROOM) - 1  # nothing fits: the last policy all the same
+    none_u, full_l = ("none", True), ("full", False)
+    assert needs[none_u].total > needs["dots", True].total and needs["dots", False].total > needs[full_l].total > 0
+    assert needs[none_u].total == max(n.total for n in needs.values())  # unrolled, nothing recomputed: the most
+    for c in T.AUTO_REMAT_CHOICES:  # a budget c just fits: the first choice that fits it is taken
+        budget = needs[c].total
+        want = next(d for d in T.AUTO_REMAT_CHOICES if needs[d].total <= budget)
+        got, note = _pick(mesh, model, tx, state, batch, bytes_limit=int(budget / T.AUTO_REMAT_HEADROOM) + 1)
+        assert got == want and f"recompute auto: {_name(want)} (" in note, (c, note)
+    tight = int(min(n.total for n in needs.values()) / T.AUTO_REMAT_HEADROOM) - 1  # nothing fits: the last choice
     got, note = _pick(mesh, model, tx, state, batch, bytes_limit=tight)
-    assert got == "full" and "none " in note and "dots " in note and "full " in note
+    assert got == full_l and all(f"{_name(c)} " in note for c in T.AUTO_REMAT_CHOICES)
+
+
+def test_unroll_layers_narrows_the_choices(compiled):
+    mesh, model, tx, state, batch, _ = compiled
+    assert _pick(mesh, model, tx, state, batch, unroll=False, bytes_limit=1 << 40)[0] == ("dots", False)
+    assert _pick(mesh, model, tx, state, batch, unroll=True, bytes_limit=1 << 40)[0] == ("none", True)
+    got, note = _pick(mesh, model, tx, state, batch, unroll=True, bytes_limit=1)  # nothing fits
+    assert got == ("full", True) and "loop" not in note
+    got, note = _pick(mesh, model, tx, state, batch, unroll=False, bytes_limit=1)
+    assert got == ("full", False) and "unrolled" not in note
 
 
 def test_memory_in_other_use_counts_against_the_budget(compiled):
     mesh, model, tx, state, batch, needs = compiled
-    limit = int(needs["none"].total / T.AUTO_REMAT_HEADROOM) + 1  # "none" fits an otherwise empty device
-    in_use = needs["none"].arguments  # the step's own arguments are already allocated: still fits
-    assert _pick(mesh, model, tx, state, batch, bytes_limit=limit, bytes_in_use=in_use)[0] == "none"
-    others = needs["none"].total - needs["dots"].total  # something else holds this much: "none" no longer fits
+    first, second = T.AUTO_REMAT_CHOICES[:2]
+    limit = int(needs[first].total / T.AUTO_REMAT_HEADROOM) + 1  # the first choice fits an otherwise empty device
+    in_use = needs[first].arguments  # the step's own arguments are already allocated: still fits
+    assert _pick(mesh, model, tx, state, batch, bytes_limit=limit, bytes_in_use=in_use)[0] == first
+    others = needs[first].total - needs[second].total  # something else holds this much: the first no longer fits
     got, note = _pick(mesh, model, tx, state, batch, bytes_limit=limit, bytes_in_use=in_use + others)
-    assert got == "dots" and "in other use" in note
+    assert got == second and "in other use" in note
 
 
 def test_a_fragmented_pool_refuses_a_temporary_larger_than_its_largest_free_block(compiled):
     mesh, model, tx, state, batch, needs = compiled
-    assert needs["none"].temp > needs["dots"].temp
+    first, second = T.AUTO_REMAT_CHOICES[:2]
+    assert needs[first].temp > needs[second].temp
     limit = 1 << 40
-    small = needs["none"].temp - 1  # the bytes fit, the one temporary allocation does not
+    small = needs[first].temp - 1  # the bytes fit, the one temporary allocation does not
     full_pool = {"bytes_limit": limit, "largest_free_block_bytes": small, "pool_bytes": limit}
     got, note = _pick(mesh, model, tx, state, batch, **full_pool)
-    assert got == "dots" and "largest free block" in note
-    growable = dict(full_pool, pool_bytes=limit - needs["none"].temp)  # the pool may still grow a region that big
-    assert _pick(mesh, model, tx, state, batch, **growable)[0] == "none"
+    assert got == second and "largest free block" in note
+    growable = dict(full_pool, pool_bytes=limit - needs[first].temp)  # the pool may still grow a region that big
+    assert _pick(mesh, model, tx, state, batch, **growable)[0] == first
 
 
 def test_no_known_limit_keeps_recomputation():
@@ -94,7 +114,8 @@ def test_no_known_limit_keeps_recomputation():
     if T.device_memory(mesh) is not None:
         pytest.skip("a GPU reports its memory limit, so the no-limit branch cannot run here (CPU runs it)")
     m, _, note = T.pick_remat(model, tx, lambda s: 1e-2, mesh, mk_state(), T.Layout(mesh), batch)
-    assert m.config.remat_policy == "full" and "no device memory limit known" in note
+    assert (m.config.remat_policy, m.config.unroll_layers) == T.AUTO_REMAT_CHOICES[-1]
+    assert "no device memory limit known" in note
 
 
 def test_compiled_step_trains_like_the_jitted_one():
@@ -103,7 +124,7 @@ def test_compiled_step_trains_like_the_jitted_one():
     abstract = T.abstract_batch(mesh, 2, 4, 32)
     m, compiled, _ = T.pick_remat(model, tx, lambda s: 1e-2, mesh, state, T.Layout(mesh), abstract,
                                   memory={"bytes_limit": 1 << 40, "bytes_in_use": 0})
-    assert m.config.remat_policy == "none"
+    assert (m.config.remat_policy, m.config.unroll_layers) == ("none", True)
     plain = T.jit_train_step(m, tx, lambda s: 1e-2, mesh, mk_state())
     s1, s2 = state, mk_state()
     for _ in range(3):
@@ -115,7 +136,9 @@ def test_compiled_step_trains_like_the_jitted_one():
 
 
 def test_config_and_policy_names():
-    assert RunConfig(recompute="auto").recompute == "auto"
+    assert RunConfig(recompute="auto").recompute == "auto" and RunConfig().unroll_layers == "auto"
+    with pytest.raises(ConfigError, match="unroll_layers"):
+        RunConfig(unroll_layers="sometimes")
     assert remat_policy("auto", False) == "auto"
     assert remat_policy("auto", True) == "offload_residual"
     with pytest.raises(ConfigError, match="recompute"):

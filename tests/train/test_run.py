@@ -69,7 +69,15 @@ def test_sigkill_during_checkpointing_resumes(tmp_path, env):
 def test_recompute_auto_says_what_it_picked(tmp_path, env):
     cfg = write_config(tmp_path, recompute="auto", max_steps=2, save_steps=2, eval_steps=0)
     r = sft(cfg, env)
-    assert "recompute auto: full" in r.stderr and "no device memory limit known" in r.stderr  # CPU: no limit
+    assert "recompute auto: loop full" in r.stderr and "no device memory limit known" in r.stderr  # CPU: no limit
+    assert "remat full, layers in a loop" in r.stderr
+    assert max(losses(tmp_path / "out")) == 2
+
+
+def test_unroll_layers_with_an_explicit_recompute(tmp_path, env):
+    cfg = write_config(tmp_path, recompute="dots", unroll_layers=True, max_steps=2, save_steps=2, eval_steps=0)
+    r = sft(cfg, env)
+    assert "remat dots, layers unrolled" in r.stderr and "recompute auto" not in r.stderr
     assert max(losses(tmp_path / "out")) == 2
 
 
