@@ -59,15 +59,18 @@ def test_unrolled_loss_and_gradients_equal_the_loops(policy):
 
 
 def test_unrolled_recompute_saves_memory():
-    """Unrolled, a recomputation must not be merged back into the forward it repeats (prevent_cse): "full" holds less
-    than "none"."""
+    """Unrolled, a recomputation must not be merged back into the forward it repeats (prevent_cse): "full" saves at
+    least half of what it saves in the loop (CPU 0.70x, merged ~0). Compared as savings, not against "none": a fixed
+    workspace (cuBLAS's 32 MiB on GPU) dwarfs a tiny model's activations."""
     ids, seg, pos, params, lora = _setup(CFG)
 
-    def temp(policy):
-        cfg = CFG.replace(remat_policy=policy, unroll_layers=True, num_layers=4)
+    def temp(policy, unroll):
+        cfg = CFG.replace(remat_policy=policy, unroll_layers=unroll, num_layers=4)
         p = Decoder(cfg).init(jax.random.key(1), ids)["params"]
         lo = init_adapters(Decoder(cfg), jax.random.key(2), ids)
         f = jax.jit(jax.grad(lambda lo: Decoder(cfg).apply({"params": p, "lora": lo}, ids, pos, seg).sum()))
         return f.lower(lo).compile().memory_analysis().temp_size_in_bytes
 
-    assert temp("full") < 0.8 * temp("none")
+    saved_loop = temp("none", False) - temp("full", False)
+    saved_unrolled = temp("none", True) - temp("full", True)
+    assert saved_loop > 0 and saved_unrolled >= 0.5 * saved_loop, (saved_unrolled, saved_loop)
