@@ -4,9 +4,10 @@ multi-GPU / ZeRO / host-offload / full fine-tuning variants of issue 7.
 Random-init Qwen3 shapes (0.6B, 1.7B, 4B, 8B, 14B), bf16 base weights, LoRA r=16 alpha=32 on
 q,k,v,o,gate,up,down (fp32 adapters), sequence 2048, batch 2, gradient accumulation 4, packed rows
 (random document lengths 64..1024, per-document attention and positions), AdamW, the production train
-step (surogate_jax.train.jit_train_step) with the trainer's defaults: `recompute: auto` (train.pick_remat) and
-cuDNN packed attention bounded by the most documents of any row plus one (its loader's bound); --max-segments 0
-gives the dense same-document mask, --recompute true the per-layer recomputation. --long-docs: one document a
+step (surogate_jax.train.jit_train_step) with the trainer's defaults: `recompute: auto` (train.pick_remat: remat
+policy and unrolled layers; --unroll-layers as the trainer's `unroll_layers`) and cuDNN packed attention bounded
+by the most documents of any row plus one (its loader's bound); --max-segments 0 gives the dense same-document
+mask, --recompute true the per-layer recomputation. --long-docs: one document a
 row (no packing boundary within the sequence). Tokens/s = B x GPUs x GA x T / median step seconds after
 warm-up (compile excluded); MFU per ARCHITECTURE.md (4 x P_linear + 6 x L x T x H x Dh per token,
 6 x P_linear with --full-ft, over 989 TFLOP/s x GPUs); peak = the devices' peak bytes in use over

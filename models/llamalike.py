@@ -6,8 +6,8 @@ config into a `DecoderConfig` and say which features are on:
     frequencies (Llama 3.1 paper / HF `_compute_llama3_parameters`);
   - optional q/k/v biases (Qwen2.5) and per-head q/k RMSNorm before RoPE (Qwen3);
   - SwiGLU MLP, pre-norm residual blocks, tied or untied LM head.
-Layers are stacked with `nn.scan` (params get a leading `layers` axis) and can be rematerialized;
-parameters are plain arrays (parallel.py shards them by shape). Norms call `surogate_jax.ops.rms_norm`
+Layers are stacked with `nn.scan` (params get a leading `layers` axis; `unroll_layers` unrolls its loop) and can be
+rematerialized; parameters are plain arrays (parallel.py shards them by shape). Norms call `surogate_jax.ops.rms_norm`
 (our CUDA kernel on GPU, its pure-JAX reference elsewhere). Attention goes through
 `surogate_jax.ops.attention`: cuDNN flash attention on GPU for bf16/fp16, XLA otherwise.
 
