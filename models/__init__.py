@@ -1,4 +1,4 @@
-"""Flax Linen model definitions: one llama-like decoder and its Llama 3 / Qwen2.5 / Qwen3 variants.
+"""Flax Linen model definitions: one llama-like decoder and its Llama 3 / Qwen2.5 / Qwen3 / Qwen3-MoE variants.
 
 Installed as `surogate_jax.models` (the source lives in the top-level `models/` folder).
 `config_from_hf(hf_config_dict, dtype=..., param_dtype=...)` picks the family from `model_type` /
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from surogate_jax.errors import UnsupportedConfigError
 
-from . import llama, qwen2, qwen3
+from . import llama, qwen2, qwen3, qwen3_moe
 from .hf_config import check_sizes
 from .llamalike import REMAT_POLICIES, Decoder, DecoderConfig, LoraSpec, RopeScaling, projection_shape
 
-FAMILIES = {m.MODEL_TYPE: m for m in (llama, qwen2, qwen3)}
-ARCHITECTURES = {m.ARCHITECTURE: m for m in (llama, qwen2, qwen3)}
+FAMILIES = {m.MODEL_TYPE: m for m in (llama, qwen2, qwen3, qwen3_moe)}
+ARCHITECTURES = {m.ARCHITECTURE: m for m in (llama, qwen2, qwen3, qwen3_moe)}
 
 
 def _family(d: dict, where: str = "config.json"):

@@ -94,19 +94,14 @@ def _leaf_path(key_path) -> tuple[str, ...]:
 
 def _load_leaf(reader: CheckpointReader, path, sds, sharding) -> jax.Array:
     host = np.empty(sds.shape, sds.dtype)
-    slots = range(sds.shape[0]) if names.is_stacked(path) else [None]
-    for i in slots:
-        name = names.hf_name(path, i)
-        shape = sds.shape[1:] if i is not None else sds.shape
+    for idx, name in names.hf_slots(path, sds.shape):
+        shape = sds.shape[len(idx):]
         w = reader.get(name)
         want = names.hf_shape(path, shape)
         if w.shape != want:
             raise ModelLoadError(f"{reader.dir}: tensor {name!r} has shape {list(w.shape)}, "
                                  f"config implies {list(want)}")
-        if i is None:
-            host[...] = names.from_hf(path, w, shape)
-        else:
-            host[i] = names.from_hf(path, w, shape)
+        host[idx] = names.from_hf(path, w, shape)
     out = jax.device_put(host, sharding) if sharding is not None else jnp.asarray(host)
     del host
     return out
@@ -215,7 +210,7 @@ def load_pretrained(
     shardings: Any = None,
     qlora: QloraSpec | None = None,
 ) -> tuple[Decoder, Any]:
-    """Loads an HF Llama 3 / Qwen2.5 / Qwen3 causal LM directory or hub id.
+    """Loads an HF Llama 3 / Qwen2.5 / Qwen3 / Qwen3-MoE causal LM directory or hub id.
 
     Args:
       dtype: parameter dtype (weights are converted while streaming).
@@ -256,7 +251,7 @@ def load_pretrained(
             groups.setdefault(path[:-1], {})[path[-1]] = (idx, sds, sh)
             continue
         loaded[idx] = _load_leaf(reader, path, sds, sh)
-        used.update(names.hf_name(path, i) for i in (range(sds.shape[0]) if names.is_stacked(path) else [None]))
+        used.update(name for _, name in names.hf_slots(path, sds.shape))
     quantize = jax.jit(lambda w: qlora_base.quantize(qlora, w)) if qlora is not None else None
     for n, (parent, group) in enumerate(groups.items(), 1):
         t0 = time.perf_counter()
@@ -308,20 +303,17 @@ def _hf_entries(params, save_dtype):
     for kp, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         path = _leaf_path(kp)
         dtype = np.dtype(save_dtype or leaf.dtype)
-        stacked = names.is_stacked(path)
-        per_layer = leaf.shape[1:] if stacked else leaf.shape
-        shape = names.hf_shape(path, per_layer)
-        for i in range(leaf.shape[0]) if stacked else [None]:
-            out.append((names.hf_name(path, i), dtype, shape, path, leaf, i))
+        for idx, name in names.hf_slots(path, leaf.shape):
+            out.append((name, dtype, names.hf_shape(path, leaf.shape[len(idx):]), path, leaf, idx))
     return out
 
 
 def _stream(entries):
     host_of, host = None, None
-    for _, dtype, _, path, leaf, i in entries:
+    for _, dtype, _, path, leaf, idx in entries:
         if leaf is not host_of:
             host_of, host = leaf, np.asarray(jax.device_get(leaf))
-        yield names.to_hf(path, host if i is None else host[i]).astype(dtype, copy=False)
+        yield names.to_hf(path, host[idx]).astype(dtype, copy=False)
 
 
 def save_pretrained(

@@ -259,8 +259,13 @@ def check_qlora_device(spec: QloraSpec | None, device=None) -> None:
 
 def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
     """What a checkpoint must match to be resumed (known before any weight or data is loaded)."""
-    arch = config_to_hf(config_from_hf(read_hf_config(model_dir)))
+    dcfg = config_from_hf(read_hf_config(model_dir))
+    arch = config_to_hf(dcfg)
     spec = lora_spec(cfg.lora, cfg.precision.lora_dtype)
+    if dcfg.num_experts and (spec is not None or quant_recipe(cfg) is not None or cfg.lora.qlora_format is not None):
+        raise ConfigError(f"model={cfg.model.model} is a mixture-of-experts model ({dcfg.model_type}, "
+                          f"{dcfg.num_experts} experts): it trains only as full fine-tuning for now (lora: false, no "
+                          "qlora_* keys, recipe: bf16); LoRA, QLoRA and precision recipes on experts are not built yet")
     meta = {"mode": mode, "model": json.dumps(arch, sort_keys=True),
             "lora": None if spec is None else f"r={spec.rank},alpha={spec.alpha},targets={sorted(spec.targets)}",
             "sequence_len": cfg.model.sequence_len, "optimizer": cfg.optim.optimizer}

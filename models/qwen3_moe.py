@@ -1,0 +1,81 @@
+"""Qwen3-MoE (e.g. Qwen3-30B-A3B): Qwen3's attention with a mixture-of-experts feed-forward in every layer (a
+softmax router over `num_experts`, the top `num_experts_per_tok` experts of `moe_intermediate_size` each, drop-free;
+models/moe.py).
+
+HF reference: transformers `models/qwen3_moe` (`Qwen3MoeForCausalLM`). The Hub's config.json names the expert count
+`num_experts`; transformers 5 writes `num_local_experts`: both are read. Dense layers among sparse ones
+(`mlp_only_layers`, `decoder_sparse_step` > 1) are refused by name for now, as are shared experts (Qwen2-MoE's
+`shared_expert_intermediate_size`). `router_aux_loss_coef` and `output_router_logits` do not change the forward.
+"""
+
+from __future__ import annotations
+
+from surogate_jax.errors import ModelLoadError
+
+from .hf_config import (
+    FIX,
+    check_full_attention,
+    common_fields,
+    common_to_hf,
+    read_rope,
+    refuse,
+    require,
+    warn_unknown,
+)
+from .llamalike import DecoderConfig
+
+MODEL_TYPE = "qwen3_moe"
+ARCHITECTURE = "Qwen3MoeForCausalLM"
+KNOWN = frozenset("num_experts num_local_experts num_experts_per_tok moe_intermediate_size norm_topk_prob "
+                  "decoder_sparse_step mlp_only_layers router_aux_loss_coef output_router_logits".split())
+
+
+def _positive(d: dict, field: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelLoadError(f"config.json: {field}={value!r} must be a positive integer; {FIX}")
+    return value
+
+
+def config_from_hf(d: dict, **numerics) -> DecoderConfig:
+    require(d, "attention_bias", (False, None), False, "Qwen3-MoE attention projections without bias")
+    check_full_attention(d)
+    if d.get("shared_expert_intermediate_size"):
+        raise refuse("shared_expert_intermediate_size", d["shared_expert_intermediate_size"],
+                     "shared experts are not implemented")
+    if d.get("mlp_only_layers"):
+        raise refuse("mlp_only_layers", d["mlp_only_layers"], "every layer sparse for now")
+    if d.get("decoder_sparse_step", 1) != 1:
+        raise refuse("decoder_sparse_step", d["decoder_sparse_step"], "1 (every layer sparse) for now")
+    field = "num_experts" if d.get("num_experts") is not None else "num_local_experts"
+    experts = _positive(d, field, d.get(field))
+    k = _positive(d, "num_experts_per_tok", d.get("num_experts_per_tok"))
+    if k > experts:
+        raise ModelLoadError(f"config.json: num_experts_per_tok={k} exceeds {field}={experts}; {FIX}")
+    warn_unknown(d, KNOWN)
+    theta, scaling = read_rope(d, ("default",))
+    return DecoderConfig(
+        **common_fields(d, MODEL_TYPE, numerics),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qk_norm=True,
+        num_experts=experts,
+        num_experts_per_tok=k,
+        moe_intermediate_size=_positive(d, "moe_intermediate_size", d.get("moe_intermediate_size")),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),  # transformers' default
+    )
+
+
+def config_to_hf(cfg: DecoderConfig) -> dict:
+    return {
+        **common_to_hf(cfg, ARCHITECTURE),
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "max_window_layers": cfg.num_layers,
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
