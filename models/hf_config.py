@@ -57,6 +57,11 @@ def _size(d: dict, field: str, where: str, required: bool) -> int | None:
     return v
 
 
+def required_size(d: dict, field: str, where: str = "config.json") -> int:
+    """d[field] as a positive int; ModelLoadError naming it when absent, null or not a positive int."""
+    return _size(d, field, where, True)
+
+
 def number(d: dict, field: str, default: float, where: str = "config.json") -> float:
     """d[field] (or `default` when absent or null) as a float; a string or a list raises ModelLoadError."""
     v = d.get(field)

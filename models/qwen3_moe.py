@@ -20,6 +20,7 @@ from .hf_config import (
     read_rope,
     refuse,
     require,
+    required_size,
     warn_unknown,
 )
 from .llamalike import DecoderConfig
@@ -28,12 +29,6 @@ MODEL_TYPE = "qwen3_moe"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 KNOWN = frozenset("num_experts num_local_experts num_experts_per_tok moe_intermediate_size norm_topk_prob "
                   "decoder_sparse_step mlp_only_layers router_aux_loss_coef output_router_logits".split())
-
-
-def _positive(d: dict, field: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ModelLoadError(f"config.json: {field}={value!r} must be a positive integer; {FIX}")
-    return value
 
 
 def config_from_hf(d: dict, **numerics) -> DecoderConfig:
@@ -47,8 +42,11 @@ def config_from_hf(d: dict, **numerics) -> DecoderConfig:
     if d.get("decoder_sparse_step", 1) != 1:
         raise refuse("decoder_sparse_step", d["decoder_sparse_step"], "1 (every layer sparse) for now")
     field = "num_experts" if d.get("num_experts") is not None else "num_local_experts"
-    experts = _positive(d, field, d.get(field))
-    k = _positive(d, "num_experts_per_tok", d.get("num_experts_per_tok"))
+    if d.get(field) is None:
+        raise ModelLoadError(f"config.json: the required field 'num_experts' (or 'num_local_experts') is missing; "
+                             f"{FIX}")
+    experts = required_size(d, field)
+    k = required_size(d, "num_experts_per_tok")
     if k > experts:
         raise ModelLoadError(f"config.json: num_experts_per_tok={k} exceeds {field}={experts}; {FIX}")
     warn_unknown(d, KNOWN)
@@ -61,7 +59,7 @@ def config_from_hf(d: dict, **numerics) -> DecoderConfig:
         qk_norm=True,
         num_experts=experts,
         num_experts_per_tok=k,
-        moe_intermediate_size=_positive(d, "moe_intermediate_size", d.get("moe_intermediate_size")),
+        moe_intermediate_size=required_size(d, "moe_intermediate_size"),
         norm_topk_prob=bool(d.get("norm_topk_prob", False)),  # transformers' default
     )
 

@@ -77,7 +77,8 @@ def _cfg(**kw):
     ({"decoder_sparse_step": 2}, UnsupportedConfigError, "decoder_sparse_step=2 is not supported"),
     ({"shared_expert_intermediate_size": 32}, UnsupportedConfigError, "shared experts are not implemented"),
     ({"num_experts_per_tok": 5}, ModelLoadError, "num_experts_per_tok=5 exceeds num_experts=4"),
-    ({"num_experts": None}, ModelLoadError, "num_local_experts=None must be a positive integer"),
+    ({"num_experts": None}, ModelLoadError, "the required field 'num_experts' \\(or 'num_local_experts'\\) is missing"),
+    ({"num_experts": 2.5}, ModelLoadError, "num_experts=2.5 must be a positive integer"),
     ({"moe_intermediate_size": 0}, ModelLoadError, "moe_intermediate_size=0 must be a positive integer"),
 ])
 def test_unsupported_or_broken_moe_configs_are_refused(change, error, message):
