@@ -12,17 +12,8 @@ from __future__ import annotations
 
 from surogate_jax.errors import ModelLoadError
 
-from .hf_config import (
-    FIX,
-    check_full_attention,
-    common_fields,
-    common_to_hf,
-    read_rope,
-    refuse,
-    require,
-    required_size,
-    warn_unknown,
-)
+from . import qwen3
+from .hf_config import FIX, refuse, required_size
 from .llamalike import DecoderConfig
 
 MODEL_TYPE = "qwen3_moe"
@@ -32,8 +23,7 @@ KNOWN = frozenset("num_experts num_local_experts num_experts_per_tok moe_interme
 
 
 def config_from_hf(d: dict, **numerics) -> DecoderConfig:
-    require(d, "attention_bias", (False, None), False, "Qwen3-MoE attention projections without bias")
-    check_full_attention(d)
+    """Qwen3's config (read by models/qwen3.py, the MoE fields left out) with the experts."""
     if d.get("shared_expert_intermediate_size"):
         raise refuse("shared_expert_intermediate_size", d["shared_expert_intermediate_size"],
                      "shared experts are not implemented")
@@ -49,27 +39,16 @@ def config_from_hf(d: dict, **numerics) -> DecoderConfig:
     k = required_size(d, "num_experts_per_tok")
     if k > experts:
         raise ModelLoadError(f"config.json: num_experts_per_tok={k} exceeds {field}={experts}; {FIX}")
-    warn_unknown(d, KNOWN)
-    theta, scaling = read_rope(d, ("default",))
-    return DecoderConfig(
-        **common_fields(d, MODEL_TYPE, numerics),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        qk_norm=True,
-        num_experts=experts,
-        num_experts_per_tok=k,
-        moe_intermediate_size=required_size(d, "moe_intermediate_size"),
-        norm_topk_prob=bool(d.get("norm_topk_prob", False)),  # transformers' default
-    )
+    dense = qwen3.config_from_hf({f: v for f, v in d.items() if f not in KNOWN}, **numerics)
+    return dense.replace(model_type=MODEL_TYPE, num_experts=experts, num_experts_per_tok=k,
+                         moe_intermediate_size=required_size(d, "moe_intermediate_size"),
+                         norm_topk_prob=bool(d.get("norm_topk_prob", False)))  # transformers' default
 
 
 def config_to_hf(cfg: DecoderConfig) -> dict:
     return {
-        **common_to_hf(cfg, ARCHITECTURE),
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "max_window_layers": cfg.num_layers,
+        **qwen3.config_to_hf(cfg),
+        "architectures": [ARCHITECTURE],
         "num_experts": cfg.num_experts,
         "num_experts_per_tok": cfg.num_experts_per_tok,
         "moe_intermediate_size": cfg.moe_intermediate_size,
