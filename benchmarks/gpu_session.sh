@@ -29,7 +29,7 @@ B=benchmarks; P=benchmarks/profile
 SUITE="${SUITE:-quick}"; WORKERS="${WORKERS:-$([[ $SUITE == full* ]] && echo 14 || echo 8)}"
 benches=("$@")
 part1=(rope rope_qk rms_norm add_rms_norm swiglu swiglu_lora adamw_8bit normuon nf4_dequantize tile_dequantize)
-part2=(fp8_matmul nvfp4_matmul nvfp4_quantize lm_head_ce)
+part2=(fp8_matmul nvfp4_matmul nvfp4_quantize lm_head_ce grouped_matmul)
 part3=(models parallel qlora recipe attention)
 files() { for n in "$@"; do echo "tests/gpu/test_${n}_gpu.py"; done; }
 for f in tests/gpu/test_*_gpu.py; do  # a new GPU test file must join a part, or SUITE=full-N would miss it

@@ -21,6 +21,7 @@ Targets Nvfp4MatmulTargets();
 Targets Adamw8bitTargets();
 Targets Nf4DequantizeTargets();
 Targets TileDequantizeTargets();
+Targets GroupedMatmulTargets();
 }  // namespace surogate::ffi_bind
 
 namespace {
@@ -32,7 +33,8 @@ constexpr Targets (*kOps[])() = {
     &surogate::ffi_bind::LmHeadCeTargets,      &surogate::ffi_bind::RopeTargets,
     &surogate::ffi_bind::Fp8MatmulTargets,     &surogate::ffi_bind::Nvfp4QuantizeTargets,
     &surogate::ffi_bind::Nvfp4MatmulTargets,   &surogate::ffi_bind::Adamw8bitTargets,
-    &surogate::ffi_bind::Nf4DequantizeTargets, &surogate::ffi_bind::TileDequantizeTargets};
+    &surogate::ffi_bind::Nf4DequantizeTargets, &surogate::ffi_bind::TileDequantizeTargets,
+    &surogate::ffi_bind::GroupedMatmulTargets};
 
 }  // namespace
 

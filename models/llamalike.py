@@ -32,6 +32,7 @@ from jax.sharding import AbstractMesh, Mesh
 from surogate_jax.names import PROJECTIONS, REMAT_POLICIES
 from surogate_jax.ops import add_rms_norm, fp8_formats, rms_norm, rope_qk, swiglu, swiglu_lora
 from surogate_jax.ops import attention as attention_op
+from surogate_jax.ops._sharding import on_shards
 from surogate_jax.precision import recipe as recipe_lib
 from surogate_jax.precision.recipe import QuantRecipe
 from surogate_jax.qlora import base as qlora_base
@@ -464,22 +465,33 @@ class MLP(nn.Module):
 
 
 class SparseMoeMLP(nn.Module):
-    """The MoE feed-forward (models/moe.py's reference: every expert on every token, combined by the routing
-    weights). Params as HF names them: the router `gate` kernel [D, E]; `experts` gate_proj / up_proj [E, D, I],
-    down_proj [E, I, D]."""
+    """The MoE feed-forward (models/moe.py's `moe_mlp`: each token's top-k experts through grouped GEMMs), run per
+    data shard: every device sorts and multiplies its own tokens. Params as HF names them: the router `gate` kernel
+    [D, E]; `experts` gate_proj / up_proj [E, D, I], down_proj [E, I, D]. Returns (y, this layer's router
+    statistics summed over the data shards' rows; `valid_BT` marks the rows that count)."""
 
     cfg: DecoderConfig
 
     @nn.compact
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD, valid_BT=None):
         cfg = self.cfg
-        D = cfg.hidden_size
+        D, k = cfg.hidden_size, cfg.num_experts_per_tok
         router_DE = _Router(cfg, name="gate")()
-        experts = _Experts(cfg, name="experts")()
+        experts = tuple(w.astype(cfg.dtype) for w in _Experts(cfg, name="experts")())
         x_TD = x_BTD.reshape(-1, D).astype(cfg.dtype)
-        y_TD, _ = moe.moe_mlp_ref(x_TD, router_DE.T.astype(cfg.dtype), *(w.astype(cfg.dtype) for w in experts),
-                                  k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob)
-        return y_TD.reshape(x_BTD.shape)
+        m_T = jnp.ones(x_TD.shape[:1], jnp.float32) if valid_BT is None else valid_BT.reshape(-1).astype(jnp.float32)
+
+        def block(x_TD, router_ED, gate, up, down, m_T):
+            y_TD, logits_TE = moe.moe_mlp(x_TD, router_ED, gate, up, down, k=k, norm_topk_prob=cfg.norm_topk_prob,
+                                          swiglu_impl=cfg.impl("swiglu"))
+            st = moe.router_stats(logits_TE, k, m_T)
+            return y_TD, st["counts"], st["probs"], st["z"], st["rows"]
+
+        y_TD, *stats = on_shards(block, x_TD, router_DE.T.astype(cfg.dtype), *experts, m_T, mesh=cfg.mesh,
+                                 batched=(True, False, False, False, False, True),
+                                 out_batched=(True, False, False, False, False),
+                                 out_summed=(False, True, True, True, True))
+        return y_TD.reshape(x_BTD.shape), dict(zip(("counts", "probs", "z", "rows"), stats, strict=True))
 
 
 class _Router(nn.Module):
@@ -509,7 +521,7 @@ class DecoderLayer(nn.Module):
     cfg: DecoderConfig
 
     @nn.compact
-    def __call__(self, x_BTD, cos_BTK, sin_BTK, segs, layer=None):
+    def __call__(self, x_BTD, cos_BTK, sin_BTK, segs, valid_BT=None, layer=None):
         cfg = self.cfg
         norm = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, mesh=cfg.mesh)
         x_BTD = checkpoint_name(x_BTD, "decoder_layer_input")  # what "offload_residual" sends to host
@@ -520,9 +532,12 @@ class DecoderLayer(nn.Module):
         # need the un-added MLP output carried across the nn.scan boundary, i.e. two [B, T, D]
         # carries per layer that remat keeps, for saving one element-wise pass.
         h, x_BTD = AddRMSNorm(**norm, impl=cfg.impl("add_rms_norm"), name="post_attention_layernorm")(attn_BTD, x_BTD)
-        mlp = SparseMoeMLP(cfg, name="mlp")(h) if cfg.num_experts else MLP(cfg, name="mlp")(h, layer)
-        x_BTD = x_BTD + mlp
-        return x_BTD, None
+        stats = None
+        if cfg.num_experts:
+            mlp, stats = SparseMoeMLP(cfg, name="mlp")(h, valid_BT)
+        else:
+            mlp = MLP(cfg, name="mlp")(h, layer)
+        return x_BTD + mlp, stats
 
 
 def _remat_policy(name: str):
@@ -570,7 +585,7 @@ class Decoder(nn.Module):
             layer_cls,
             variable_axes={"params": 0, "lora": 0, recipe_lib.FP8_COLLECTION: 0},
             split_rngs={"params": True, "lora": True, "dropout": True, recipe_lib.QUANT_RNG: True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast) + ((0,) if skips else ()),
+            in_axes=(nn.broadcast,) * 4 + ((0,) if skips else ()),
             length=cfg.num_layers,
             unroll=cfg.num_layers if unroll else 1,
         )
@@ -578,7 +593,11 @@ class Decoder(nn.Module):
         segs = segment_ids  # with a bound: each segment's start and length, once for every layer
         if segment_ids is not None and cfg.max_segments is not None:
             segs = attention_op.segments(segment_ids, cfg.max_segments)
-        x_BTD, _ = stack(cfg, name="layers")(x_BTD, cos_BTK, sin_BTK, segs, *layer_ids)
+        # MoE: the rows that count in the router statistics (padding, segment id 0, does not)
+        valid_BT = segment_ids > 0 if cfg.num_experts and segment_ids is not None else None
+        x_BTD, router_stats = stack(cfg, name="layers")(x_BTD, cos_BTK, sin_BTK, segs, valid_BT, *layer_ids)
+        if router_stats is not None:  # [L, ...] per statistic; train.batch_loss reads them (moe.router_losses)
+            self.sow("intermediates", "router_stats", router_stats)
         x_BTD = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, cfg.impl("rms_norm"), cfg.mesh,
                         name="norm")(x_BTD)
         if return_hidden:

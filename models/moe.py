@@ -1,18 +1,26 @@
-"""Mixture-of-experts feed-forward as Qwen3-MoE computes it (transformers `models/qwen3_moe`): the pure-JAX reference
-that later grouped-GEMM paths are tested against.
+"""Mixture-of-experts feed-forward as Qwen3-MoE computes it (transformers `models/qwen3_moe`): the model's path
+(`moe_mlp`: tokens sorted by expert through grouped GEMMs) and the dense reference it is tested against.
 
 Routing (`route`): router logits [T, E] = x @ W_router^T; softmax in f32; the top-k experts of each token; with
 `norm_topk_prob` their probabilities renormalised to sum to 1; the weights cast back to the logits' dtype.
 Drop-free: every token reaches its k experts (no capacity factor).
 
-Experts (`moe_mlp_ref`): expert e computes down_e(silu(gate_e(x)) * up_e(x)); a token's output is the sum over its
-k experts of weight x expert output. The reference computes every expert on every token and combines with a dense
-[T, E] weight matrix (zero off the top-k): exact, and cheap enough for the small shapes tests use.
+Experts: expert e computes down_e(silu(gate_e(x)) * up_e(x)); a token's output is the sum over its k experts of
+weight x expert output. `moe_mlp_ref` computes every expert on every token and combines with a dense [T, E] weight
+matrix (zero off the top-k): exact, E/k times the work. `moe_mlp` computes only the routed pairs: the T*K (token,
+expert) pairs sorted by expert (a stable argsort of the expert ids, on the device), the tokens gathered in that
+order, three grouped GEMMs (ops/grouped_matmul.py) with SwiGLU between, and the results gathered back to
+[T, K, D] and summed with the routing weights in fp32.
 
 Auxiliary load-balancing loss (`load_balancing_loss`, Switch Transformer eqs. 4-6, as transformers'
 `load_balancing_loss_func`): over the rows of every MoE layer together (padding excluded by a mask),
 E x sum_e f_e x P_e with f_e = top-k assignments of expert e per row and P_e = the mean router probability of e.
 `router_z_loss` (ST-MoE, Zoph et al. 2022, eq. 5): mean over rows of logsumexp(logits)^2.
+
+Router statistics (`router_stats`): what the two losses and the load metric need from one layer, as sums over the
+layer's rows so that shards and layers add up: top-k counts per expert, router probabilities summed per expert,
+the summed logsumexp^2 and the row count. `router_losses` turns the stacked [L, ...] statistics into the aux loss,
+the z-loss and the expert load (max / mean tokens per expert, averaged over layers; 1 = balanced).
 
 Shapes: T tokens, D hidden, E experts, I the experts' intermediate size, K = top-k.
 """
@@ -23,6 +31,9 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+
+from surogate_jax.ops import swiglu
+from surogate_jax.ops.grouped_matmul import grouped_matmul
 
 
 def route(logits_TE: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -50,6 +61,65 @@ def moe_mlp_ref(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_E
     y_ETD = jnp.einsum("eti,eid->etd", h_ETI, down_EID)
     w_TE = combine_weights(weights_TK, idx_TK, router_ED.shape[0])
     return jnp.einsum("te,etd->td", w_TE.astype(y_ETD.dtype), y_ETD), logits_TE
+
+
+def sort_by_expert(idx_TK: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(order [T*K]: the (token, slot) pairs, flattened as token * K + slot, sorted by expert (stable); group sizes
+    [E] int32)."""
+    flat = idx_TK.reshape(-1)
+    return jnp.argsort(flat, stable=True).astype(jnp.int32), jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array, down_EID: jax.Array,
+            *, k: int, norm_topk_prob: bool, impl: str | None = None,
+            swiglu_impl: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """(y [T, D], router logits [T, E]): the MoE block computing only each token's k experts. impl: the grouped
+    GEMMs' (ops/grouped_matmul.py), swiglu_impl: SwiGLU's."""
+    T, D = x_TD.shape
+    logits_TE = x_TD @ router_ED.T
+    weights_TK, idx_TK = route(logits_TE, k, norm_topk_prob)
+    order_N, sizes_E = sort_by_expert(idx_TK, router_ED.shape[0])
+    xs_ND = jnp.take(x_TD, order_N // k, axis=0)
+    g_NI = grouped_matmul(xs_ND, gate_EDI, sizes_E, impl=impl)
+    u_NI = grouped_matmul(xs_ND, up_EDI, sizes_E, impl=impl)
+    h_NI = swiglu(g_NI, u_NI, impl=swiglu_impl)
+    ys_ND = grouped_matmul(h_NI, down_EID, sizes_E, impl=impl)
+    inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=jnp.int32))
+    y_TKD = jnp.take(ys_ND, inverse_N, axis=0).reshape(T, k, D)
+    y_TD = jnp.einsum("tk,tkd->td", weights_TK.astype(jnp.float32), y_TKD.astype(jnp.float32))
+    return y_TD.astype(x_TD.dtype), logits_TE
+
+
+def router_stats(logits_TE: jax.Array, k: int, mask_T: jax.Array | None = None) -> dict[str, jax.Array]:
+    """One layer's router statistics as sums over its rows (mask_T: 1 for rows that count, 0 for padding):
+    counts [E] (top-k assignments, no gradient), probs [E] (softmax probabilities), z (sum of logsumexp^2), rows."""
+    E = logits_TE.shape[-1]
+    m_T = jnp.ones(logits_TE.shape[:1], jnp.float32) if mask_T is None else mask_T.astype(jnp.float32)
+    logits = logits_TE.astype(jnp.float32)
+    p_TE = jax.nn.softmax(logits, axis=-1)
+    _, idx_TK = jax.lax.top_k(jax.lax.stop_gradient(p_TE), k)
+    return {
+        "counts": jnp.einsum("t,tke->e", m_T, jax.nn.one_hot(idx_TK, E, dtype=jnp.float32)),
+        "probs": jnp.einsum("t,te->e", m_T, p_TE),
+        "z": jnp.sum(m_T * jax.nn.logsumexp(logits, axis=-1) ** 2),
+        "rows": jnp.sum(m_T),
+    }
+
+
+def router_losses(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """From statistics stacked over layers ([L, E] / [L]): aux_loss (transformers' load_balancing_loss_func over all
+    layers' rows together), z_loss (mean logsumexp^2 over those rows) and expert_load (max / mean tokens per expert,
+    averaged over layers)."""
+    E = stats["counts"].shape[-1]
+    rows = jnp.maximum(jnp.sum(stats["rows"]), 1.0)
+    counts_E, probs_E = jnp.sum(stats["counts"], axis=0), jnp.sum(stats["probs"], axis=0)
+    counts_LE = stats["counts"]
+    load = jnp.max(counts_LE, axis=-1) / jnp.maximum(jnp.mean(counts_LE, axis=-1), 1e-9)
+    return {
+        "aux_loss": E * jnp.sum((counts_E / rows) * (probs_E / rows)),
+        "z_loss": jnp.sum(stats["z"]) / rows,
+        "expert_load": jnp.mean(load),
+    }
 
 
 def load_balancing_loss(logits_per_layer: Sequence[jax.Array], k: int, mask_T: jax.Array | None = None) -> jax.Array:

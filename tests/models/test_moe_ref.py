@@ -1,6 +1,7 @@
-"""models/moe.py (the MoE reference) against transformers' Qwen3-MoE block and load-balancing loss, fp32, on random
-weights: uneven expert counts, top-k with and without renormalisation, padding masks; and the routing rules on
-their own (softmax in f32, top-k, weights that sum to one)."""
+"""models/moe.py (the model's sorted grouped-GEMM path `moe_mlp` and the dense reference `moe_mlp_ref`) against
+transformers' Qwen3-MoE block and load-balancing loss, fp32, on random weights: uneven expert counts, top-k with and
+without renormalisation, padding masks; the per-layer router statistics pooled into the losses; and the routing
+rules on their own (softmax in f32, top-k, weights that sum to one)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ def _weights(block, E, I):
     return sd["gate.weight"], ex["gate_proj"], ex["up_proj"], ex["down_proj"]
 
 
+BLOCKS = {"sorted": moe.moe_mlp, "dense": moe.moe_mlp_ref}
+
+
+@pytest.mark.parametrize("path", sorted(BLOCKS))
 @pytest.mark.parametrize(("D", "I", "E", "k", "norm"), [
     (16, 24, 8, 2, True),
     (16, 24, 8, 2, False),
@@ -42,21 +47,22 @@ def _weights(block, E, I):
     (8, 12, 7, 1, False),
     (8, 12, 6, 6, True),  # every expert chosen
 ])
-def test_block_matches_transformers(D, I, E, k, norm):
+def test_block_matches_transformers(D, I, E, k, norm, path):
     block = _block(D, I, E, k, norm, seed=E * 10 + k)
     x = torch.randn(3, 11, D)
     with torch.no_grad():
         want = block(x).numpy().reshape(-1, D)
     router, gate, up, down = _weights(block, E, I)
-    got, logits = moe.moe_mlp_ref(jnp.asarray(x.numpy().reshape(-1, D)), jnp.asarray(router), jnp.asarray(gate),
+    got, logits = BLOCKS[path](jnp.asarray(x.numpy().reshape(-1, D)), jnp.asarray(router), jnp.asarray(gate),
                                   jnp.asarray(up), jnp.asarray(down), k=k, norm_topk_prob=norm)
     scale = np.abs(want).max()
     assert np.abs(np.asarray(got) - want).max() <= 1e-4 * scale
     np.testing.assert_allclose(np.asarray(logits), x.numpy().reshape(-1, D) @ router.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("path", sorted(BLOCKS))
 @pytest.mark.parametrize(("E", "k", "norm"), [(8, 2, True), (5, 3, False)])
-def test_block_gradients_match_transformers(E, k, norm):
+def test_block_gradients_match_transformers(E, k, norm, path):
     D, I = 12, 20
     block = _block(D, I, E, k, norm, seed=E)
     x = torch.randn(17, D, requires_grad=True)
@@ -65,7 +71,7 @@ def test_block_gradients_match_transformers(E, k, norm):
     router, gate, up, down = _weights(block, E, I)
 
     def loss(x, router, gate, up, down):
-        y, _ = moe.moe_mlp_ref(x, router, gate, up, down, k=k, norm_topk_prob=norm)
+        y, _ = BLOCKS[path](x, router, gate, up, down, k=k, norm_topk_prob=norm)
         return jnp.sum(y * jnp.asarray(g.numpy()))
 
     got = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(jnp.asarray(x.detach().numpy()), *map(jnp.asarray,
@@ -89,6 +95,26 @@ def test_load_balancing_loss_matches_transformers(E, k, masked):
     got = moe.load_balancing_loss([jnp.asarray(x) for x in logits], k,
                                   None if mask is None else jnp.asarray(mask.reshape(-1)))
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_router_losses_pool_layer_statistics_like_transformers(masked):
+    # per-layer sums (as the model's layer scan emits them) pooled = one pass over all layers' rows
+    rng = np.random.default_rng(5 + masked)
+    E, k, T, layers = 6, 2, 15, 4
+    logits = [jnp.asarray(rng.normal(size=(T, E)), jnp.float32) for _ in range(layers)]
+    mask = jnp.asarray(rng.random(T) < 0.6) if masked else None
+    per_layer = [moe.router_stats(x, k, mask) for x in logits]
+    stacked = {n: jnp.stack([s[n] for s in per_layer]) for n in per_layer[0]}
+    got = moe.router_losses(stacked)
+    np.testing.assert_allclose(float(got["aux_loss"]), float(moe.load_balancing_loss(logits, k, mask)), rtol=1e-5)
+    np.testing.assert_allclose(float(got["z_loss"]), float(moe.router_z_loss(logits, mask)), rtol=1e-5)
+    counts = np.asarray(stacked["counts"])
+    np.testing.assert_allclose(float(got["expert_load"]), np.mean(counts.max(-1) / counts.mean(-1)), rtol=1e-5)
+    # the counts carry no gradient; the probabilities do
+    g = jax.grad(lambda x: moe.router_losses({n: v[None] for n, v in moe.router_stats(x, k).items()})["aux_loss"])(
+        logits[0])
+    assert float(jnp.abs(g).max()) > 0
 
 
 def test_balanced_routing_gives_loss_k():

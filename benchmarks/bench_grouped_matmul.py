@@ -1,0 +1,94 @@
+"""Benchmark the MoE experts' grouped GEMMs at Qwen3-30B-A3B's shapes: rows sorted by expert [N, D] times the
+stacked expert weights [E, D, I] (each row times its own expert's matrix), its input gradient and its weight
+gradient, against one plain GEMM of the same FLOPs (the floor: what cuBLAS does with the same work undivided).
+
+    python benchmarks/bench_grouped_matmul.py [--out results.jsonl] [--steps 10] [--repeats 10]
+
+Shapes: T = 4096 tokens (the seed configuration's micro-batch: 2 rows x 2048), top-8 of 128 experts, so
+N = 32768 rows; D = 2048 (hidden), I = 768 (moe_intermediate). FLOPs of each of fwd / d_lhs / d_rhs: 2 N D I
+= 103 GFLOP whatever the grouping. Routing: softmax top-8 of random normal logits (near-balanced) and of logits
+with a per-expert bias (skewed: a few experts get several times the mean).
+
+Variants: `ours` (kernels/grouped_matmul.cu: forward, d_lhs = the same kernel reading w transposed, d_rhs = the
+weight-gradient kernel), `ragged_dot` (jax.lax.ragged_dot; XLA lowers it to cuDNN's grouped GEMM where its version
+has that path, else to a zero-padded dense dot), `dense` (one [N, D] x [D, I] GEMM: the GEMM ceiling). Each line
+also says whether the compiled program calls cuDNN. Timing: benchmarks/_opbench.py (chained steps, difference of two
+chain lengths).
+"""
+
+from __future__ import annotations
+
+import json
+
+import _opbench
+import jax
+import jax.numpy as jnp
+
+from surogate_jax.ops import ffi_available
+from surogate_jax.ops.grouped_matmul import _dw_ffi, _fwd_ffi
+
+T, K, E, D, I = 4096, 8, 128, 2048, 768
+
+
+def group_sizes(key, skew: bool) -> jax.Array:
+    logits = jax.random.normal(key, (T, E), jnp.float32)
+    if skew:  # a few hot experts, as a router early in training or after collapse
+        logits = logits + 2.0 * jax.random.normal(jax.random.fold_in(key, 1), (E,), jnp.float32)
+    _, idx = jax.lax.top_k(logits, K)
+    return jnp.bincount(idx.reshape(-1), length=E).astype(jnp.int32)
+
+
+def uses_cudnn(fn, *args) -> bool:
+    return "__cudnn" in jax.jit(fn).lower(*args).compile().as_text()  # custom call or fusion kind
+
+
+def main() -> None:
+    ap = _opbench.chain_parser(__doc__)
+    ap.set_defaults(steps=10, repeats=10)
+    args = ap.parse_args()
+    _opbench.require_gpu(ffi_available)
+    N = T * K
+    flops = 2 * N * D * I
+    kx, kw, kd, kg = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(kx, (N, D), jnp.bfloat16)
+    w = (jax.random.normal(kw, (E, D, I), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, (N, I), jnp.bfloat16)
+    w2 = w[0]
+    rows = []
+    for skew in (False, True):
+        gs = group_sizes(kg, skew)
+        assert int(gs.sum()) == N
+        rd = lambda a, b, g: jax.lax.ragged_dot(a, b, g)  # noqa: E731
+        fwd = lambda a, b, g: (rd(a, b, g)[:, :1].astype(a.dtype) + a, b, g)  # noqa: E731
+        dlhs = lambda a, b, g, d: (jax.vjp(lambda a_: rd(a_, b, g), a)[1](d)[0], b, g, d)  # noqa: E731
+        drhs = lambda a, b, g, d: (a, jax.vjp(lambda b_: rd(a, b_, g), b)[1](d)[0].astype(b.dtype), g, d)  # noqa: E731
+        dense = lambda a, b: ((a @ b)[:, :1] + a, b)  # noqa: E731
+        ours_fwd = lambda a, b, g: (_fwd_ffi(a, b, g)[:, :1] + a, b, g)  # noqa: E731
+        ours_dlhs = lambda a, b, g, d: (a, b, g, _fwd_ffi(d, b, g, w_nk=True)[:, :I] + d)  # noqa: E731
+        ours_drhs = lambda a, b, g, d: (a, _dw_ffi(a, d, g, E) + b, g, d)  # noqa: E731
+        cases = [
+            ("ours fwd", ours_fwd, (x, w, gs), lambda: False),
+            ("ours d_lhs", ours_dlhs, (x, w, gs, dy), lambda: False),
+            ("ours d_rhs", ours_drhs, (x, w, gs, dy), lambda: False),
+            ("ragged_dot fwd", fwd, (x, w, gs), lambda: uses_cudnn(rd, x, w, gs)),
+            ("ragged_dot d_lhs", dlhs, (x, w, gs, dy), lambda: uses_cudnn(lambda *a: dlhs(*a)[0], x, w, gs, dy)),
+            ("ragged_dot d_rhs", drhs, (x, w, gs, dy), lambda: uses_cudnn(lambda *a: drhs(*a)[1], x, w, gs, dy)),
+            ("dense fwd (floor)", dense, (x, w2), lambda: False),
+        ]
+        for name, step, carry, cudnn in cases:
+            try:
+                s = _opbench.time_chain(step, carry, args.steps, args.repeats, rotate=1)
+                row = {"bench": "grouped_matmul", "case": name, "skew": skew, "N": N, "D": D, "I": I, "E": E,
+                       "max_group": int(gs.max()), "ms": s * 1e3, "tflops": flops / s / 1e12, "cudnn": cudnn(),
+                       "commit": _opbench.commit(), "device": str(jax.devices()[0].device_kind)}
+            except Exception as e:  # noqa: BLE001  (a variant XLA cannot compile is a result, not a crash)
+                row = {"bench": "grouped_matmul", "case": name, "skew": skew, "error": f"{type(e).__name__}: {e}"[:300]}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
