@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _qwen3 import QWEN3, SEED_H100, TARGETS, head_dim, vocab_size
+from _qwen3 import QWEN3, QWEN3_MOE, SEED_H100, TARGETS, head_dim, vocab_size
 
 from surogate_jax import parallel as par
 from surogate_jax import train as T
@@ -51,15 +51,26 @@ from surogate_jax.optim import adamw_8bit, fp32_state_mask
 OFFLOADS = ("optimizer", "master", "grads", "residual")
 
 
-def qwen3(size: str, recompute: bool | str, full_ft: bool = False, offload_residual: bool = False) -> DecoderConfig:
-    D, F, L, H, KV, tied = QWEN3[size]
+def qwen3(size: str, recompute: bool | str, full_ft: bool = False, offload_residual: bool = False,
+          layers: int | None = None) -> DecoderConfig:
+    """A Qwen3 (QWEN3) or Qwen3-MoE (QWEN3_MOE: LoRA on attention and every expert) shape; `layers` overrides the
+    depth (a shape too big for one GPU measured per layer)."""
+    moe = {"model_type": "qwen3"}
+    if size in QWEN3_MOE:
+        D, L, H, KV, E, k, I, tied = QWEN3_MOE[size]
+        F = I
+        moe = dict(model_type="qwen3_moe", num_experts=E, num_experts_per_tok=k, moe_intermediate_size=I,
+                   norm_topk_prob=True, router_aux_loss_coef=0.001)
+    else:
+        D, F, L, H, KV, tied = QWEN3[size]
     return DecoderConfig(
-        model_type="qwen3", vocab_size=vocab_size(size), hidden_size=D, intermediate_size=F,
-        num_layers=L, num_heads=H, num_kv_heads=KV, head_dim=head_dim(size), qk_norm=True,
+        vocab_size=vocab_size(size), hidden_size=D, intermediate_size=F, num_layers=layers or L, num_heads=H,
+        num_kv_heads=KV, head_dim=head_dim(size), qk_norm=True,
         rope_theta=1e6, tie_word_embeddings=tied, dtype=jnp.bfloat16,
         param_dtype=jnp.float32 if full_ft else jnp.bfloat16,  # full FT: fp32 masters, bf16 compute
         remat_policy="full" if recompute == "auto" else par.remat_policy(recompute, offload_residual),
         lora=None if full_ft else LoraSpec(rank=16, alpha=32.0, targets=TARGETS),
+        **moe,
     )
 
 
@@ -124,10 +135,10 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
         zero_level: int = 1, offload: tuple[str, ...] = (), full_ft: bool = False, optimizer: str = "adamw",
         baseline_tps: float | None = None, recipe: str = "bf16", kernels: tuple[str, ...] | None = None,
         qlora: str | None = None, max_segments: int | None = None, long_docs: bool = False,
-        trace_dir: str | None = None, unroll: bool | None = None) -> dict:
+        trace_dir: str | None = None, unroll: bool | None = None, layers: int | None = None) -> dict:
     if recompute == "auto" and "residual" in offload:
         recompute = True  # as the trainer: the offloaded layer input is what the recomputation starts from
-    cfg = qwen3(size, recompute, full_ft, "residual" in offload)
+    cfg = qwen3(size, recompute, full_ft, "residual" in offload, layers)
     devices = par.run_devices(gpus)
     rows = batch * len(devices)
     host_batches = packed_batches(np.random.default_rng(0), 3, accum, rows, seq, cfg.vocab_size, long_docs)
@@ -190,7 +201,8 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
     mfu = flops_per_token(cfg, seq, frozen_base=not full_ft) * tps / (H100_BF16_PEAK * len(devices))
     peaks = device_peaks(devices)
     known = [p for p in peaks if p is not None]
-    res = dict(size=size, device=devices[0].device_kind, jax=jax.__version__, recompute=recompute, batch=batch,
+    res = dict(size=size, layers=cfg.num_layers, device=devices[0].device_kind, jax=jax.__version__,
+               recompute=recompute, batch=batch,
                accum=accum, seq=seq, step_s=sec, step_spread_s=max(times[1:]) - min(times[1:]), tokens_per_s=tps,
                mfu=mfu, peak_gb=max(known) if known else 0.0, compile_s=compile_s, losses=losses,
                seed_surogate_bf16=SEED_H100[size][0], seed_unsloth_bf16=SEED_H100[size][1],
@@ -224,7 +236,8 @@ def table_line(res: dict, plain: bool) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=list(QWEN3), required=True)
+    ap.add_argument("--size", choices=[*QWEN3, *QWEN3_MOE], required=True)
+    ap.add_argument("--layers", type=int, help="override the model's depth (a shape too big for the GPU, per layer)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=2, help="rows per GPU per micro-batch")
     ap.add_argument("--accum", type=int, default=4)
@@ -262,7 +275,7 @@ def main():
     res = run(a.size, a.steps, recompute, a.batch, a.accum, a.seq, gpus=a.gpus, zero_level=a.zero_level,
               offload=offload, full_ft=a.full_ft, optimizer=a.optimizer, baseline_tps=a.baseline_tps,
               recipe=a.recipe, kernels=kernels, qlora=a.qlora, max_segments=a.max_segments, long_docs=a.long_docs,
-              trace_dir=a.trace, unroll={"auto": None, "true": True, "false": False}[a.unroll_layers])
+              trace_dir=a.trace, unroll={"auto": None, "true": True, "false": False}[a.unroll_layers], layers=a.layers)
     plain = res["gpus"] == 1 and not (offload or a.full_ft or a.optimizer != "adamw" or a.baseline_tps or a.qlora)
     print(json.dumps(res))
     print(table_line(res, plain))

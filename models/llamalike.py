@@ -117,11 +117,15 @@ class DecoderConfig:
     qk_norm: bool = False
     initializer_range: float = 0.02
     # Mixture-of-experts feed-forward in every layer when num_experts > 0 (models/moe.py: top-k of num_experts
-    # experts of moe_intermediate_size, drop-free, as Qwen3-MoE); not yet with LoRA, QLoRA or a precision recipe.
+    # experts of moe_intermediate_size, drop-free, as Qwen3-MoE); not yet with QLoRA or a precision recipe.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # Weights of the MoE router losses that train.train_loss adds (models/moe.py): the load-balancing aux loss (HF's
+    # router_aux_loss_coef, so it round-trips through config.json) and the z-loss.
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
     # Numerics and execution (not part of the HF math).
     dtype: Dtype = jnp.float32  # activations / matmul inputs
     param_dtype: Dtype = jnp.float32
@@ -163,8 +167,11 @@ class DecoderConfig:
             if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
                 raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
                                  f"{self.num_experts}] and moe_intermediate_size={self.moe_intermediate_size} >= 1")
-            if self.lora is not None or self.qlora is not None or self.recipe is not None:
-                raise ValueError("mixture-of-experts layers do not take LoRA, QLoRA or a precision recipe yet")
+            if self.qlora is not None or self.recipe is not None:
+                raise ValueError("mixture-of-experts layers do not take QLoRA or a precision recipe yet")
+            if self.lora is not None and self.lora.dropout > 0 and set(self.lora.targets) & {"gate_proj", "up_proj",
+                                                                                              "down_proj"}:
+                raise ValueError("LoRA dropout on the experts' projections is not built; use lora_dropout: 0")
         if self.recipe is not None:
             self.recipe.check_model(self)
         if self.qlora is not None and self.recipe is not None and self.recipe.skips:
@@ -464,11 +471,15 @@ class MLP(nn.Module):
         return Linear((cfg.hidden_size,), cfg, name="down_proj")(h, layer)
 
 
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 class SparseMoeMLP(nn.Module):
     """The MoE feed-forward (models/moe.py's `moe_mlp`: each token's top-k experts through grouped GEMMs), run per
     data shard: every device sorts and multiplies its own tokens. Params as HF names them: the router `gate` kernel
-    [D, E]; `experts` gate_proj / up_proj [E, D, I], down_proj [E, I, D]. Returns (y, this layer's router
-    statistics summed over the data shards' rows; `valid_BT` marks the rows that count)."""
+    [D, E]; `experts` gate_proj / up_proj [E, D, I], down_proj [E, I, D]. LoRA on gate/up/down_proj adapts every
+    expert (A [E, in, r], B [E, r, out] in the `lora` collection under experts/<proj>). Returns (y, this layer's
+    router statistics summed over the data shards' rows; `valid_BT` marks the rows that count)."""
 
     cfg: DecoderConfig
 
@@ -477,18 +488,24 @@ class SparseMoeMLP(nn.Module):
         cfg = self.cfg
         D, k = cfg.hidden_size, cfg.num_experts_per_tok
         router_DE = _Router(cfg, name="gate")()
-        experts = tuple(w.astype(cfg.dtype) for w in _Experts(cfg, name="experts")())
+        experts, lora = _Experts(cfg, name="experts")()
+        experts = tuple(w.astype(cfg.dtype) for w in experts)
+        lora = {p: tuple(w.astype(cfg.dtype) for w in ab) for p, ab in lora.items()}
+        lora_leaves, lora_def = jax.tree.flatten(lora)
+        scale = cfg.lora.scale if cfg.lora is not None else 0.0
         x_TD = x_BTD.reshape(-1, D).astype(cfg.dtype)
         m_T = jnp.ones(x_TD.shape[:1], jnp.float32) if valid_BT is None else valid_BT.reshape(-1).astype(jnp.float32)
 
-        def block(x_TD, router_ED, gate, up, down, m_T):
+        def block(x_TD, router_ED, gate, up, down, m_T, *lora_leaves):
             y_TD, logits_TE = moe.moe_mlp(x_TD, router_ED, gate, up, down, k=k, norm_topk_prob=cfg.norm_topk_prob,
-                                          swiglu_impl=cfg.impl("swiglu"))
+                                          swiglu_impl=cfg.impl("swiglu"),
+                                          lora=jax.tree.unflatten(lora_def, lora_leaves), lora_scale=scale)
             st = moe.router_stats(logits_TE, k, m_T)
             return y_TD, st["counts"], st["probs"], st["z"], st["rows"]
 
-        y_TD, *stats = on_shards(block, x_TD, router_DE.T.astype(cfg.dtype), *experts, m_T, mesh=cfg.mesh,
-                                 batched=(True, False, False, False, False, True),
+        y_TD, *stats = on_shards(block, x_TD, router_DE.T.astype(cfg.dtype), *experts, m_T, *lora_leaves,
+                                 mesh=cfg.mesh,
+                                 batched=(True, False, False, False, False, True) + (False,) * len(lora_leaves),
                                  out_batched=(True, False, False, False, False),
                                  out_summed=(False, True, True, True, True))
         return y_TD.reshape(x_BTD.shape), dict(zip(("counts", "probs", "z", "rows"), stats, strict=True))
@@ -509,12 +526,28 @@ class _Experts(nn.Module):
 
     @nn.compact
     def __call__(self):
+        """((gate [E, D, I], up [E, D, I], down [E, I, D]), {proj: (A [E, in, r], B [E, r, out])} for LoRA's
+        expert targets)."""
         cfg = self.cfg
         D, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         init = nn.initializers.normal(cfg.initializer_range)
-        return (_param(self, "gate_proj", init, (E, D, I), cfg.param_dtype),
-                _param(self, "up_proj", init, (E, D, I), cfg.param_dtype),
-                _param(self, "down_proj", init, (E, I, D), cfg.param_dtype))
+        shapes = {"gate_proj": (D, I), "up_proj": (D, I), "down_proj": (I, D)}
+        weights = tuple(_param(self, p, init, (E, *shapes[p]), cfg.param_dtype) for p in EXPERT_PROJECTIONS)
+        lora = {}
+        spec = cfg.lora
+        for p in EXPERT_PROJECTIONS if spec is not None else ():
+            if p not in spec.targets:
+                continue
+            fan_in, fan_out = shapes[p]
+            bound = 1.0 / math.sqrt(fan_in)  # as Linear's adapters: U(+-1/sqrt(in)), B = 0
+
+            def fresh(fan_in=fan_in, fan_out=fan_out, bound=bound):
+                a = nn.initializers.uniform(2 * bound)(self.make_rng("lora"), (E, fan_in, spec.rank), spec.dtype)
+                return {"lora_a": a - bound, "lora_b": jnp.zeros((E, spec.rank, fan_out), spec.dtype)}
+
+            ab = self.variable("lora", p, fresh).value
+            lora[p] = (ab["lora_a"], ab["lora_b"])
+        return weights, lora
 
 
 class DecoderLayer(nn.Module):

@@ -71,19 +71,32 @@ def sort_by_expert(idx_TK: jax.Array, num_experts: int) -> tuple[jax.Array, jax.
 
 
 def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array, down_EID: jax.Array,
-            *, k: int, norm_topk_prob: bool, impl: str | None = None,
-            swiglu_impl: str | None = None) -> tuple[jax.Array, jax.Array]:
+            *, k: int, norm_topk_prob: bool, impl: str | None = None, swiglu_impl: str | None = None,
+            lora: dict | None = None, lora_scale: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """(y [T, D], router logits [T, E]): the MoE block computing only each token's k experts. impl: the grouped
-    GEMMs' (ops/grouped_matmul.py), swiglu_impl: SwiGLU's."""
+    GEMMs' (ops/grouped_matmul.py), swiglu_impl: SwiGLU's. lora: {"gate_proj" | "up_proj" | "down_proj": (A [E, in,
+    r], B [E, r, out])}: each expert's projection gets + lora_scale * (x A_e) B_e (rounded like the dense Linear's
+    LoRA: the product to x's dtype after scaling)."""
     T, D = x_TD.shape
     logits_TE = x_TD @ router_ED.T
     weights_TK, idx_TK = route(logits_TE, k, norm_topk_prob)
     order_N, sizes_E = sort_by_expert(idx_TK, router_ED.shape[0])
     xs_ND = jnp.take(x_TD, order_N // k, axis=0)
-    g_NI = grouped_matmul(xs_ND, gate_EDI, sizes_E, impl=impl)
-    u_NI = grouped_matmul(xs_ND, up_EDI, sizes_E, impl=impl)
+    lora = lora or {}
+
+    def project(x, w, name):
+        y = grouped_matmul(x, w, sizes_E, impl=impl)
+        if name in lora:
+            a, b = lora[name]
+            xa = grouped_matmul(x, a.astype(x.dtype), sizes_E, impl=impl)
+            xab = grouped_matmul(xa, b.astype(x.dtype), sizes_E, impl=impl)
+            y = y + (xab * lora_scale).astype(y.dtype)
+        return y
+
+    g_NI = project(xs_ND, gate_EDI, "gate_proj")
+    u_NI = project(xs_ND, up_EDI, "up_proj")
     h_NI = swiglu(g_NI, u_NI, impl=swiglu_impl)
-    ys_ND = grouped_matmul(h_NI, down_EID, sizes_E, impl=impl)
+    ys_ND = project(h_NI, down_EID, "down_proj")
     inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=jnp.int32))
     y_TKD = jnp.take(ys_ND, inverse_N, axis=0).reshape(T, k, D)
     y_TD = jnp.einsum("tk,tkd->td", weights_TK.astype(jnp.float32), y_TKD.astype(jnp.float32))

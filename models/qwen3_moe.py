@@ -5,7 +5,9 @@ models/moe.py).
 HF reference: transformers `models/qwen3_moe` (`Qwen3MoeForCausalLM`). The Hub's config.json names the expert count
 `num_experts`; transformers 5 writes `num_local_experts`: both are read. Dense layers among sparse ones
 (`mlp_only_layers`, `decoder_sparse_step` > 1) are refused by name for now, as are shared experts (Qwen2-MoE's
-`shared_expert_intermediate_size`). `router_aux_loss_coef` and `output_router_logits` do not change the forward.
+`shared_expert_intermediate_size`). `router_aux_loss_coef` is the default weight of the load-balancing loss in training
+(transformers adds it only with `output_router_logits`; we add it always, `router_aux_loss_coef: 0` turns it off);
+`output_router_logits` does not change the forward.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def config_from_hf(d: dict, **numerics) -> DecoderConfig:
     dense = qwen3.config_from_hf({f: v for f, v in d.items() if f not in KNOWN}, **numerics)
     return dense.replace(model_type=MODEL_TYPE, num_experts=experts, num_experts_per_tok=k,
                          moe_intermediate_size=required_size(d, "moe_intermediate_size"),
-                         norm_topk_prob=bool(d.get("norm_topk_prob", False)))  # transformers' default
+                         norm_topk_prob=bool(d.get("norm_topk_prob", False)),  # transformers' default
+                         router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)))  # likewise
 
 
 def config_to_hf(cfg: DecoderConfig) -> dict:
@@ -53,6 +56,7 @@ def config_to_hf(cfg: DecoderConfig) -> dict:
         "num_experts_per_tok": cfg.num_experts_per_tok,
         "moe_intermediate_size": cfg.moe_intermediate_size,
         "norm_topk_prob": cfg.norm_topk_prob,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }

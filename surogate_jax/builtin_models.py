@@ -5,6 +5,8 @@ BPE tokenizer trained locally with `tokenizers`, saved as an ordinary HF model d
 model.safetensors, tokenizer files with a ChatML chat template), so everything downstream
 (`surogate_jax.load_pretrained`, `transformers.AutoModelForCausalLM` / `AutoTokenizer`) treats it like
 any Qwen3 checkpoint. `examples/quickstart.yaml` fine-tunes it on the quickstart chat dataset.
+`builtin:tiny-qwen3-moe` is the same with a mixture-of-experts feed-forward (Qwen3-MoE, 8 experts, top 2;
+`examples/quickstart_moe.yaml`).
 
 Build on first use: into `$SUROGATE_JAX_CACHE/builtin/<name>` (default cache root
 `$XDG_CACHE_HOME/surogate_jax`, else `~/.cache/surogate_jax`). The directory is assembled in a
@@ -215,7 +217,23 @@ def _tiny_qwen3_config(vocab_size: int):
     )
 
 
+def _tiny_qwen3_moe_config(vocab_size: int):
+    """tiny-qwen3 with a mixture-of-experts feed-forward: 8 experts of width 128, top 2, renormalised (as
+    Qwen3-30B-A3B routes), so each token runs 2 x 3 x 128 x 128 expert weights a layer; ~2.1M parameters in all."""
+    return _tiny_qwen3_config(vocab_size).replace(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                                                  moe_intermediate_size=128, norm_topk_prob=True,
+                                                  router_aux_loss_coef=0.001)
+
+
 def _build_tiny_qwen3(out: Path) -> None:
+    _build_tiny(out, _tiny_qwen3_config)
+
+
+def _build_tiny_qwen3_moe(out: Path) -> None:
+    _build_tiny(out, _tiny_qwen3_moe_config)
+
+
+def _build_tiny(out: Path, make_config) -> None:
     """Tokenizer + random-init weights (seed 0) + configs into the fresh directory `out`."""
     import jax
     import jax.numpy as jnp
@@ -225,7 +243,7 @@ def _build_tiny_qwen3(out: Path) -> None:
 
     train_rows, eval_rows = quickstart_rows()
     tokenizer = train_tokenizer(train_rows + eval_rows)
-    cfg = _tiny_qwen3_config(len(tokenizer))
+    cfg = make_config(len(tokenizer))
     model = Decoder(cfg)
     params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     save_pretrained(out, model, params, dtype=jnp.float32)
@@ -248,6 +266,7 @@ def _build_tiny_qwen3(out: Path) -> None:
 # name -> (builder, one line for listings)
 BUILTINS = {
     "tiny-qwen3": (_build_tiny_qwen3, "1M-parameter random-init Qwen3 with a locally trained BPE tokenizer"),
+    "tiny-qwen3-moe": (_build_tiny_qwen3_moe, "2M-parameter random-init Qwen3-MoE (8 experts, top 2), same tokenizer"),
 }
 
 

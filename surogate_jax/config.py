@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import types
@@ -255,6 +256,10 @@ class OptimConfig:
     normuon_momentum: float = 0.95
     normuon_beta2: float = 0.95
     normuon_cautious_wd: bool = True
+    # Mixture-of-experts router losses (models/moe.py): the load-balancing aux loss's weight (None: the model's
+    # config.json router_aux_loss_coef, 0.001 for Qwen3-MoE) and the router z-loss's (ST-MoE; 0: off).
+    router_aux_loss_coef: float | None = None
+    router_z_loss_coef: float = 0.0
 
     def __post_init__(self):
         ok = ("adamw", "adamw_8bit", "normuon")
@@ -272,6 +277,10 @@ class OptimConfig:
         _check(0.0 < self.wsd_decay_steps_fraction <= 1.0,
                f"wsd_decay_steps_fraction={self.wsd_decay_steps_fraction}: must be in (0, 1]")
         _check(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm}: must be >= 0 (0 disables)")
+        for k in ("router_aux_loss_coef", "router_z_loss_coef"):
+            v = getattr(self, k)
+            _check(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                 and v >= 0), f"{k}={v!r}: must be a number >= 0 (0 turns the loss off)")
 
 
 DTYPES = ("bf16", "fp32", "fp16")

@@ -3,7 +3,9 @@
 The adapters themselves live inside the model (models/llamalike.py `Linear._lora`) in the `lora`
 variable collection, shaped like their kernel: A [in..., r], B [r, out...]. PEFT stores
 `...q_proj.lora_A.weight` [r, in] and `...lora_B.weight` [out, r] (torch Linear layout) under
-`base_model.model.` + the HF module name, which is what HF PEFT and vLLM load.
+`base_model.model.` + the HF module name, which is what HF PEFT and vLLM load. MoE experts' adapters are stacked
+[L, E, in, r] / [L, E, r, out] (models/llamalike.py `_Experts`) and exported one pair per expert, under the expert's
+HF module name (`...mlp.experts.5.gate_proj.lora_A.weight`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def init_adapters(model: Decoder, rng: jax.Array, example_ids) -> Any:
 
 
 def _entries(lora: Any):
-    """(path to the projection, layer index, A [in..., r], B [r, out...]) per adapted matrix."""
+    """(HF module name, A [in..., r], B [r, out...]) per adapted matrix: one per layer, and per expert for MoE."""
     for kp, a in jax.tree_util.tree_flatten_with_path(lora)[0]:
         path = tuple(k.key for k in kp)
         if path[-1] != "lora_a":
@@ -60,12 +62,16 @@ def _entries(lora: Any):
         for k in mod:
             node = node[k]
         b = node["lora_b"]
-        for i in range(a.shape[0]):  # stacked over layers
-            yield mod, i, a[i], b[i]
+        for idx, module in _slots(mod, a.shape):
+            yield module, a[idx], b[idx]
 
 
-def _hf_module(mod: tuple[str, ...], layer: int) -> str:
-    return names.hf_name((*mod, "kernel"), layer)[: -len(".weight")]
+def _slots(mod: tuple[str, ...], a_shape: tuple[int, ...]):
+    """(index into the stacked A / B, HF module name) for every matrix an adapter leaf of shape a_shape holds."""
+    if names.is_experts(mod):
+        return [((i, e), names.hf_name(mod, i, e)[: -len(".weight")])
+                for i in range(a_shape[0]) for e in range(a_shape[1])]
+    return [((i,), names.hf_name((*mod, "kernel"), i)[: -len(".weight")]) for i in range(a_shape[0])]
 
 
 def save_peft(out_dir: str | os.PathLike, model: Decoder, lora: Any, *, base_model: str,
@@ -75,8 +81,8 @@ def save_peft(out_dir: str | os.PathLike, model: Decoder, lora: Any, *, base_mod
     out = Path(out_dir)
     host = jax.device_get(lora)
     entries, arrays = [], []
-    for mod, i, a, b in _entries(host):
-        stem = PEFT_PREFIX + _hf_module(mod, i)
+    for module, a, b in _entries(host):
+        stem = PEFT_PREFIX + module
         a_hf = np.asarray(a, np.float32).reshape(-1, spec.rank).T  # [r, in]
         b_hf = np.asarray(b, np.float32).reshape(spec.rank, -1).T  # [out, r]
         for name, arr in ((f"{stem}.lora_A.weight", a_hf), (f"{stem}.lora_B.weight", b_hf)):
@@ -159,17 +165,17 @@ def load_peft(adapter_dir: str | os.PathLike, model: Decoder) -> Any:
     reader = CheckpointReader(d)
     abstract = jax.eval_shape(lambda: init_adapters(model, jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    # name -> (HF shape, leaf index, layer): lora_A [r, in], lora_B [out, r] per layer.
-    expected: dict[str, tuple[tuple[int, ...], int, int]] = {}
+    # name -> (HF shape, leaf index, index into the leaf): lora_A [r, in], lora_B [out, r] per layer (and expert).
+    expected: dict[str, tuple[tuple[int, ...], int, tuple[int, ...]]] = {}
     for k, (kp, sds) in enumerate(leaves):
         path = tuple(p.key for p in kp)
-        per_layer = sds.shape[1:]
-        for i in range(sds.shape[0]):
-            stem = PEFT_PREFIX + _hf_module(path[:-1], i)
+        for idx, module in _slots(path[:-1], sds.shape):
+            one = sds.shape[len(idx):]
+            stem = PEFT_PREFIX + module
             if path[-1] == "lora_a":
-                expected[f"{stem}.lora_A.weight"] = ((spec.rank, math.prod(per_layer[:-1])), k, i)
+                expected[f"{stem}.lora_A.weight"] = ((spec.rank, math.prod(one[:-1])), k, idx)
             else:
-                expected[f"{stem}.lora_B.weight"] = ((math.prod(per_layer[1:]), spec.rank), k, i)
+                expected[f"{stem}.lora_B.weight"] = ((math.prod(one[1:]), spec.rank), k, idx)
     hint = "the adapter was probably trained on another base model; pass the base it was trained on"
     num_layers = model.config.num_layers
     layers = {int(m.group(1)) for n in reader.names() if (m := re.search(r"\.layers\.(\d+)\.", n))}
@@ -193,26 +199,27 @@ def load_peft(adapter_dir: str | os.PathLike, model: Decoder) -> Any:
                 why = hint
             raise ModelLoadError(f"{d}: tensor {name!r} has shape {list(got)}, the model expects {list(want)}; {why}")
     hosts = [np.empty(sds.shape, sds.dtype) for _, sds in leaves]
-    for name, (_, k, i) in expected.items():
-        hosts[k][i] = reader.get(name).T.reshape(hosts[k].shape[1:])
+    for name, (_, k, idx) in expected.items():
+        hosts[k][idx] = reader.get(name).T.reshape(hosts[k].shape[len(idx):])
     return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(h) for h in hosts])
 
 
 def merge(params: Any, lora: Any, spec: LoraSpec) -> Any:
-    """Base params with W += (alpha / r) A B folded in (fp32 math, base dtype out)."""
+    """Base params with W += (alpha / r) A B folded in (fp32 math, base dtype out); stacked MoE experts per expert."""
     def merge_one(path, w):
         keys = tuple(k.key for k in path)
-        if keys[-1] != "kernel":
+        experts = names.is_experts(keys)
+        if keys[-1] != "kernel" and not experts:
             return w
         node = lora
-        for k in keys[:-1]:
+        for k in keys if experts else keys[:-1]:
             if not isinstance(node, dict) or k not in node:
                 return w
             node = node[k]
         a, b = node["lora_a"], node["lora_b"]
-        L, r = a.shape[0], a.shape[-1]
-        delta = jnp.einsum("lir,lro->lio", a.reshape(L, -1, r).astype(jnp.float32),
-                           b.reshape(L, r, -1).astype(jnp.float32)) * spec.scale
+        lead, r = a.shape[: 2 if experts else 1], a.shape[-1]
+        delta = jnp.einsum("nir,nro->nio", a.reshape(-1, math.prod(a.shape[len(lead):-1]), r).astype(jnp.float32),
+                           b.reshape(-1, r, math.prod(b.shape[len(lead) + 1:])).astype(jnp.float32)) * spec.scale
         return (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
     return jax.tree_util.tree_map_with_path(merge_one, params)
 

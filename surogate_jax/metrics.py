@@ -52,6 +52,9 @@ class RunLogger:
             post["tok/s"] = f"{m['tokens_per_s']:,.0f}"
         if m.get("mfu") is not None:
             post["mfu"] = f"{100 * m['mfu']:.1f}%"
+        if m.get("aux_loss") is not None:  # MoE: the router's balance (aux 1 x top-k and load 1 = even)
+            post["aux"] = f"{m['aux_loss']:.3f}"
+            post["load"] = f"{m['expert_load']:.2f}"
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(step - self.bar.n)
 
@@ -196,10 +199,22 @@ def plot(metrics_path: Path, out_png: Path) -> Path | None:
 H100_BF16_PEAK = 989e12
 
 
+def router_note(m: dict) -> str:
+    """' (router at step N: aux ..., load ..., z ...)' from a logged step's metrics of an MoE model, else ''."""
+    if m.get("aux_loss") is None:
+        return ""
+    return (f" (router at step {m['step']}: aux loss {m['aux_loss']:.3f}, expert load {m['expert_load']:.2f}, "
+            f"z-loss {m['router_z_loss']:.3f})")
+
+
 def linear_params(cfg: DecoderConfig) -> int:
+    """The linear-layer weights one token multiplies by (lm_head included); MoE: the router and its top-k experts."""
     D, H, KV, K, F, L = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                          cfg.intermediate_size, cfg.num_layers)
-    return L * (2 * D * H * K + 2 * D * KV * K + 3 * D * F) + D * cfg.vocab_size
+    mlp = 3 * D * F
+    if cfg.num_experts:
+        mlp = D * cfg.num_experts + cfg.num_experts_per_tok * 3 * D * cfg.moe_intermediate_size
+    return L * (2 * D * H * K + 2 * D * KV * K + mlp) + D * cfg.vocab_size
 
 
 def flops_per_token(cfg: DecoderConfig, seq_len: int, frozen_base: bool) -> float:

@@ -49,6 +49,7 @@ from .metrics import (
     device_peak_flops,
     flops_per_token,
     peak_memory_bytes,
+    router_note,
 )
 from .metrics import truncate as truncate_metrics
 from .models import Decoder, config_from_hf, config_to_hf
@@ -184,6 +185,7 @@ def build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout |
     no device ever holds the whole model). The model carries the config's precision recipe (for
     LoRA, train.init_state quantizes the frozen base once)."""
     model, params, trainable = _build_model(cfg, model_dir, mode, layout)
+    model = Decoder(router_losses(cfg, model.config))
     return with_recipe(model, quant_recipe(cfg)), params, trainable
 
 
@@ -257,15 +259,40 @@ def check_qlora_device(spec: QloraSpec | None, device=None) -> None:
                                 instead="use qlora_bnb (NF4) or qlora_fp4")
 
 
+def check_moe(cfg: SFTConfig, dcfg) -> None:
+    """The mixture-of-experts keys against the model: router loss weights only on an MoE model; on one, QLoRA and
+    precision recipes are not built yet, nor LoRA dropout on the experts."""
+    o = cfg.optim
+    if not dcfg.num_experts:
+        set_keys = [k for k in ("router_aux_loss_coef", "router_z_loss_coef") if getattr(o, k)]
+        if set_keys:
+            raise ConfigError(f"{set_keys[0]}: applies to mixture-of-experts models; model={cfg.model.model} is dense "
+                              f"({dcfg.model_type}); remove the key")
+        return
+    what = f"model={cfg.model.model} is a mixture-of-experts model ({dcfg.model_type}, {dcfg.num_experts} experts)"
+    if cfg.lora.qlora_format is not None or quant_recipe(cfg) is not None:
+        raise ConfigError(f"{what}: QLoRA and precision recipes on experts are not built yet; train it with LoRA or "
+                          "full fine-tuning, no qlora_* keys, recipe: bf16")
+    if cfg.lora.lora and cfg.lora.lora_dropout > 0 and set(cfg.lora.targets) & {"gate_proj", "up_proj", "down_proj"}:
+        raise ConfigError(f"{what}: lora_dropout on the experts' projections is not built yet; use lora_dropout: 0, "
+                          "or lora_target_modules without gate_proj / up_proj / down_proj")
+
+
+def router_losses(cfg: SFTConfig, dcfg):
+    """The decoder config with the run's router loss weights (an MoE model; the model's aux weight by default)."""
+    if not dcfg.num_experts:
+        return dcfg
+    aux = cfg.optim.router_aux_loss_coef
+    return dcfg.replace(router_aux_loss_coef=dcfg.router_aux_loss_coef if aux is None else float(aux),
+                        router_z_loss_coef=float(cfg.optim.router_z_loss_coef))
+
+
 def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
     """What a checkpoint must match to be resumed (known before any weight or data is loaded)."""
     dcfg = config_from_hf(read_hf_config(model_dir))
     arch = config_to_hf(dcfg)
     spec = lora_spec(cfg.lora, cfg.precision.lora_dtype)
-    if dcfg.num_experts and (spec is not None or quant_recipe(cfg) is not None or cfg.lora.qlora_format is not None):
-        raise ConfigError(f"model={cfg.model.model} is a mixture-of-experts model ({dcfg.model_type}, "
-                          f"{dcfg.num_experts} experts): it trains only as full fine-tuning for now (lora: false, no "
-                          "qlora_* keys, recipe: bf16); LoRA, QLoRA and precision recipes on experts are not built yet")
+    check_moe(cfg, dcfg)
     meta = {"mode": mode, "model": json.dumps(arch, sort_keys=True),
             "lora": None if spec is None else f"r={spec.rank},alpha={spec.alpha},targets={sorted(spec.targets)}",
             "sequence_len": cfg.model.sequence_len, "optimizer": cfg.optim.optimizer}
@@ -383,6 +410,7 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
     try:
         with stop.at_step_boundary():
             batch = next_batch() if start < total else None
+            m: dict = {}  # the last logged step's metrics
             for step in range(start, total):
                 state, metrics = step_fn(state, batch)  # dispatched: the device runs while the host goes on
                 done = step + 1
@@ -408,7 +436,7 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
                         done % cfg.run.eval_steps == 0 or done == total):
                     last_eval = evaluate(eval_fn, state, val_docs, rows=per_process_rows, seq=seq, mesh=mesh)
                     logger.log({"step": done, "eval_loss": last_eval})
-                    logger.write(f"step {done}: eval loss {last_eval:.4f}")
+                    logger.write(f"step {done}: eval loss {last_eval:.4f}{router_note(m)}")
                 if stopping or done % cfg.run.save_steps == 0 or done == total:
                     if not logged:  # never save a non-finite state (a logged step was checked above)
                         check_finite(int(jax.device_get(state.first_nonfinite)), ckpt, cfg)

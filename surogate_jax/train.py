@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .loss import cross_entropy_sum
-from .models import Decoder, DecoderConfig
+from .models import Decoder, DecoderConfig, moe
 from .offload import Streamer, num_layers
 from .optim.fused import apply_fused, global_norm
 from .parallel import Layout, make_mesh  # noqa: F401  (make_mesh: re-exported)
@@ -39,6 +39,8 @@ from .precision import fp8 as fp8_lib
 from .precision import recipe as recipe_lib
 
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "positions", "segment_ids")
+# moe.router_losses' names -> the step's metric names (metrics.jsonl)
+ROUTER_METRICS = {"aux_loss": "aux_loss", "z_loss": "router_z_loss", "expert_load": "expert_load"}
 
 
 @flax.struct.dataclass
@@ -86,16 +88,42 @@ def lm_head(cfg: DecoderConfig, params: dict) -> tuple[jax.Array, str]:
 
 def batch_loss(model: Decoder, params, trainable, batch: dict, rng, quant: Any = None) -> tuple[jax.Array, jax.Array]:
     """(sum of token CE over supervised targets, their count) for one micro-batch."""
+    ce_sum, n_tokens, _ = _forward_loss(model, params, trainable, batch, rng, quant)
+    return ce_sum, n_tokens
+
+
+def train_loss(model: Decoder, params, trainable, batch: dict, rng, quant: Any = None,
+               router_weight: jax.Array | float = 0.0) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+    """What the train step differentiates for one micro-batch: (CE sum + router_weight x (the MoE router losses
+    times their coefficients), (supervised tokens, router metrics: {} for a dense model)). router_weight puts the
+    router losses, means over a micro-batch, on the CE sum's scale (the step divides by the step's token count)."""
+    ce_sum, n_tokens, router = _forward_loss(model, params, trainable, batch, rng, quant)
+    if not router:
+        return ce_sum, (n_tokens, {})
+    cfg = model.config
+    extra = cfg.router_aux_loss_coef * router["aux_loss"] + cfg.router_z_loss_coef * router["z_loss"]
+    return ce_sum + router_weight * extra, (n_tokens, jax.lax.stop_gradient(router))
+
+
+def _forward_loss(model: Decoder, params, trainable, batch: dict, rng, quant: Any = None):
+    """(CE sum, supervised tokens, MoE router losses and load from moe.router_losses, or {})."""
     v = variables(model, params, trainable, quant)
     spec = model.config.lora
     rngs = {"dropout": rng} if spec is not None and spec.dropout > 0 and rng is not None else None
     recipe = model.config.recipe
     if recipe is not None and recipe.name == "nvfp4" and rng is not None:  # stochastic rounding of dY
         rngs = {**(rngs or {}), recipe_lib.QUANT_RNG: jax.random.fold_in(rng, 0x5A17)}
-    hidden = model.apply(v, batch["input_ids"], batch["positions"], batch["segment_ids"], return_hidden=True, rngs=rngs)
+    args = (batch["input_ids"], batch["positions"], batch["segment_ids"])
+    router = {}
+    if model.config.num_experts:
+        hidden, inter = model.apply(v, *args, return_hidden=True, rngs=rngs, mutable=["intermediates"])
+        router = moe.router_losses(inter["intermediates"]["router_stats"][0])
+    else:
+        hidden = model.apply(v, *args, return_hidden=True, rngs=rngs)
     head, layout = lm_head(model.config, v["params"])
-    return cross_entropy_sum(hidden, head, batch["targets"], batch["loss_mask"], head_layout=layout,
-                             mesh=model.config.mesh)
+    ce_sum, n_tokens = cross_entropy_sum(hidden, head, batch["targets"], batch["loss_mask"], head_layout=layout,
+                                         mesh=model.config.mesh)
+    return ce_sum, n_tokens, router
 
 
 def with_mesh(model: Decoder, mesh: Mesh | None) -> Decoder:
@@ -136,14 +164,14 @@ def _plain_step(model, tx, schedule, layout: Layout, margin: float, state: Train
 
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), state.trainable)
     zeros = layout.grads_to_host(layout.constrain_grads(zeros))
-    grads, obs, loss_sum, rng = _accumulate(model, state, state.trainable, batch, zeros, add)
+    grads, obs, loss_sum, router, rng = _accumulate(model, state, state.trainable, batch, zeros, add)
     n_tokens, denom = _token_count(batch)
     grads = jax.tree.map(lambda g, t: (g / denom).astype(t.dtype), layout.grads_to_device(grads), state.trainable)
     grad_norm = global_norm(grads)
     # tx's fused path when it has one (adamw_8bit: the kernel writes the parameters in place, the
     # clip folded in as a gradient scale), else tx.update + optax.apply_updates
     trainable, opt_state = apply_fused(tx, grads, state.opt_state, state.trainable)
-    return _finish(state, schedule, margin, obs, loss_sum, n_tokens, denom, grad_norm, rng,
+    return _finish(state, schedule, margin, obs, loss_sum, n_tokens, denom, grad_norm, rng, router,
                    trainable=trainable, opt_state=opt_state)
 
 
@@ -163,7 +191,7 @@ def _streamed_step(model, tx, schedule, layout: Layout, margin: float, st: Strea
         return st.accumulate(grads, layout.constrain_grads(g), host=plan.offload_grads, shard=plan.shard_gradients,
                              first=(i == 0) if use_buf else None)
 
-    grads, obs, loss_sum, rng = _accumulate(model, state, work, batch, zeros, add)
+    grads, obs, loss_sum, router, rng = _accumulate(model, state, work, batch, zeros, add)
     n_tokens, denom = _token_count(batch)
     prep = lambda g, dtype: (g / denom).astype(dtype)
     dtypes = jax.tree.map(lambda t: t.dtype, state.trainable)
@@ -172,29 +200,37 @@ def _streamed_step(model, tx, schedule, layout: Layout, margin: float, st: Strea
         lambda g, s, t: apply_fused(tx, g, s, t, norm=grad_norm), tx.init, grads, state.opt_state,
         state.trainable, prep=prep, grads_host=plan.offload_grads, opt_host=plan.offload_optimizer,
         params_host=plan.offload_master)
-    return _finish(state, schedule, margin, obs, loss_sum, n_tokens, denom, grad_norm, rng,
+    return _finish(state, schedule, margin, obs, loss_sum, n_tokens, denom, grad_norm, rng, router,
                    trainable=trainable, opt_state=opt_state, grad_buf=grads if use_buf else state.grad_buf)
 
 
 def _accumulate(model: Decoder, state: TrainState, work, batch: dict, zeros, add: Callable):
-    """The scan over micro-batches: (gradient sum, fp8 observations, loss sum, the next rng).
-    `add(grads, g, i)` folds micro-batch i's gradients into the running sum."""
+    """The scan over micro-batches: (gradient sum, fp8 observations, CE sum, MoE router metrics averaged over the
+    micro-batches ({} for a dense model), the next rng). `add(grads, g, i)` folds micro-batch i's gradients into the
+    running sum. The router losses are means per micro-batch; weighted by (step tokens / micro-batches) they end up,
+    after the step's division by its token count, as their mean over the micro-batches."""
     rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
-    grad_fn = jax.value_and_grad(lambda t, q, mb, r: batch_loss(model, state.params, t, mb, r, q),
-                                 argnums=(0, 1), has_aux=True)
+    n_accum = batch["input_ids"].shape[0]
+    router_weight = _token_count(batch)[1] / n_accum
+    grad_fn = jax.value_and_grad(
+        lambda t, q, mb, r: train_loss(model, state.params, t, mb, r, q, router_weight), argnums=(0, 1), has_aux=True)
+    router0 = {k: jnp.zeros((), jnp.float32) for k in ROUTER_METRICS} if model.config.num_experts else {}
 
     def micro(carry, xs):
-        grads, obs, loss = carry
+        grads, obs, loss, router = carry
         mb, i = xs
-        (l, _), (g, o) = grad_fn(work, state.quant, mb, jax.random.fold_in(step_rng, i))
+        (l, (_, r)), (g, o) = grad_fn(work, state.quant, mb, jax.random.fold_in(step_rng, i))
         obs = fp8_lib.combine_observations(obs, o)  # amaxes: max over micro-batches, not a sum
-        return (add(grads, g, i), obs, loss + l), None
+        router = {k: router[k] + r[k] for k in router}
+        if router:  # the step reports CE; the router terms are their own metrics
+            l = l - router_weight * (model.config.router_aux_loss_coef * r["aux_loss"]
+                                     + model.config.router_z_loss_coef * r["z_loss"])
+        return (add(grads, g, i), obs, loss + l, router), None
 
     no_obs = jax.tree.map(jnp.zeros_like, state.quant)
-    n_accum = batch["input_ids"].shape[0]
-    (grads, obs, loss_sum), _ = jax.lax.scan(micro, (zeros, no_obs, jnp.zeros((), jnp.float32)),
-                                             (batch, jnp.arange(n_accum)))
-    return grads, obs, loss_sum, rng
+    (grads, obs, loss_sum, router), _ = jax.lax.scan(
+        micro, (zeros, no_obs, jnp.zeros((), jnp.float32), router0), (batch, jnp.arange(n_accum)))
+    return grads, obs, loss_sum, {k: v / n_accum for k, v in router.items()}, rng
 
 
 def _token_count(batch: dict):
@@ -204,11 +240,13 @@ def _token_count(batch: dict):
 
 
 def _finish(state: TrainState, schedule: Callable, margin: float, obs, loss_sum, n_tokens, denom, grad_norm, rng,
-            **updates):
-    """The new state (step, rng, fp8 scales, the non-finite flag and `updates`) and the metrics."""
+            router: dict, **updates):
+    """The new state (step, rng, fp8 scales, the non-finite flag and `updates`) and the metrics (MoE: plus the
+    router's aux_loss, router_z_loss and expert_load)."""
     quant = fp8_lib.update(state.quant, obs, margin) if state.quant else state.quant
     loss = loss_sum / denom
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "supervised_tokens": n_tokens}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "supervised_tokens": n_tokens,
+               **{ROUTER_METRICS[k]: v for k, v in router.items()}}
     flag = state.first_nonfinite
     if not isinstance(flag, dict):
         bad = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))

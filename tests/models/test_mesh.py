@@ -1,5 +1,6 @@
 """DecoderConfig.mesh: every op of the decoder (norms, q/k RoPE, the residual add + norm, SwiGLU or
-SwiGLU+LoRA, the recipe GEMMs) and the LM-head loss run per data shard of that mesh, with the loss
+SwiGLU+LoRA, the recipe GEMMs, the MoE block with its router losses) and the LM-head loss run per data shard of that
+mesh, with the loss
 and gradients of the unsplit model; without it (even inside jax.set_mesh) nothing splits; and the
 train / eval step builders attach the layout's mesh themselves. On a 4-device CPU mesh."""
 
@@ -10,7 +11,7 @@ import subprocess
 import sys
 
 SCRIPT = r'''
-import jax, jax.numpy as jnp, numpy as np
+import dataclasses, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from surogate_jax import train as T
 from surogate_jax.models import Decoder, DecoderConfig, LoraSpec
@@ -28,18 +29,23 @@ batch["segment_ids"] = jnp.ones((8, 16), jnp.int32)
 batch["loss_mask"] = jnp.asarray(rng.random((8, 16)) < 0.7, jnp.float32)
 sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
 spec = LoraSpec(rank=4, alpha=8.0, targets=("gate_proj", "up_proj", "down_proj"))
+moe = base.replace(model_type="qwen3_moe", num_experts=5, num_experts_per_tok=2, moe_intermediate_size=16,
+                   router_aux_loss_coef=0.1, router_z_loss_coef=0.01)
 for name, cfg in {"full": base, "lora (swiglu_lora)": base.replace(lora=spec),
                   "fp8-hybrid": base.replace(recipe=QuantRecipe("fp8-hybrid", fp8_impl="ref")),
                   # round-to-nearest: stochastic rounding draws other bits per shard (by design)
                   "nvfp4": base.replace(recipe=QuantRecipe("nvfp4", fp4_stochastic=False), hidden_size=64,
-                                        intermediate_size=96, head_dim=16)}.items():
+                                        intermediate_size=96, head_dim=16),
+                  # each shard sorts its own tokens; the router statistics (and losses) are sums over all shards
+                  "moe": moe,
+                  "moe lora": moe.replace(lora=dataclasses.replace(spec, targets=("q_proj", *spec.targets)))}.items():
     model = Decoder(cfg)
     v = model.init({"params": jax.random.key(0), "lora": jax.random.key(1)}, jnp.zeros((1, 4), jnp.int32))
     params, trainable = (v["params"], v["lora"]) if cfg.lora else ({}, v["params"])
     quant = v.get("fp8", {})
 
     def loss(model, trainable, quant, batch):
-        l, n = T.batch_loss(model, params, trainable, batch, None, quant)
+        l, (n, _) = T.train_loss(model, params, trainable, batch, None, quant, router_weight=3.0)
         return l / n
 
     grad = jax.value_and_grad(loss, argnums=(1, 2))
