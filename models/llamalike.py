@@ -19,6 +19,7 @@ document would alone. With `max_segments` set, cuDNN computes only each document
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -117,7 +118,7 @@ class DecoderConfig:
     qk_norm: bool = False
     initializer_range: float = 0.02
     # Mixture-of-experts feed-forward in every layer when num_experts > 0 (models/moe.py: top-k of num_experts
-    # experts of moe_intermediate_size, drop-free, as Qwen3-MoE); not yet with QLoRA or a precision recipe.
+    # experts of moe_intermediate_size, drop-free, as Qwen3-MoE); not yet with a precision recipe.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -167,8 +168,8 @@ class DecoderConfig:
             if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
                 raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
                                  f"{self.num_experts}] and moe_intermediate_size={self.moe_intermediate_size} >= 1")
-            if self.qlora is not None or self.recipe is not None:
-                raise ValueError("mixture-of-experts layers do not take QLoRA or a precision recipe yet")
+            if self.recipe is not None:
+                raise ValueError("mixture-of-experts layers do not take a precision recipe yet")
             if self.lora is not None and self.lora.dropout > 0 and set(self.lora.targets) & {"gate_proj", "up_proj",
                                                                                               "down_proj"}:
                 raise ValueError("LoRA dropout on the experts' projections is not built; use lora_dropout: 0")
@@ -184,6 +185,13 @@ class DecoderConfig:
 
     def replace(self, **kw) -> DecoderConfig:
         return dataclasses.replace(self, **kw)
+
+
+def expert_shape(cfg: DecoderConfig, name: str) -> tuple[int, int, int]:
+    """An MoE projection's stacked experts [E, out, in] in HF's layout (a QLoRA base quantizes them as one
+    [E * out, in] weight)."""
+    D, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    return (E, D, I) if name == "down_proj" else (E, I, D)
 
 
 def projection_shape(cfg: DecoderConfig, name: str) -> tuple[int, int]:
@@ -489,23 +497,32 @@ class SparseMoeMLP(nn.Module):
         D, k = cfg.hidden_size, cfg.num_experts_per_tok
         router_DE = _Router(cfg, name="gate")()
         experts, lora = _Experts(cfg, name="experts")()
-        experts = tuple(w.astype(cfg.dtype) for w in experts)
+        if cfg.qlora is None:
+            experts = tuple(w.astype(cfg.dtype) for w in experts)
         lora = {p: tuple(w.astype(cfg.dtype) for w in ab) for p, ab in lora.items()}
         lora_leaves, lora_def = jax.tree.flatten(lora)
+        base_leaves, base_def = jax.tree.flatten(experts)  # three arrays, or three dicts of quantized parts
         scale = cfg.lora.scale if cfg.lora is not None else 0.0
         x_TD = x_BTD.reshape(-1, D).astype(cfg.dtype)
         m_T = jnp.ones(x_TD.shape[:1], jnp.float32) if valid_BT is None else valid_BT.reshape(-1).astype(jnp.float32)
 
-        def block(x_TD, router_ED, gate, up, down, m_T, *lora_leaves):
-            y_TD, logits_TE = moe.moe_mlp(x_TD, router_ED, gate, up, down, k=k, norm_topk_prob=cfg.norm_topk_prob,
+        def block(x_TD, router_ED, m_T, *leaves):
+            base = jax.tree.unflatten(base_def, leaves[:len(base_leaves)])
+            if cfg.qlora is not None:  # each projection dequantized inside its grouped GEMM, forward and backward
+                base = tuple(functools.partial(qlora_base.frozen_grouped_matmul, cfg.qlora, params=q,
+                                               shape=expert_shape(cfg, p), dtype=cfg.dtype)
+                             for p, q in zip(EXPERT_PROJECTIONS, base, strict=True))
+                base = tuple(lambda x, sizes, f=f: f(x, group_sizes=sizes) for f in base)
+            y_TD, logits_TE = moe.moe_mlp(x_TD, router_ED, *base, k=k, norm_topk_prob=cfg.norm_topk_prob,
                                           swiglu_impl=cfg.impl("swiglu"),
-                                          lora=jax.tree.unflatten(lora_def, lora_leaves), lora_scale=scale)
+                                          lora=jax.tree.unflatten(lora_def, leaves[len(base_leaves):]),
+                                          lora_scale=scale)
             st = moe.router_stats(logits_TE, k, m_T)
             return y_TD, st["counts"], st["probs"], st["z"], st["rows"]
 
-        y_TD, *stats = on_shards(block, x_TD, router_DE.T.astype(cfg.dtype), *experts, m_T, *lora_leaves,
-                                 mesh=cfg.mesh,
-                                 batched=(True, False, False, False, False, True) + (False,) * len(lora_leaves),
+        rest = (*base_leaves, *lora_leaves)
+        y_TD, *stats = on_shards(block, x_TD, router_DE.T.astype(cfg.dtype), m_T, *rest, mesh=cfg.mesh,
+                                 batched=(True, False, True) + (False,) * len(rest),
                                  out_batched=(True, False, False, False, False),
                                  out_summed=(False, True, True, True, True))
         return y_TD.reshape(x_BTD.shape), dict(zip(("counts", "probs", "z", "rows"), stats, strict=True))
@@ -527,12 +544,20 @@ class _Experts(nn.Module):
     @nn.compact
     def __call__(self):
         """((gate [E, D, I], up [E, D, I], down [E, I, D]), {proj: (A [E, in, r], B [E, r, out])} for LoRA's
-        expert targets)."""
+        expert targets). Under QLoRA each projection is instead a dict of its quantized parts: the [E * out, in]
+        weight (qlora.base.expert_weights)."""
         cfg = self.cfg
         D, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         init = nn.initializers.normal(cfg.initializer_range)
         shapes = {"gate_proj": (D, I), "up_proj": (D, I), "down_proj": (I, D)}
-        weights = tuple(_param(self, p, init, (E, *shapes[p]), cfg.param_dtype) for p in EXPERT_PROJECTIONS)
+        if cfg.qlora is None:
+            weights = tuple(_param(self, p, init, (E, *shapes[p]), cfg.param_dtype) for p in EXPERT_PROJECTIONS)
+        else:
+            def quantized(key, p):  # a fresh init quantizes a normal(initializer_range) weight
+                E_, out, inp = expert_shape(cfg, p)
+                return qlora_base.quantize(cfg.qlora, init(key, (E_ * out, inp), jnp.float32))
+
+            weights = tuple(self.param(p, quantized, p) for p in EXPERT_PROJECTIONS)
         lora = {}
         spec = cfg.lora
         for p in EXPERT_PROJECTIONS if spec is not None else ():

@@ -74,9 +74,10 @@ def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: 
             *, k: int, norm_topk_prob: bool, impl: str | None = None, swiglu_impl: str | None = None,
             lora: dict | None = None, lora_scale: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """(y [T, D], router logits [T, E]): the MoE block computing only each token's k experts. impl: the grouped
-    GEMMs' (ops/grouped_matmul.py), swiglu_impl: SwiGLU's. lora: {"gate_proj" | "up_proj" | "down_proj": (A [E, in,
-    r], B [E, r, out])}: each expert's projection gets + lora_scale * (x A_e) B_e (rounded like the dense Linear's
-    LoRA: the product to x's dtype after scaling)."""
+    GEMMs' (ops/grouped_matmul.py), swiglu_impl: SwiGLU's. A projection's weights may instead be a function
+    (rows sorted by expert, group sizes) -> its output: a quantized frozen base (qlora.base.frozen_grouped_matmul).
+    lora: {"gate_proj" | "up_proj" | "down_proj": (A [E, in, r], B [E, r, out])}: each expert's projection gets +
+    lora_scale * (x A_e) B_e (rounded like the dense Linear's LoRA: the product to x's dtype after scaling)."""
     T, D = x_TD.shape
     logits_TE = x_TD @ router_ED.T
     weights_TK, idx_TK = route(logits_TE, k, norm_topk_prob)
@@ -85,7 +86,7 @@ def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: 
     lora = lora or {}
 
     def project(x, w, name):
-        y = grouped_matmul(x, w, sizes_E, impl=impl)
+        y = w(x, sizes_E) if callable(w) else grouped_matmul(x, w, sizes_E, impl=impl)
         if name in lora:
             a, b = lora[name]
             xa = grouped_matmul(x, a.astype(x.dtype), sizes_E, impl=impl)

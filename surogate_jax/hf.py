@@ -28,6 +28,7 @@ from .atomic import atomic_directory
 from .errors import ModelLoadError
 from .models import Decoder, check_hf_config, config_from_hf, config_to_hf, projection_shape
 from .models import hf_names as names
+from .models.llamalike import expert_shape
 from .names import FP8_BLOCK_SIZES
 from .qlora import base as qlora_base
 from .qlora.base import QloraSpec
@@ -158,14 +159,19 @@ def _prefixed(reader: CheckpointReader, weight_name: str, parts: tuple[str, ...]
 
 
 def _load_quantized(reader: CheckpointReader, parent, sds: dict, spec: QloraSpec, shape: tuple[int, int],
-                    prequantized: bool, quantize, shardings: dict, used: set) -> dict[str, jax.Array]:
+                    prequantized: bool, quantize, shardings: dict, used: set,
+                    experts: int = 0) -> dict[str, jax.Array]:
     """One projection's stacked QLoRA parameters [L, ...]: per layer, either the checkpoint's quantized parts or
     its bf16/fp32 weight quantized on the default device (`quantize`, jitted); host memory holds one layer's
-    weight plus the stacked quantized parts, never the stacked bf16 weights."""
+    weight plus the stacked quantized parts, never the stacked bf16 weights. experts > 0: an MoE projection, the
+    layer's per-expert tensors stacked into one [experts * out, in] weight (qlora.base.expert_weights)."""
     L = next(iter(sds.values())).shape[0]
     host = {k: np.empty(s.shape, s.dtype) for k, s in sds.items()}
     for i in range(L):
-        name = names.hf_name((*parent, "kernel"), i)
+        name = names.hf_name(parent, i, 0) if experts else names.hf_name((*parent, "kernel"), i)
+        if prequantized and experts:
+            raise ModelLoadError(f"{reader.dir}: {name}: pre-quantized mixture-of-experts checkpoints are not read "
+                                 "yet; train over the bf16 checkpoint with a qlora_* key (quantized while loading)")
         if prequantized:
             fmt = qlora_base.format_module(spec.format)
             if spec.format == "nf4":
@@ -185,12 +191,17 @@ def _load_quantized(reader: CheckpointReader, parent, sds: dict, spec: QloraSpec
                     raise ModelLoadError(f"{reader.dir}: {name}: {e}") from None
             used.update(f"{name.removesuffix('.weight')}.{p}" for p in got)
         else:
-            w = reader.get(name)
-            if tuple(w.shape) != shape:
-                raise ModelLoadError(f"{reader.dir}: tensor {name!r} has shape {list(w.shape)}, config implies "
-                                     f"{list(shape)}")
-            parts = quantize(w)
-            used.add(name)
+            one = (shape[0] // experts, shape[1]) if experts else shape
+            each = [names.hf_name(parent, i, e) for e in range(experts)] if experts else [name]
+            ws = []
+            for n in each:
+                w = reader.get(n)
+                if tuple(w.shape) != one:
+                    raise ModelLoadError(f"{reader.dir}: tensor {n!r} has shape {list(w.shape)}, config implies "
+                                         f"{list(one)}")
+                ws.append(w)
+            parts = quantize(ws[0] if len(ws) == 1 else np.concatenate(ws))
+            used.update(each)
         for k in host:
             host[k][i] = np.asarray(parts[k])
     out = {}
@@ -255,9 +266,14 @@ def load_pretrained(
     quantize = jax.jit(lambda w: qlora_base.quantize(qlora, w)) if qlora is not None else None
     for n, (parent, group) in enumerate(groups.items(), 1):
         t0 = time.perf_counter()
-        arrays = _load_quantized(reader, parent, {k: g[1] for k, g in group.items()}, qlora,
-                                 projection_shape(cfg, parent[-1]), pre is not None, quantize,
-                                 {k: g[2] for k, g in group.items()}, used)
+        experts = cfg.num_experts if names.is_experts(parent) else 0
+        if experts:
+            E, out, inp = expert_shape(cfg, parent[-1])
+            shape = (E * out, inp)
+        else:
+            shape = projection_shape(cfg, parent[-1])
+        arrays = _load_quantized(reader, parent, {k: g[1] for k, g in group.items()}, qlora, shape, pre is not None,
+                                 quantize, {k: g[2] for k, g in group.items()}, used, experts)
         for k, (idx, _, _) in group.items():
             loaded[idx] = arrays[k]
         log.info("qlora: %s %s (%d/%d) in %.1f s", "read" if pre is not None else "quantized", "/".join(parent),
@@ -283,6 +299,13 @@ def dequantize_base(model: Decoder, params: Any, dtype: Any = None) -> tuple[Dec
     def convert(tree, path=()):
         if not isinstance(tree, dict):
             return tree
+        if qnames & set(tree) and names.is_experts(path):  # [L, E, in, out] from [L] x the [E * out, in] weight
+            E, out, inp = expert_shape(cfg, path[-1])
+
+            def one(q):
+                return jnp.swapaxes(qlora_base.expert_weights(cfg.qlora, q, (E, out, inp), dtype), 1, 2)
+
+            return jax.jit(jax.vmap(one))({k: tree[k] for k in qnames})
         if qnames & set(tree):
             kernel = shapes[(*path, "kernel")]
             per_layer = kernel.shape[1:] if names.is_stacked((*path, "kernel")) else kernel.shape

@@ -259,9 +259,9 @@ def check_qlora_device(spec: QloraSpec | None, device=None) -> None:
                                 instead="use qlora_bnb (NF4) or qlora_fp4")
 
 
-def check_moe(cfg: SFTConfig, dcfg) -> None:
-    """The mixture-of-experts keys against the model: router loss weights only on an MoE model; on one, QLoRA and
-    precision recipes are not built yet, nor LoRA dropout on the experts."""
+def check_moe(cfg: SFTConfig, dcfg, prequantized: bool = False) -> None:
+    """The mixture-of-experts keys against the model: router loss weights only on an MoE model; on one, precision
+    recipes, pre-quantized checkpoints and LoRA dropout on the experts are not built yet."""
     o = cfg.optim
     if not dcfg.num_experts:
         set_keys = [k for k in ("router_aux_loss_coef", "router_z_loss_coef") if getattr(o, k)]
@@ -270,9 +270,11 @@ def check_moe(cfg: SFTConfig, dcfg) -> None:
                               f"({dcfg.model_type}); remove the key")
         return
     what = f"model={cfg.model.model} is a mixture-of-experts model ({dcfg.model_type}, {dcfg.num_experts} experts)"
-    if cfg.lora.qlora_format is not None or quant_recipe(cfg) is not None:
-        raise ConfigError(f"{what}: QLoRA and precision recipes on experts are not built yet; train it with LoRA or "
-                          "full fine-tuning, no qlora_* keys, recipe: bf16")
+    if quant_recipe(cfg) is not None:
+        raise ConfigError(f"{what}: precision recipes on experts are not built yet; use recipe: bf16")
+    if prequantized:
+        raise ConfigError(f"{what} stored pre-quantized: reading quantized experts is not built yet; train over the "
+                          "bf16 checkpoint with a qlora_* key (its experts are quantized while loading)")
     if cfg.lora.lora and cfg.lora.lora_dropout > 0 and set(cfg.lora.targets) & {"gate_proj", "up_proj", "down_proj"}:
         raise ConfigError(f"{what}: lora_dropout on the experts' projections is not built yet; use lora_dropout: 0, "
                           "or lora_target_modules without gate_proj / up_proj / down_proj")
@@ -289,10 +291,11 @@ def router_losses(cfg: SFTConfig, dcfg):
 
 def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
     """What a checkpoint must match to be resumed (known before any weight or data is loaded)."""
-    dcfg = config_from_hf(read_hf_config(model_dir))
+    hf_cfg = read_hf_config(model_dir)
+    dcfg = config_from_hf(hf_cfg)
     arch = config_to_hf(dcfg)
     spec = lora_spec(cfg.lora, cfg.precision.lora_dtype)
-    check_moe(cfg, dcfg)
+    check_moe(cfg, dcfg, is_prequantized(hf_cfg))
     meta = {"mode": mode, "model": json.dumps(arch, sort_keys=True),
             "lora": None if spec is None else f"r={spec.rank},alpha={spec.alpha},targets={sorted(spec.targets)}",
             "sequence_len": cfg.model.sequence_len, "optimizer": cfg.optim.optimizer}

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from surogate_jax.names import FP8_BLOCK_SIZES, NF4_BLOCK_SIZES
+from surogate_jax.ops.grouped_matmul import grouped_matmul
 
 FORMATS = ("nf4", "fp8", "fp4")
 FP4_BLOCK = 16
@@ -160,6 +161,41 @@ def frozen_matmul(spec: QloraSpec, x: jax.Array, params: Mapping[str, jax.Array]
     dequantizes again (W is never saved) and gives no gradient for the base."""
     in_shape = tuple(x.shape[x.ndim - in_dims:])
     return _frozen(x, dict(params), spec, (in_shape, tuple(out_shape), jnp.dtype(x.dtype)), jnp.dtype(dtype), mesh)
+
+
+def expert_weights(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int, int], dtype: Any, *,
+                   mesh=None) -> jax.Array:
+    """A stacked MoE projection [E, out, in] (HF layout per expert) in `dtype`: the experts are quantized as one
+    [E * out, in] weight (blocks and tiles never straddle two experts: `in` and `out` are multiples of them)."""
+    E, out, inp = shape
+    return dequantize(spec, params, (E * out, inp), dtype, mesh=mesh).reshape(E, out, inp)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _frozen_grouped(x, params, sizes, spec, shape, dtype):
+    return grouped_matmul(x, expert_weights(spec, params, shape, dtype), sizes, transpose_w=True)
+
+
+def _frozen_grouped_fwd(x, params, sizes, spec, shape, dtype):
+    return _frozen_grouped(x, params, sizes, spec, shape, dtype), (params, sizes)  # the experts are not saved
+
+
+def _frozen_grouped_bwd(spec, shape, dtype, res, dy):
+    params, sizes = res
+    dx = grouped_matmul(dy.astype(dtype), expert_weights(spec, params, shape, dtype), sizes)
+    return dx, jax.tree.map(_zero_cotangent, params), _zero_cotangent(sizes)
+
+
+_frozen_grouped.defvjp(_frozen_grouped_fwd, _frozen_grouped_bwd)
+
+
+def frozen_grouped_matmul(spec: QloraSpec, x: jax.Array, params: Mapping[str, jax.Array], group_sizes: jax.Array, *,
+                          shape: tuple[int, int, int], dtype: Any) -> jax.Array:
+    """The MoE experts' frozen projection through a quantized base: rows of x [N, in] sorted by expert (group_sizes
+    [E]) times their expert's dequantized W_e^T, W [E, out, in] = `expert_weights`; y [N, out] in `dtype`. As
+    `frozen_matmul`, the backward dequantizes again (a layer's bf16 experts never outlive their GEMM) and gives dX
+    only."""
+    return _frozen_grouped(x.astype(dtype), dict(params), group_sizes, spec, tuple(shape), jnp.dtype(dtype))
 
 
 def frozen_fp8_weight(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int], dtype: Any, *,

@@ -1,7 +1,8 @@
-"""GPU tests of the grouped-matmul CUDA kernels (impl="ffi") against a float64 loop over the groups: forward, the
-input gradient (w read transposed) and the weight gradient (contraction over each group's rows), on odd row counts,
-empty groups, rows past the groups, more experts than row tiles, and Qwen3-30B-A3B's expert shapes; outputs poisoned
-so unwritten elements show; group sizes traced inside jit."""
+"""GPU tests of the grouped-matmul CUDA kernels (impl="ffi") against a float64 loop over the groups, with w stored
+[E, K, M] or transposed [E, M, K]: forward, the input gradient (w read the other way) and the weight gradient
+(contraction over each group's rows), on odd row counts, empty groups, rows past the groups, more experts than row
+tiles, and Qwen3-30B-A3B's expert shapes; outputs poisoned so unwritten elements show; group sizes traced inside
+jit."""
 
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ CASES = [  # rows, K, M, E, some groups empty
 ]
 
 
+@pytest.mark.parametrize("transpose_w", [False, True])
 @pytest.mark.parametrize("rows,K,M,E,empty", CASES)
-def test_kernels_match_a_loop_over_groups(rows, K, M, E, empty, assert_close):
+def test_kernels_match_a_loop_over_groups(rows, K, M, E, empty, transpose_w, assert_close):
     rng = np.random.default_rng(next(_seed))
     sizes = _sizes(rng, rows, E, empty)
     kx, kw, kd = jax.random.split(jax.random.key(next(_seed)), 3)
@@ -68,6 +70,11 @@ def test_kernels_match_a_loop_over_groups(rows, K, M, E, empty, assert_close):
 
     @jax.jit
     def go(x, w, gs, dy):
+        if transpose_w:  # w stored [E, M, K] (a dequantized frozen base's HF layout)
+            y, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs, transpose_w=True, impl="ffi"), x,
+                             jnp.swapaxes(w, 1, 2))
+            dx, dwt = vjp(dy)
+            return y, dx, jnp.swapaxes(dwt, 1, 2)
         y, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs, impl="ffi"), x, w)
         return (y, *vjp(dy))
 

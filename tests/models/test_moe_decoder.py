@@ -99,3 +99,29 @@ def test_moe_config_is_checked():
 
     with pytest.raises(ValueError, match="do not take LoRA"):
         cfg.replace(lora=LoraSpec(rank=4, alpha=8.0, targets=("q_proj",)))
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "fp8"])
+def test_qlora_experts_load_quantized_and_dequantize_to_the_checkpoint(fmt, tmp_path):
+    """A QLoRA base quantizes each layer's experts as one [E * out, in] weight while loading: the forward through it
+    equals the plain model over its dequantized weights, which are the checkpoint's within the format's error."""
+    from surogate_jax.hf import dequantize_base  # noqa: PLC0415
+    from surogate_jax.qlora.base import QloraSpec, param_names  # noqa: PLC0415
+
+    MOE_Q = {**MOE, "hidden_size": 128, "moe_intermediate_size": 128, "head_dim": 32}  # whole 64 / 128 blocks
+    cfg = transformers.Qwen3MoeConfig(**MOE_Q, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    spec = QloraSpec("nf4", 64, True) if fmt == "nf4" else QloraSpec("fp8", 128)
+    qmodel, qparams = surogate_jax.load_pretrained(tmp_path, dtype=jnp.float32, qlora=spec)
+    assert set(qparams["layers"]["mlp"]["experts"]["up_proj"]) == set(param_names(spec))
+    plain, dq = dequantize_base(qmodel, qparams)
+    _, exact = surogate_jax.load_pretrained(tmp_path, dtype=jnp.float32)
+    got, want = (np.asarray(p["layers"]["mlp"]["experts"]["down_proj"]) for p in (dq, exact))
+    assert got.shape == want.shape == (2, 4, 128, 128)
+    # at most half a code step of the block's / tile's largest value: NF4's widest gap is 0.7230 -> 1.0; E4M3's top
+    # binade steps 32 of 448
+    assert rel_err(got, want) < (0.2770 / 2 if fmt == "nf4" else 16 / 448)
+    ids = jnp.asarray(_ids(4))
+    np.testing.assert_allclose(np.asarray(qmodel.apply({"params": qparams}, ids)),
+                               np.asarray(plain.apply({"params": dq}, ids)), rtol=2e-5, atol=2e-5)

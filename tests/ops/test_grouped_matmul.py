@@ -46,15 +46,20 @@ CASES = [  # rows, K, M, group sizes (sum <= rows)
 ]
 
 
+@pytest.mark.parametrize("transpose_w", [False, True])
 @pytest.mark.parametrize("rows,K,M,sizes", CASES)
-def test_forward_and_gradients_equal_a_loop_over_groups(rows, K, M, sizes, assert_close):
+def test_forward_and_gradients_equal_a_loop_over_groups(rows, K, M, sizes, transpose_w, assert_close):
     kx, kw, kd = jax.random.split(jax.random.key(next(_seed)), 3)
     E = len(sizes)
     x = jax.random.normal(kx, (rows, K), jnp.float32)
     w = jax.random.normal(kw, (E, K, M), jnp.float32)
     dy = jax.random.normal(kd, (rows, M), jnp.float32)
     gs = jnp.array(sizes, jnp.int32)
-    y, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs), x, w)
+    if transpose_w:  # the same product with w stored [E, M, K]
+        y, vjp_t = jax.vjp(lambda a, b: grouped_matmul(a, b, gs, transpose_w=True), x, jnp.swapaxes(w, 1, 2))
+        vjp = lambda d: (lambda dx, dwt: (dx, jnp.swapaxes(dwt, 1, 2)))(*vjp_t(d))  # noqa: E731
+    else:
+        y, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs), x, w)
     assert_close(y, _loop(x, w, sizes), jnp.float32)
     assert not np.any(np.asarray(y)[sum(sizes):]), "rows past the groups must be zero"
     dx, dw = vjp(dy)

@@ -1,7 +1,7 @@
-"""A Qwen3-MoE checkpoint through `python -m surogate_jax.sft`: full fine-tuning and LoRA (on attention and every
-expert) train, the loss falls and metrics.jsonl carries the router metrics; the exports load (the full model in
-transformers, the adapter with one tensor pair per expert, the merged model); QLoRA, recipes, LoRA dropout on experts,
-negative or misplaced router loss weights are refused with one error line before output_dir is touched."""
+"""A Qwen3-MoE checkpoint through `python -m surogate_jax.sft`: full fine-tuning, LoRA (on attention and every
+expert) and QLoRA (NF4 experts) train, the loss falls and metrics.jsonl carries the router metrics; the exports load
+(the full model in transformers, the adapter with one tensor pair per expert, the merged model); recipes, LoRA dropout
+on experts, negative or misplaced router loss weights are refused with one error line before output_dir is touched."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def moe_dir(tmp_path_factory, env):
         mp.setenv("SUROGATE_JAX_CACHE", env["SUROGATE_JAX_CACHE"])
         tiny = builtin_models.resolve("builtin:tiny-qwen3")
     vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
-    cfg = transformers.Qwen3MoeConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    cfg = transformers.Qwen3MoeConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       num_experts=5, num_experts_per_tok=2, norm_topk_prob=True,
                                       max_position_embeddings=512, tie_word_embeddings=False)
@@ -76,8 +76,8 @@ def test_moe_lora_adapts_attention_and_every_expert(tmp_path, env, moe_dir):
     adapter = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
     stem = "base_model.model.model.layers.1.mlp.experts.4"
     assert adapter[f"{stem}.gate_proj.lora_A.weight"].shape == (8, 64)  # [r, hidden]
-    assert adapter[f"{stem}.gate_proj.lora_B.weight"].shape == (32, 8)  # [moe_intermediate, r]
-    assert adapter[f"{stem}.down_proj.lora_A.weight"].shape == (8, 32)
+    assert adapter[f"{stem}.gate_proj.lora_B.weight"].shape == (64, 8)  # [moe_intermediate, r]
+    assert adapter[f"{stem}.down_proj.lora_A.weight"].shape == (8, 64)
     assert adapter[f"{stem}.down_proj.lora_B.weight"].shape == (64, 8)
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in adapter
     assert not any(".mlp.gate." in n for n in adapter)  # the router stays frozen
@@ -89,9 +89,18 @@ def test_moe_lora_adapts_attention_and_every_expert(tmp_path, env, moe_dir):
     assert merged.config.model_type == "qwen3_moe"
 
 
+def test_moe_qlora_trains_over_quantized_experts(tmp_path, env, moe_dir):
+    cfg = write_config(tmp_path, model=str(moe_dir), max_steps=6, save_steps=6, eval_steps=0, learning_rate=3e-3,
+                       qlora_bnb=True, qlora_bnb_block_size=64)
+    r = sft(cfg, env)
+    assert "qlora: NF4 base" in r.stderr and "experts/gate_proj" in r.stderr  # the experts quantized while loading
+    loss = losses(tmp_path / "out")
+    assert loss[6] < loss[1]
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+
+
 @pytest.mark.parametrize(("over", "message"), [
-    ({"qlora_bnb": True}, "QLoRA and precision recipes on experts are not built yet"),
-    ({"recipe": "fp8-hybrid"}, "QLoRA and precision recipes on experts are not built yet"),
+    ({"recipe": "fp8-hybrid"}, "precision recipes on experts are not built yet"),
     ({"lora_dropout": 0.1}, "lora_dropout on the experts' projections is not built yet"),
     ({"router_aux_loss_coef": -0.5}, "router_aux_loss_coef=-0.5: must be a number >= 0"),
     ({"router_z_loss_coef": -1}, "router_z_loss_coef=-1.0: must be a number >= 0"),
