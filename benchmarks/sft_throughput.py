@@ -150,6 +150,7 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
 
         cfg = cfg.replace(qlora={"bnb": QloraSpec("nf4", 64, True), "fp8": QloraSpec("fp8", 128),
                                  "fp4": QloraSpec("fp4", 16)}[qlora])
+    unroll = T.auto_unroll(cfg, unroll)  # as the trainer (QLoRA on experts: the loop)
     if recompute != "auto":  # as the trainer: an explicit recompute keeps the layer loop unless unroll_layers: true
         cfg = cfg.replace(unroll_layers=bool(unroll))
     if kernels is not None:  # which model ops run our CUDA kernels (DecoderConfig.kernels)

@@ -372,7 +372,7 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
              "%d device(s)",
              model.config.model_type, f"{count(state.trainable):,}", "LoRA" if model.config.lora else "full",
              total, steps_per_epoch, accum, cfg.run.per_device_train_batch_size * n_dev, seq, n_dev)
-    unroll = None if cfg.run.unroll_layers == "auto" else cfg.run.unroll_layers
+    unroll = T.auto_unroll(model.config, None if cfg.run.unroll_layers == "auto" else cfg.run.unroll_layers)
     if cfg.run.recompute == "auto" and not cfg.parallel.offload_residual:
         rows = cfg.run.per_device_train_batch_size * n_dev
         model, step_fn, note = T.pick_remat(model, tx, schedule, mesh, state, layout,

@@ -143,3 +143,13 @@ def test_config_and_policy_names():
     assert remat_policy("auto", True) == "offload_residual"
     with pytest.raises(ConfigError, match="recompute"):
         RunConfig(recompute="sometimes")
+
+
+def test_qlora_on_experts_keeps_the_layer_loop():
+    from surogate_jax.qlora.base import QloraSpec  # noqa: PLC0415
+
+    moe = CFG.replace(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    q = QloraSpec("nf4", 64, True)
+    assert T.auto_unroll(moe.replace(qlora=q), None) is False  # auto: the loop
+    assert T.auto_unroll(moe.replace(qlora=q), True) is True  # an explicit choice stands
+    assert T.auto_unroll(moe, None) is None and T.auto_unroll(CFG.replace(qlora=q), None) is None
