@@ -96,9 +96,13 @@ def test_moe_config_is_checked():
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         cfg.replace(num_experts_per_tok=5)
     from surogate_jax.models import LoraSpec
+    from surogate_jax.precision.recipe import QuantRecipe
 
-    with pytest.raises(ValueError, match="do not take LoRA"):
-        cfg.replace(lora=LoraSpec(rank=4, alpha=8.0, targets=("q_proj",)))
+    with pytest.raises(ValueError, match="do not take a precision recipe"):
+        cfg.replace(recipe=QuantRecipe("fp8-hybrid"))
+    with pytest.raises(ValueError, match="LoRA dropout on the experts"):
+        cfg.replace(lora=LoraSpec(rank=4, alpha=8.0, targets=("up_proj",), dropout=0.1))
+    cfg.replace(lora=LoraSpec(rank=4, alpha=8.0, targets=("q_proj",), dropout=0.1))  # dropout on attention only: fine
 
 
 @pytest.mark.parametrize("fmt", ["nf4", "fp8"])
