@@ -129,3 +129,35 @@ def test_qlora_experts_load_quantized_and_dequantize_to_the_checkpoint(fmt, tmp_
     ids = jnp.asarray(_ids(4))
     np.testing.assert_allclose(np.asarray(qmodel.apply({"params": qparams}, ids)),
                                np.asarray(plain.apply({"params": dq}, ids)), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(("aux", "padded"), [(0.01, False), (0.3, True)])
+def test_train_loss_equals_transformers_loss_with_router_logits(aux, padded, tmp_path):
+    """train.train_loss on one micro-batch (CE + router_aux_loss_coef x the load-balancing loss) against
+    transformers' Qwen3MoeForCausalLM(labels=..., output_router_logits=True), whose loss is the same sum; with
+    padding the aux loss skips padded rows as transformers' attention mask does."""
+    from surogate_jax import train as T  # noqa: PLC0415
+
+    hf = _hf_moe(6, 2, True, seed=11)
+    hf.config.router_aux_loss_coef = hf.router_aux_loss_coef = aux  # the model copies it at construction
+    hf.save_pretrained(tmp_path)
+    model, params = surogate_jax.load_pretrained(tmp_path, dtype=jnp.float32)
+    assert model.config.router_aux_loss_coef == aux
+    ids = _ids(6)
+    mask = np.ones_like(ids)
+    if padded:
+        mask[1, 9:] = 0  # the second row's last 4 tokens are padding
+    with torch.no_grad():
+        out = hf(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                 labels=torch.from_numpy(np.where(mask == 1, ids, -100)).long(), output_router_logits=True)
+    B, L = ids.shape
+    loss_mask = np.zeros((B, L), np.float32)
+    loss_mask[:, :-1] = mask[:, 1:]  # predicting token t+1 from t, where t+1 is real
+    batch = {"input_ids": jnp.asarray(ids), "targets": jnp.asarray(np.roll(ids, -1, axis=1)),
+             "loss_mask": jnp.asarray(loss_mask), "positions": jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)),
+             "segment_ids": jnp.asarray(mask, jnp.int32)}  # 0 = padding
+    n = float(loss_mask.sum())
+    total, (count, router) = T.train_loss(model, {}, params, batch, None, router_weight=n)
+    assert float(count) == n
+    np.testing.assert_allclose(float(router["aux_loss"]), float(out.aux_loss), rtol=1e-5)
+    np.testing.assert_allclose(float(total) / n, float(out.loss), rtol=1e-5)
