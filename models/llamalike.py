@@ -19,7 +19,6 @@ document would alone. With `max_segments` set, cuDNN computes only each document
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -509,10 +508,9 @@ class SparseMoeMLP(nn.Module):
         def block(x_TD, router_ED, m_T, *leaves):
             base = jax.tree.unflatten(base_def, leaves[:len(base_leaves)])
             if cfg.qlora is not None:  # each projection dequantized inside its grouped GEMM, forward and backward
-                base = tuple(functools.partial(qlora_base.frozen_grouped_matmul, cfg.qlora, params=q,
-                                               shape=expert_shape(cfg, p), dtype=cfg.dtype)
+                base = tuple(lambda x, sizes, p=p, q=q: qlora_base.frozen_grouped_matmul(
+                                 cfg.qlora, x, q, sizes, shape=expert_shape(cfg, p), dtype=cfg.dtype)
                              for p, q in zip(EXPERT_PROJECTIONS, base, strict=True))
-                base = tuple(lambda x, sizes, f=f: f(x, group_sizes=sizes) for f in base)
             y_TD, logits_TE = moe.moe_mlp(x_TD, router_ED, *base, k=k, norm_topk_prob=cfg.norm_topk_prob,
                                           swiglu_impl=cfg.impl("swiglu"),
                                           lora=jax.tree.unflatten(lora_def, leaves[len(base_leaves):]),
