@@ -164,14 +164,15 @@ def _keys(path) -> list[str]:
 def default_matrix_dims(path, leaf) -> MatrixDims | None:
     """Our Decoder's hidden Linear kernels and LoRA adapters -> MatrixDims; others -> None (AdamW).
 
-    `layers` (the nn.scan collection) adds one leading axis per occurrence in the path; o_proj
-    kernels contract two input axes (heads, head_dim); lora_a has one output axis (rank), lora_b one
-    input axis (rank)."""
+    `layers` (the nn.scan collection) adds one leading axis per occurrence in the path, and so does an MoE layer's
+    `experts` (each expert's adapter is its own matrix); o_proj kernels contract two input axes (heads, head_dim);
+    lora_a has one output axis (rank), lora_b one input axis (rank). The MoE router (`mlp/gate`) and the stacked
+    experts' own weights go to AdamW, as Surogate splits them."""
     keys = _keys(path)
     name = keys[-1] if keys else ""
-    if name not in ("kernel", "lora_a", "lora_b") or any(a in k for k in keys for a in AUX_NAMES):
+    if name not in ("kernel", "lora_a", "lora_b") or any(a in k for k in keys for a in AUX_NAMES) or "gate" in keys:
         return None
-    lead = sum(k == "layers" for k in keys)
+    lead = sum(k == "layers" for k in keys) + ("experts" in keys)
     mat = len(leaf.shape) - lead
     if mat < 2:
         return None

@@ -294,6 +294,27 @@ def test_partition_of_lora_adapters():
     assert nu["self_attn"]["q_proj"]["lora_b"].shape == (CFG.num_layers, CFG.num_heads, CFG.head_dim)
 
 
+def test_partition_of_an_moe_model():
+    """As Surogate splits them: the router and the stacked experts' own weights go to AdamW; each expert's LoRA
+    adapters are their own matrices (the expert axis leads, like the layer axis)."""
+    from surogate_jax.lora import init_adapters
+    from surogate_jax.models import Decoder
+
+    moe = CFG.replace(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+    ids = jnp.zeros((1, 1), jnp.int32)
+    full = by_key(normuon_labels(jax.eval_shape(lambda: Decoder(moe).init(jax.random.key(0), ids)["params"])))
+    assert full["['layers']['mlp']['gate']['kernel']"] == "adamw"
+    assert {full[f"['layers']['mlp']['experts']['{p}']"] for p in ("gate_proj", "up_proj", "down_proj")} == {"adamw"}
+    assert full["['layers']['self_attn']['q_proj']['kernel']"] == "normuon"
+    model = Decoder(moe.replace(lora=SPEC))
+    adapters = jax.eval_shape(lambda: init_adapters(model, jax.random.key(1), ids))
+    assert set(jax.tree.leaves(normuon_labels(adapters))) == {"normuon"}
+    nu = jax.eval_shape(normuon(1e-2).init, adapters).inner_states["normuon"].inner_state[0].nu["layers"]
+    # down_proj lora_a [L, E, I, r]: one second moment per layer, expert and rank row; lora_b [L, E, r, D]: per output
+    assert nu["mlp"]["experts"]["down_proj"]["lora_a"].shape == (CFG.num_layers, 4, SPEC.rank)
+    assert nu["mlp"]["experts"]["down_proj"]["lora_b"].shape == (CFG.num_layers, 4, CFG.hidden_size)
+
+
 def test_cautious_weight_decay_only_where_update_and_param_agree():
     rng = np.random.default_rng(7)
     p = {"w": {"kernel": jnp.asarray(rng.normal(size=(16, 12)), jnp.float32)}}
