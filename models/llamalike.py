@@ -90,6 +90,8 @@ class LoraSpec:
     targets: tuple[str, ...]
     dropout: float = 0.0
     dtype: Dtype = jnp.float32
+    # MoE: the router is trained too; its kernel then lives in the `lora` collection (mlp/gate/kernel, in `dtype`)
+    train_router: bool = False
 
     @property
     def scale(self) -> float:
@@ -172,6 +174,8 @@ class DecoderConfig:
             if self.lora is not None and self.lora.dropout > 0 and set(self.lora.targets) & {"gate_proj", "up_proj",
                                                                                               "down_proj"}:
                 raise ValueError("LoRA dropout on the experts' projections is not built; use lora_dropout: 0")
+        elif self.lora is not None and self.lora.train_router:
+            raise ValueError("train_router applies to mixture-of-experts models (num_experts > 0)")
         if self.recipe is not None:
             self.recipe.check_model(self)
         if self.qlora is not None and self.recipe is not None and self.recipe.skips:
@@ -527,13 +531,18 @@ class SparseMoeMLP(nn.Module):
 
 
 class _Router(nn.Module):
+    """The router's kernel [D, E]: a frozen param, or under LoRA with `train_router` a trainable `lora` variable."""
+
     cfg: DecoderConfig
 
     @nn.compact
     def __call__(self):
         cfg = self.cfg
-        return _param(self, "kernel", nn.initializers.normal(cfg.initializer_range),
-                      (cfg.hidden_size, cfg.num_experts), cfg.param_dtype)
+        init = nn.initializers.normal(cfg.initializer_range)
+        shape = (cfg.hidden_size, cfg.num_experts)
+        if cfg.lora is not None and cfg.lora.train_router:
+            return self.variable("lora", "kernel", lambda: init(self.make_rng("lora"), shape, cfg.lora.dtype)).value
+        return _param(self, "kernel", init, shape, cfg.param_dtype)
 
 
 class _Experts(nn.Module):

@@ -201,6 +201,7 @@ class LoraConfig:
     lora_dropout: float = 0.0
     lora_target_modules: tuple[str, ...] = ("all",)
     merge_adapter: bool = False
+    train_router: bool = False  # MoE: the router trained too (its weights join the adapter, as PEFT's modules_to_save)
     # QLoRA: the frozen base's seven projections stored quantized (surogate_jax/qlora/); at most one format.
     qlora_bnb: bool = False  # NF4, bitsandbytes-exact
     qlora_bnb_block_size: int = 64
@@ -220,6 +221,8 @@ class LoraConfig:
         _check(len(on) <= 1, f"{' and '.join(on)}: pick one QLoRA base format")
         _check(not on or self.lora, f"{on[0] if on else ''}: QLoRA trains adapters over a quantized frozen base; "
                "it needs lora: true")
+        _check(not self.train_router or self.lora, "train_router: unfreezes an MoE router under LoRA; full fine-tuning "
+               "(lora: false) trains the router anyway: remove the key")
         _check(self.qlora_bnb_block_size in NF4_BLOCK_SIZES,
                f"qlora_bnb_block_size={self.qlora_bnb_block_size}: use one of {list(NF4_BLOCK_SIZES)}")
         _check(self.qlora_block_size in FP8_BLOCK_SIZES,
@@ -418,7 +421,7 @@ ALIASES = {"torch_dtype": "model_dtype"}
 # Surogate keys we recognize but whose feature is another issue's work.
 NOT_YET = frozenset(
     """use_fused_rope qlora_selective_expert_dequant qlora_offload_experts adapter_path
-    adapter_init_mode train_router
+    adapter_init_mode
     offload_saved_tensors offload_quants persistent_quants cpu_training
     use_zero_copy use_write_combined ep_size parallelism sequence_chunks
     long_context lmhead_chunks auto_lmhead_chunks lmhead_drop_ignored_rows attn_bwd_chunks

@@ -32,13 +32,53 @@ from .safetensors_io import CheckpointReader, write_file
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 PEFT_PREFIX = "base_model.model."
+# The MoE router (train_router): its kernel [L, D, E] leaves the frozen params for the trainable tree, and the PEFT
+# adapter carries it whole, as PEFT saves a `modules_to_save` module (`...layers.L.mlp.gate.weight` [E, D]).
+ROUTER = ("layers", "mlp", "gate", "kernel")
+ROUTER_MODULES = ["gate"]
+
+
+def _get(tree, path):
+    for k in path:
+        if not isinstance(tree, dict) or k not in tree:
+            return None
+        tree = tree[k]
+    return tree
+
+
+def _with(tree: dict, path, value) -> dict:
+    """A copy of the nested dict `tree` with `path` set to value (None: removed)."""
+    head, *rest = path
+    out = dict(tree)
+    if rest:
+        out[head] = _with(tree.get(head, {}), rest, value)
+    elif value is None:
+        out.pop(head, None)
+    else:
+        out[head] = value
+    return out
+
+
+def take_router(params: dict, trainable: dict, dtype) -> tuple[dict, dict]:
+    """train_router: the router moves from the frozen params into the trainable tree, as `dtype` masters."""
+    router = _get(params, ROUTER)
+    return _with(params, ROUTER, None), _with(trainable, ROUTER, router.astype(dtype))
+
+
+def put_router(params: dict, lora: dict) -> dict:
+    """params with the trained router (when `lora` holds one) back in place, in the params' dtype."""
+    router = _get(lora, ROUTER)
+    if router is None:
+        return params
+    dtype = jax.tree.leaves(params)[0].dtype if _get(params, ROUTER) is None else _get(params, ROUTER).dtype
+    return _with(params, ROUTER, router.astype(dtype))
 
 
 def lora_spec(cfg: LoraConfig, lora_dtype: str = "fp32") -> LoraSpec | None:
     if not cfg.lora:
         return None
     return LoraSpec(rank=cfg.lora_rank, alpha=float(cfg.lora_alpha), targets=cfg.targets,
-                    dropout=float(cfg.lora_dropout), dtype=DTYPES[lora_dtype])
+                    dropout=float(cfg.lora_dropout), dtype=DTYPES[lora_dtype], train_router=cfg.train_router)
 
 
 def init_adapters(model: Decoder, rng: jax.Array, example_ids) -> Any:
@@ -81,6 +121,10 @@ def save_peft(out_dir: str | os.PathLike, model: Decoder, lora: Any, *, base_mod
     out = Path(out_dir)
     host = jax.device_get(lora)
     entries, arrays = [], []
+    router = _get(host, ROUTER)
+    for i in range(0 if router is None else router.shape[0]):
+        entries.append((PEFT_PREFIX + names.hf_name(ROUTER, i), np.dtype(np.float32), router.shape[:0:-1]))
+        arrays.append(np.asarray(router[i], np.float32).T)  # [E, D], HF's Linear layout
     for module, a, b in _entries(host):
         stem = PEFT_PREFIX + module
         a_hf = np.asarray(a, np.float32).reshape(-1, spec.rank).T  # [r, in]
@@ -92,7 +136,7 @@ def save_peft(out_dir: str | os.PathLike, model: Decoder, lora: Any, *, base_mod
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout, "target_modules": sorted(spec.targets), "bias": "none",
         "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-        "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "use_rslora": False, "use_dora": False, "modules_to_save": ROUTER_MODULES if spec.train_router else None,
         "base_model_name_or_path": base_model, "revision": None, "layers_to_transform": None,
     }
     with atomic_directory(out, overwrite=overwrite) as tmp:
@@ -135,16 +179,20 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> dict:
         raise ModelLoadError(f"{cfg_path}: target_modules {unknown} cannot be adapted; supported: {list(PROJECTIONS)}")
     # Each of these changes which tensors exist or how they combine; merging without them would be wrong.
     for field, plain in (("rank_pattern", {}), ("alpha_pattern", {}), ("layers_to_transform", None),
-                         ("bias", "none"), ("fan_in_fan_out", False), ("modules_to_save", None)):
+                         ("bias", "none"), ("fan_in_fan_out", False)):
         value = cfg.get(field)
         if value not in (None, plain):
             raise ModelLoadError(f"{cfg_path}: {field}={value!r} is not supported (only {plain!r})")
+    if cfg.get("modules_to_save") not in (None, ROUTER_MODULES):
+        raise ModelLoadError(f"{cfg_path}: modules_to_save={cfg['modules_to_save']!r} is not supported (only None, or "
+                             f"{ROUTER_MODULES!r}: an MoE router trained with train_router)")
     return cfg
 
 
 def peft_spec(cfg: dict) -> LoraSpec:
     """The LoraSpec of a checked adapter_config.json dict (`read_adapter_config`)."""
-    return LoraSpec(rank=cfg["r"], alpha=float(cfg["lora_alpha"]), targets=tuple(sorted(set(cfg["target_modules"]))))
+    return LoraSpec(rank=cfg["r"], alpha=float(cfg["lora_alpha"]), targets=tuple(sorted(set(cfg["target_modules"]))),
+                    train_router=cfg.get("modules_to_save") == ROUTER_MODULES)
 
 
 def load_peft(adapter_dir: str | os.PathLike, model: Decoder) -> Any:
@@ -157,6 +205,9 @@ def load_peft(adapter_dir: str | os.PathLike, model: Decoder) -> Any:
     cfg = read_adapter_config(d)
     cfg_path = d / "adapter_config.json"
     spec = model.config.lora
+    if (cfg.get("modules_to_save") == ROUTER_MODULES) != spec.train_router:
+        raise ModelLoadError(f"{cfg_path}: modules_to_save={cfg.get('modules_to_save')!r} but the model "
+                             f"{'trains' if spec.train_router else 'does not train'} the MoE router (train_router)")
     if cfg["r"] != spec.rank:
         raise ModelLoadError(f"{cfg_path}: r={cfg['r']} but the model expects rank {spec.rank}")
     if set(cfg["target_modules"]) != set(spec.targets):
@@ -169,6 +220,10 @@ def load_peft(adapter_dir: str | os.PathLike, model: Decoder) -> Any:
     expected: dict[str, tuple[tuple[int, ...], int, tuple[int, ...]]] = {}
     for k, (kp, sds) in enumerate(leaves):
         path = tuple(p.key for p in kp)
+        if path == ROUTER:  # [L, D, E]: HF's [E, D] per layer
+            for i in range(sds.shape[0]):
+                expected[PEFT_PREFIX + names.hf_name(ROUTER, i)] = (sds.shape[:0:-1], k, (i,))
+            continue
         for idx, module in _slots(path[:-1], sds.shape):
             one = sds.shape[len(idx):]
             stem = PEFT_PREFIX + module
@@ -205,7 +260,8 @@ def load_peft(adapter_dir: str | os.PathLike, model: Decoder) -> Any:
 
 
 def merge(params: Any, lora: Any, spec: LoraSpec) -> Any:
-    """Base params with W += (alpha / r) A B folded in (fp32 math, base dtype out); stacked MoE experts per expert."""
+    """Base params with W += (alpha / r) A B folded in (fp32 math, base dtype out); stacked MoE experts per expert;
+    a router trained under train_router replaces the base's."""
     def merge_one(path, w):
         keys = tuple(k.key for k in path)
         experts = names.is_experts(keys)
@@ -216,12 +272,14 @@ def merge(params: Any, lora: Any, spec: LoraSpec) -> Any:
             if not isinstance(node, dict) or k not in node:
                 return w
             node = node[k]
+        if "lora_a" not in node:  # the trained router (put_router below)
+            return w
         a, b = node["lora_a"], node["lora_b"]
         lead, r = a.shape[: 2 if experts else 1], a.shape[-1]
         delta = jnp.einsum("nir,nro->nio", a.reshape(-1, math.prod(a.shape[len(lead):-1]), r).astype(jnp.float32),
                            b.reshape(-1, r, math.prod(b.shape[len(lead) + 1:])).astype(jnp.float32)) * spec.scale
         return (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
-    return jax.tree_util.tree_map_with_path(merge_one, params)
+    return put_router(jax.tree_util.tree_map_with_path(merge_one, params), lora)
 
 
 def count(tree: Any) -> int:

@@ -40,7 +40,7 @@ from .hf import (
     save_pretrained,
 )
 from .lock import OutputLock, is_marked
-from .lora import DTYPES, count, init_adapters, lora_spec, merge, save_peft
+from .lora import DTYPES, count, init_adapters, lora_spec, merge, save_peft, take_router
 from .metrics import (
     PlateauWatch,
     RunLogger,
@@ -217,6 +217,8 @@ def _build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout 
         return model, {}, params
     model = Decoder(model.config.replace(lora=spec))
     trainable = init_adapters(model, jax.random.key(cfg.run.train_seed + 1), jnp.zeros((1, 1), jnp.int32))
+    if spec.train_router:  # the loaded router joins the trained tree (lora.merge / save_peft put it back out)
+        params, trainable = take_router(params, trainable, spec.dtype)
     return model, params, trainable
 
 
@@ -265,6 +267,7 @@ def check_moe(cfg: SFTConfig, dcfg, prequantized: bool = False) -> None:
     o = cfg.optim
     if not dcfg.num_experts:
         set_keys = [k for k in ("router_aux_loss_coef", "router_z_loss_coef") if getattr(o, k)]
+        set_keys += ["train_router"] if cfg.lora.train_router else []
         if set_keys:
             raise ConfigError(f"{set_keys[0]}: applies to mixture-of-experts models; model={cfg.model.model} is dense "
                               f"({dcfg.model_type}); remove the key")
@@ -297,7 +300,8 @@ def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
     spec = lora_spec(cfg.lora, cfg.precision.lora_dtype)
     check_moe(cfg, dcfg, is_prequantized(hf_cfg))
     meta = {"mode": mode, "model": json.dumps(arch, sort_keys=True),
-            "lora": None if spec is None else f"r={spec.rank},alpha={spec.alpha},targets={sorted(spec.targets)}",
+            "lora": None if spec is None else (f"r={spec.rank},alpha={spec.alpha},targets={sorted(spec.targets)}"
+                                               + (",train_router" if spec.train_router else "")),
             "sequence_len": cfg.model.sequence_len, "optimizer": cfg.optim.optimizer}
     qspec = qlora_spec(cfg, model_dir)
     if qspec is not None:  # the quantized base is not in the checkpoint, but the adapters were trained over it

@@ -161,3 +161,31 @@ def test_train_loss_equals_transformers_loss_with_router_logits(aux, padded, tmp
     assert float(count) == n
     np.testing.assert_allclose(float(router["aux_loss"]), float(out.aux_loss), rtol=1e-5)
     np.testing.assert_allclose(float(total) / n, float(out.loss), rtol=1e-5)
+
+
+def test_peft_round_trip_with_expert_adapters_and_a_trained_router(tmp_path):
+    """save_peft writes one lora_A / lora_B pair per expert and, under train_router, the router as PEFT's
+    modules_to_save; load_peft reads back the same tree, and merge folds every expert and the router in."""
+    import jax  # noqa: PLC0415
+
+    from surogate_jax import lora as lora_lib  # noqa: PLC0415
+    from surogate_jax.models import Decoder, LoraSpec  # noqa: PLC0415
+
+    cfg = config_from_hf(_cfg()).replace(lora=LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "up_proj", "down_proj"),
+                                                       train_router=True))
+    model = Decoder(cfg)
+    adapters = lora_lib.init_adapters(model, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    adapters = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), adapters)
+    lora_lib.save_peft(tmp_path, model, adapters, base_model="tiny")
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["modules_to_save"] == ["gate"]
+    back = lora_lib.load_peft(tmp_path, model)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(adapters)[0], jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    plain = Decoder(cfg.replace(lora=None))
+    base = jax.eval_shape(lambda: plain.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    base = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), base)
+    merged = lora_lib.merge(base, adapters, cfg.lora)
+    np.testing.assert_array_equal(merged["layers"]["mlp"]["gate"]["kernel"], adapters["layers"]["mlp"]["gate"]["kernel"])
+    up = adapters["layers"]["mlp"]["experts"]["up_proj"]
+    want = 2.0 * np.einsum("leir,lero->leio", np.asarray(up["lora_a"]), np.asarray(up["lora_b"]))  # alpha / r = 2
+    np.testing.assert_allclose(merged["layers"]["mlp"]["experts"]["up_proj"], want, rtol=1e-5, atol=1e-7)

@@ -89,14 +89,38 @@ def test_moe_lora_adapts_attention_and_every_expert(tmp_path, env, moe_dir):
     assert merged.config.model_type == "qwen3_moe"
 
 
+def test_train_router_trains_the_router_and_exports_it(tmp_path, env, moe_dir):
+    from safetensors.numpy import load_file  # noqa: PLC0415
+
+    cfg = write_config(tmp_path, model=str(moe_dir), max_steps=4, save_steps=4, eval_steps=0, learning_rate=3e-3,
+                       train_router=True, merge_adapter=True)
+    sft(cfg, env)
+    out = tmp_path / "out"
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["gate"]  # PEFT's layout for a whole trained module
+    base = {}
+    for f in moe_dir.glob("*.safetensors"):
+        base.update(load_file(f))
+    merged = {}
+    for f in (out / "merged").glob("*.safetensors"):
+        merged.update(load_file(f))
+    for i in range(2):
+        name = f"model.layers.{i}.mlp.gate.weight"
+        trained = adapter[f"base_model.model.{name}"]
+        assert trained.shape == (5, 64) and np.abs(trained - base[name].astype(np.float32)).max() > 1e-4
+        np.testing.assert_allclose(merged[name].astype(np.float32), trained, rtol=1e-2, atol=1e-4)  # bf16 rounding
+
+
 def test_moe_qlora_trains_over_quantized_experts(tmp_path, env, moe_dir):
     cfg = write_config(tmp_path, model=str(moe_dir), max_steps=6, save_steps=6, eval_steps=0, learning_rate=3e-3,
-                       qlora_bnb=True, qlora_bnb_block_size=64)
+                       qlora_bnb=True, qlora_bnb_block_size=64, train_router=True, merge_adapter=True)
     r = sft(cfg, env)
     assert "qlora: NF4 base" in r.stderr and "experts/gate_proj" in r.stderr  # the experts quantized while loading
     loss = losses(tmp_path / "out")
     assert loss[6] < loss[1]
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")  # the bf16 base re-read, merged
 
 
 @pytest.mark.parametrize(("over", "message"), [
@@ -113,8 +137,13 @@ def test_moe_bad_input_is_refused_before_any_work(tmp_path, env, moe_dir, over, 
     assert not (tmp_path / "out").exists()
 
 
-def test_router_loss_weights_on_a_dense_model_are_refused(tmp_path, env):
-    cfg = write_config(tmp_path, router_z_loss_coef=0.01)
+@pytest.mark.parametrize(("over", "message"), [
+    ({"router_z_loss_coef": 0.01}, "router_z_loss_coef: applies to mixture-of-experts models"),
+    ({"train_router": True}, "train_router: applies to mixture-of-experts models"),
+    ({"train_router": True, "lora": False}, "train_router: unfreezes an MoE router under LoRA"),
+])
+def test_moe_keys_on_a_dense_model_or_without_lora_are_refused(tmp_path, env, over, message):
+    cfg = write_config(tmp_path, **over)
     r = sft(cfg, env, check=False)
-    assert r.returncode == 2 and "router_z_loss_coef: applies to mixture-of-experts models" in r.stderr
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("error:") == 1, r.stderr[-2000:]
     assert not (tmp_path / "out").exists()
