@@ -185,7 +185,8 @@ def test_peft_round_trip_with_expert_adapters_and_a_trained_router(tmp_path):
     base = jax.eval_shape(lambda: plain.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
     base = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), base)
     merged = lora_lib.merge(base, adapters, cfg.lora)
-    np.testing.assert_array_equal(merged["layers"]["mlp"]["gate"]["kernel"], adapters["layers"]["mlp"]["gate"]["kernel"])
+    router = adapters["layers"]["mlp"]["gate"]["kernel"]
+    np.testing.assert_array_equal(merged["layers"]["mlp"]["gate"]["kernel"], router)
     up = adapters["layers"]["mlp"]["experts"]["up_proj"]
     want = 2.0 * np.einsum("leir,lero->leio", np.asarray(up["lora_a"]), np.asarray(up["lora_b"]))  # alpha / r = 2
     np.testing.assert_allclose(merged["layers"]["mlp"]["experts"]["up_proj"], want, rtol=1e-5, atol=1e-7)
