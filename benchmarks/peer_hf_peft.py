@@ -3,9 +3,11 @@ same GPU session as benchmarks/sft_throughput.py (the ratio is the figure; absol
 
     python3 benchmarks/peer_hf_peft.py --size 0.6b [--gradient-checkpointing] [--steps 4] [--out f.jsonl]
 
-What it runs: `Qwen3ForCausalLM` built from the Qwen3 shapes of benchmarks/_qwen3.py with random weights, bf16,
-SDPA attention (PyTorch's flash/efficient kernels); PEFT LoRA rank 16, alpha 32, dropout 0 on the seven
-projections (adapters in fp32, PEFT's default autocast); torch.optim.AdamW (fused) at lr 2e-4 on the adapters;
+What it runs: `Qwen3ForCausalLM` (or `Qwen3MoeForCausalLM` for the MoE shapes) built from the shapes of
+benchmarks/_qwen3.py with random weights, bf16, SDPA attention (PyTorch's flash/efficient kernels); PEFT LoRA rank 16,
+alpha 32, dropout 0 on the seven projections (adapters in fp32, PEFT's default autocast; MoE under transformers 5,
+whose experts are stacked 3-D parameters: on q,k,v,o plus PEFT's `target_parameters` LoRA on the experts'
+gate_up_proj and down_proj); torch.optim.AdamW (fused) at lr 2e-4 on the adapters;
 rows of `seq` random tokens without packing (the peer has no packed-row attention mask; our benchmark's packed rows
 do the same work or less), batch rows per micro-batch, grad-accum micro-batches per step, labels = inputs (HF's
 shifted loss). Gradient checkpointing off by default (`--gradient-checkpointing`: HF's non-reentrant one, as our
@@ -21,27 +23,46 @@ import json
 import statistics
 import time
 
-from _qwen3 import QWEN3, SEED_H100, TARGETS, head_dim, vocab_size
+from _qwen3 import QWEN3, QWEN3_MOE, SEED_H100, TARGETS, head_dim, vocab_size
 
 
 def build(size: str, device: str, gradient_checkpointing: bool):
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    D, F, L, H, KV, tied = QWEN3[size]
-    cfg = Qwen3Config(vocab_size=vocab_size(size), hidden_size=D, intermediate_size=F, num_hidden_layers=L,
-                      num_attention_heads=H, num_key_value_heads=KV, head_dim=head_dim(size), rope_theta=1e6,
-                      tie_word_embeddings=tied, max_position_embeddings=40960, attn_implementation="sdpa")
+    common = dict(vocab_size=vocab_size(size), head_dim=head_dim(size), rope_theta=1e6, max_position_embeddings=40960,
+                  attn_implementation="sdpa")
+    if size in QWEN3_MOE:
+        D, L, H, KV, E, k, I, tied = QWEN3_MOE[size]
+        cfg = Qwen3MoeConfig(hidden_size=D, intermediate_size=I, num_hidden_layers=L, num_attention_heads=H,
+                             num_key_value_heads=KV, tie_word_embeddings=tied, num_experts=E, num_experts_per_tok=k,
+                             moe_intermediate_size=I, norm_topk_prob=True, **common)
+        cls = Qwen3MoeForCausalLM
+    else:
+        D, F, L, H, KV, tied = QWEN3[size]
+        cfg = Qwen3Config(hidden_size=D, intermediate_size=F, num_hidden_layers=L, num_attention_heads=H,
+                          num_key_value_heads=KV, tie_word_embeddings=tied, **common)
+        cls = Qwen3ForCausalLM
     dtype = torch.bfloat16 if device != "cpu" else torch.float32
     torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).to(dtype)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in bf16 directly: an fp32 30B-A3B would not fit next to its bf16 copy
+    try:
+        with torch.device(device):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(prev)
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(TARGETS), task_type="CAUSAL_LM")
+    targets, params = list(TARGETS), None
+    experts = getattr(model.model.layers[0].mlp, "experts", None)
+    if hasattr(experts, "gate_up_proj"):  # transformers 5 stacks the experts: PEFT adapts the 3-D parameters
+        targets, params = list(TARGETS[:4]), ["experts.gate_up_proj", "experts.down_proj"]
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM",
+                      **({"target_parameters": params} if params else {}))
     model = get_peft_model(model, lora)
     model.train()
     return model
@@ -95,7 +116,7 @@ def run(size: str, steps: int, batch: int, accum: int, seq: int, device: str, gr
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=list(QWEN3), required=True)
+    ap.add_argument("--size", choices=[*QWEN3, *QWEN3_MOE], required=True)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=2, help="rows per micro-batch")
     ap.add_argument("--accum", type=int, default=4)
