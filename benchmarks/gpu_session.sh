@@ -12,7 +12,7 @@
 #     compilation, one core per worker, and the machine has 16).
 #   benches (default: none; benchmarks/README.md says what each measures):
 #     op benchmarks: rms_norm, add_rms_norm, rope, swiglu, swiglu_lora, lm_head_ce, fp8_matmul,
-#       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon, nf4_dequantize, tile_dequantize
+#       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon, nf4_dequantize, tile_dequantize, grouped_matmul
 #     model: forward, sft:<size>[,<size>...] (one fresh process per size; SFT_ARGS="--qlora bnb ..." adds flags;
 #       SFT_VARIANTS="--max-segments 0|--max-segments -1" runs each size once per '|'-separated flag set: an A/B),
 #       peer:<size>[,<size>...] (the HF transformers + PEFT peer, without then with gradient checkpointing),
@@ -89,6 +89,7 @@ for b in "${benches[@]}"; do
     normuon) op_bench normuon 16 ;;
     nf4_dequantize) op_bench nf4_dequantize 20 ;;
     tile_dequantize) op_bench tile_dequantize 30 ;;
+    grouped_matmul) op_bench grouped_matmul 24 ;;
     ncu_rope) for c in "0.6b q|bwd|positions" "0.6b q|bwd|table" "0.6b k|bwd|positions" "8b k|bwd|table" \
                        "0.6b q|fwd|positions"; do
                 IFS='|' read -r shp pas src <<< "$c"   # kernel-only durations, DRAM throughput, stall reasons
