@@ -11,7 +11,7 @@ from surogate_jax.errors import UnsupportedConfigError
 
 from . import llama, qwen2, qwen3, qwen3_moe
 from .hf_config import check_sizes
-from .llamalike import REMAT_POLICIES, Decoder, DecoderConfig, LoraSpec, RopeScaling, projection_shape
+from .llamalike import REMAT_POLICIES, Decoder, DecoderConfig, LoraSpec, RopeScaling, expert_shape, projection_shape
 
 FAMILIES = {m.MODEL_TYPE: m for m in (llama, qwen2, qwen3, qwen3_moe)}
 ARCHITECTURES = {m.ARCHITECTURE: m for m in (llama, qwen2, qwen3, qwen3_moe)}
@@ -59,5 +59,6 @@ __all__ = [
     "check_hf_config",
     "config_from_hf",
     "config_to_hf",
+    "expert_shape",
     "projection_shape",
 ]

@@ -26,9 +26,8 @@ import numpy as np
 
 from .atomic import atomic_directory
 from .errors import ModelLoadError
-from .models import Decoder, check_hf_config, config_from_hf, config_to_hf, projection_shape
+from .models import Decoder, check_hf_config, config_from_hf, config_to_hf, expert_shape, projection_shape
 from .models import hf_names as names
-from .models.llamalike import expert_shape
 from .names import FP8_BLOCK_SIZES
 from .qlora import base as qlora_base
 from .qlora.base import QloraSpec
