@@ -55,11 +55,11 @@ def qwen3(size: str, recompute: bool | str, full_ft: bool = False, offload_resid
           layers: int | None = None) -> DecoderConfig:
     """A Qwen3 (QWEN3) or Qwen3-MoE (QWEN3_MOE: LoRA on attention and every expert) shape; `layers` overrides the
     depth (a shape too big for one GPU measured per layer)."""
-    moe = {"model_type": "qwen3"}
+    family = {"model_type": "qwen3"}
     if size in QWEN3_MOE:
         D, L, H, KV, E, k, I, tied = QWEN3_MOE[size]
         F = I
-        moe = dict(model_type="qwen3_moe", num_experts=E, num_experts_per_tok=k, moe_intermediate_size=I,
+        family = dict(model_type="qwen3_moe", num_experts=E, num_experts_per_tok=k, moe_intermediate_size=I,
                    norm_topk_prob=True, router_aux_loss_coef=0.001)
     else:
         D, F, L, H, KV, tied = QWEN3[size]
@@ -70,7 +70,7 @@ def qwen3(size: str, recompute: bool | str, full_ft: bool = False, offload_resid
         param_dtype=jnp.float32 if full_ft else jnp.bfloat16,  # full FT: fp32 masters, bf16 compute
         remat_policy="full" if recompute == "auto" else par.remat_policy(recompute, offload_residual),
         lora=None if full_ft else LoraSpec(rank=16, alpha=32.0, targets=TARGETS),
-        **moe,
+        **family,
     )
 
 

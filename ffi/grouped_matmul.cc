@@ -86,7 +86,7 @@ ffi::Error GroupedMatmulDw(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   if (auto e = Mult8(kDw, "N", N); e.failure()) return e;
   return CudaError(
       kDw, grouped_matmul_dw(In<__nv_bfloat16>(x), In<__nv_bfloat16>(dy), In<int32_t>(offsets),
-                             Out<__nv_bfloat16>(dw), rows, M, N, E, stream));
+                             Out<__nv_bfloat16>(dw), M, N, E, stream));
 }
 
 }  // namespace

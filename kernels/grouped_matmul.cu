@@ -15,11 +15,12 @@
 // shared memory, two blocks an SM; rows padded by 16 bytes so ldmatrix reads are conflict-free), 8
 // warps of 64 x 32, mma.sync m16n8k16 with fp32 accumulators. Forward / input gradient: a block
 // owns one row tile of one expert (a row tile never straddles two experts); blocks are ordered
-// column tile fastest, so the blocks of one row tile run together and read x once from DRAM, and an
-// expert's two-odd row tiles run close enough to share its weights in L2. Each block finds its
-// (expert, row tile) from the device offsets with a block-wide scan of the per-expert tile counts
-// (no host round trip, no second kernel). Weight gradient: a block owns one (expert, 128 x 128 tile
-// of dw) and runs its k loop over the expert's rows.
+// column tile fastest, so that the blocks of one row tile run together and read x once from DRAM,
+// and an expert's two-odd row tiles run close enough to share its weights in L2 (the intent; no
+// profiler has measured the L2 hit rate). Each block finds its (expert, row tile) from the device
+// offsets with a block-wide scan of the per-expert tile counts (no host round trip, no second
+// kernel). Weight gradient: a block owns one (expert, 128 x 128 tile of dw) and runs its k loop
+// over the expert's rows.
 #include "kernels/grouped_matmul.h"
 
 #include <algorithm>
@@ -280,8 +281,8 @@ __global__ void __launch_bounds__(kThreads)
   store_tile(acc, dw + int64_t(e) * M * N + int64_t(m0) * N, N, M - m0, n0, N);
 }
 
-// Once per kernel and process (a template per kernel: the three share one function type): a
-// function attribute, not a stream operation.
+// Once per kernel and process (a template per kernel: the two forward instantiations share one
+// function type): a function attribute, not a stream operation.
 template <auto kKernel>
 cudaError_t allow_smem() {
   static const cudaError_t err = cudaFuncSetAttribute(
@@ -311,8 +312,7 @@ cudaError_t grouped_matmul(const bf16* x, const bf16* w, const int32_t* offsets,
 }
 
 cudaError_t grouped_matmul_dw(const bf16* x, const bf16* dy, const int32_t* offsets, bf16* dw,
-                              int64_t rows, int64_t M, int64_t N, int64_t E, cudaStream_t stream) {
-  (void)rows;
+                              int64_t M, int64_t N, int64_t E, cudaStream_t stream) {
   if (M == 0 || N == 0 || E == 0) return cudaSuccess;
   if (M % 8 || N % 8) return cudaErrorInvalidValue;
   SUROGATE_TRY(allow_smem<grouped_matmul_dw_kernel>());

@@ -28,7 +28,7 @@ cudaError_t grouped_matmul(const __nv_bfloat16* x, const __nv_bfloat16* w, const
                            bool w_nk, cudaStream_t stream);
 
 cudaError_t grouped_matmul_dw(const __nv_bfloat16* x, const __nv_bfloat16* dy,
-                              const int32_t* offsets, __nv_bfloat16* dw, int64_t rows, int64_t M,
-                              int64_t N, int64_t E, cudaStream_t stream);
+                              const int32_t* offsets, __nv_bfloat16* dw, int64_t M, int64_t N,
+                              int64_t E, cudaStream_t stream);
 
 }  // namespace surogate

@@ -483,6 +483,7 @@ class MLP(nn.Module):
 
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+ROUTER_STATS = ("counts", "probs", "z", "rows")  # moe.router_stats, in the order the per-shard block returns them
 
 
 class SparseMoeMLP(nn.Module):
@@ -515,19 +516,17 @@ class SparseMoeMLP(nn.Module):
                 base = tuple(lambda x, sizes, p=p, q=q: qlora_base.frozen_grouped_matmul(
                                  cfg.qlora, x, q, sizes, shape=expert_shape(cfg, p), dtype=cfg.dtype)
                              for p, q in zip(EXPERT_PROJECTIONS, base, strict=True))
-            y_TD, logits_TE = moe.moe_mlp(x_TD, router_ED, *base, k=k, norm_topk_prob=cfg.norm_topk_prob,
-                                          swiglu_impl=cfg.impl("swiglu"),
-                                          lora=jax.tree.unflatten(lora_def, leaves[len(base_leaves):]),
-                                          lora_scale=scale)
-            st = moe.router_stats(logits_TE, k, m_T)
-            return y_TD, st["counts"], st["probs"], st["z"], st["rows"]
+            y_TD, st = moe.moe_mlp(x_TD, router_ED, *base, k=k, norm_topk_prob=cfg.norm_topk_prob, mask_T=m_T,
+                                   swiglu_impl=cfg.impl("swiglu"),
+                                   lora=jax.tree.unflatten(lora_def, leaves[len(base_leaves):]), lora_scale=scale)
+            return y_TD, *(st[n] for n in ROUTER_STATS)
 
         rest = (*base_leaves, *lora_leaves)
         y_TD, *stats = on_shards(block, x_TD, router_DE.T.astype(cfg.dtype), m_T, *rest, mesh=cfg.mesh,
                                  batched=(True, False, True) + (False,) * len(rest),
                                  out_batched=(True, False, False, False, False),
                                  out_summed=(False, True, True, True, True))
-        return y_TD.reshape(x_BTD.shape), dict(zip(("counts", "probs", "z", "rows"), stats, strict=True))
+        return y_TD.reshape(x_BTD.shape), dict(zip(ROUTER_STATS, stats, strict=True))
 
 
 class _Router(nn.Module):

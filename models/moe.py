@@ -12,22 +12,17 @@ expert) pairs sorted by expert (a stable argsort of the expert ids, on the devic
 order, three grouped GEMMs (ops/grouped_matmul.py) with SwiGLU between, and the results gathered back to
 [T, K, D] and summed with the routing weights in fp32.
 
-Auxiliary load-balancing loss (`load_balancing_loss`, Switch Transformer eqs. 4-6, as transformers'
-`load_balancing_loss_func`): over the rows of every MoE layer together (padding excluded by a mask),
-E x sum_e f_e x P_e with f_e = top-k assignments of expert e per row and P_e = the mean router probability of e.
-`router_z_loss` (ST-MoE, Zoph et al. 2022, eq. 5): mean over rows of logsumexp(logits)^2.
-
-Router statistics (`router_stats`): what the two losses and the load metric need from one layer, as sums over the
-layer's rows so that shards and layers add up: top-k counts per expert, router probabilities summed per expert,
-the summed logsumexp^2 and the row count. `router_losses` turns the stacked [L, ...] statistics into the aux loss,
-the z-loss and the expert load (max / mean tokens per expert, averaged over layers; 1 = balanced).
+Router losses (`router_losses`, from each layer's `router_stats`: sums over its rows, so that data shards and layers
+add up): the auxiliary load-balancing loss (Switch Transformer eqs. 4-6, as transformers' `load_balancing_loss_func`)
+over the rows of every MoE layer together (padding excluded by a mask), E x sum_e f_e x P_e with f_e = top-k
+assignments of expert e per row and P_e = the mean router probability of e; the router z-loss (ST-MoE, Zoph et al.
+2022, eq. 5), the mean over rows of logsumexp(logits)^2; and the expert load (max / mean tokens per expert,
+averaged over layers; 1 = balanced).
 
 Shapes: T tokens, D hidden, E experts, I the experts' intermediate size, K = top-k.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +31,14 @@ from surogate_jax.ops import swiglu
 from surogate_jax.ops.grouped_matmul import grouped_matmul
 
 
-def route(logits_TE: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
-    """(weights [T, K] in the logits' dtype, expert ids [T, K] int32) of each token's top-k experts."""
+def route(logits_TE: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(weights [T, K] in the logits' dtype, expert ids [T, K] int32, router probabilities [T, E] f32) of each
+    token's top-k experts; the probabilities also feed the router statistics."""
     probs_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
     top_TK, idx_TK = jax.lax.top_k(probs_TE, k)
     if norm_topk_prob:
         top_TK = top_TK / jnp.sum(top_TK, axis=-1, keepdims=True)
-    return top_TK.astype(logits_TE.dtype), idx_TK.astype(jnp.int32)
+    return top_TK.astype(logits_TE.dtype), idx_TK.astype(jnp.int32), probs_TE
 
 
 def combine_weights(weights_TK: jax.Array, idx_TK: jax.Array, num_experts: int) -> jax.Array:
@@ -56,7 +52,7 @@ def moe_mlp_ref(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_E
     """(y [T, D], router logits [T, E]): the MoE block on tokens x (every expert on every token, combined by the
     routing weights)."""
     logits_TE = x_TD @ router_ED.T
-    weights_TK, idx_TK = route(logits_TE, k, norm_topk_prob)
+    weights_TK, idx_TK, _ = route(logits_TE, k, norm_topk_prob)
     h_ETI = jax.nn.silu(jnp.einsum("td,edi->eti", x_TD, gate_EDI)) * jnp.einsum("td,edi->eti", x_TD, up_EDI)
     y_ETD = jnp.einsum("eti,eid->etd", h_ETI, down_EID)
     w_TE = combine_weights(weights_TK, idx_TK, router_ED.shape[0])
@@ -71,16 +67,18 @@ def sort_by_expert(idx_TK: jax.Array, num_experts: int) -> tuple[jax.Array, jax.
 
 
 def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array, down_EID: jax.Array,
-            *, k: int, norm_topk_prob: bool, impl: str | None = None, swiglu_impl: str | None = None,
-            lora: dict | None = None, lora_scale: float = 0.0) -> tuple[jax.Array, jax.Array]:
-    """(y [T, D], router logits [T, E]): the MoE block computing only each token's k experts. impl: the grouped
+            *, k: int, norm_topk_prob: bool, mask_T: jax.Array | None = None, impl: str | None = None,
+            swiglu_impl: str | None = None, lora: dict | None = None,
+            lora_scale: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(y [T, D], the layer's router statistics: `router_stats` over the rows mask_T marks): the MoE block
+    computing only each token's k experts. impl: the grouped
     GEMMs' (ops/grouped_matmul.py), swiglu_impl: SwiGLU's. A projection's weights may instead be a function
     (rows sorted by expert, group sizes) -> its output: a quantized frozen base (qlora.base.frozen_grouped_matmul).
     lora: {"gate_proj" | "up_proj" | "down_proj": (A [E, in, r], B [E, r, out])}: each expert's projection gets +
     lora_scale * (x A_e) B_e (rounded like the dense Linear's LoRA: the product to x's dtype after scaling)."""
     T, D = x_TD.shape
     logits_TE = x_TD @ router_ED.T
-    weights_TK, idx_TK = route(logits_TE, k, norm_topk_prob)
+    weights_TK, idx_TK, probs_TE = route(logits_TE, k, norm_topk_prob)
     order_N, sizes_E = sort_by_expert(idx_TK, router_ED.shape[0])
     xs_ND = jnp.take(x_TD, order_N // k, axis=0)
     lora = lora or {}
@@ -101,21 +99,20 @@ def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: 
     inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=jnp.int32))
     y_TKD = jnp.take(ys_ND, inverse_N, axis=0).reshape(T, k, D)
     y_TD = jnp.einsum("tk,tkd->td", weights_TK.astype(jnp.float32), y_TKD.astype(jnp.float32))
-    return y_TD.astype(x_TD.dtype), logits_TE
+    return y_TD.astype(x_TD.dtype), router_stats(logits_TE, probs_TE, idx_TK, mask_T)
 
 
-def router_stats(logits_TE: jax.Array, k: int, mask_T: jax.Array | None = None) -> dict[str, jax.Array]:
-    """One layer's router statistics as sums over its rows (mask_T: 1 for rows that count, 0 for padding):
-    counts [E] (top-k assignments, no gradient), probs [E] (softmax probabilities), z (sum of logsumexp^2), rows."""
+def router_stats(logits_TE: jax.Array, probs_TE: jax.Array, idx_TK: jax.Array,
+                 mask_T: jax.Array | None = None) -> dict[str, jax.Array]:
+    """One layer's router statistics from its routing (`route`'s probabilities [T, E] and top-k ids [T, K]) as sums
+    over its rows (mask_T: 1 for rows that count, 0 for padding): counts [E] (top-k assignments), probs [E] (router
+    probabilities), z (sum of logsumexp(logits)^2), rows."""
     E = logits_TE.shape[-1]
     m_T = jnp.ones(logits_TE.shape[:1], jnp.float32) if mask_T is None else mask_T.astype(jnp.float32)
-    logits = logits_TE.astype(jnp.float32)
-    p_TE = jax.nn.softmax(logits, axis=-1)
-    _, idx_TK = jax.lax.top_k(jax.lax.stop_gradient(p_TE), k)
     return {
         "counts": jnp.einsum("t,tke->e", m_T, jax.nn.one_hot(idx_TK, E, dtype=jnp.float32)),
-        "probs": jnp.einsum("t,te->e", m_T, p_TE),
-        "z": jnp.sum(m_T * jax.nn.logsumexp(logits, axis=-1) ** 2),
+        "probs": jnp.einsum("t,te->e", m_T, probs_TE),
+        "z": jnp.sum(m_T * jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1) ** 2),
         "rows": jnp.sum(m_T),
     }
 
@@ -134,32 +131,3 @@ def router_losses(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
         "z_loss": jnp.sum(stats["z"]) / rows,
         "expert_load": jnp.mean(load),
     }
-
-
-def load_balancing_loss(logits_per_layer: Sequence[jax.Array], k: int, mask_T: jax.Array | None = None) -> jax.Array:
-    """Scalar f32: E x sum_e (top-k assignments of e per row) x (mean router probability of e), over the rows of all
-    layers' router logits [T, E] (mask_T: 1 for rows that count, 0 for padding)."""
-    E = logits_per_layer[0].shape[-1]
-    counts_E = jnp.zeros((E,), jnp.float32)
-    probs_E = jnp.zeros((E,), jnp.float32)
-    rows = jnp.zeros((), jnp.float32)
-    for logits_TE in logits_per_layer:
-        m_T = jnp.ones(logits_TE.shape[:1], jnp.float32) if mask_T is None else mask_T.astype(jnp.float32)
-        p_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
-        _, idx_TK = jax.lax.top_k(p_TE, k)
-        counts_E += jnp.einsum("t,tke->e", m_T, jax.nn.one_hot(idx_TK, E, dtype=jnp.float32))
-        probs_E += jnp.einsum("t,te->e", m_T, p_TE)
-        rows += jnp.sum(m_T)
-    return E * jnp.sum((counts_E / rows) * (probs_E / rows))
-
-
-def router_z_loss(logits_per_layer: Sequence[jax.Array], mask_T: jax.Array | None = None) -> jax.Array:
-    """Scalar f32: the mean over rows (all layers; mask_T as above) of logsumexp(router logits)^2."""
-    total = jnp.zeros((), jnp.float32)
-    rows = jnp.zeros((), jnp.float32)
-    for logits_TE in logits_per_layer:
-        m_T = jnp.ones(logits_TE.shape[:1], jnp.float32) if mask_T is None else mask_T.astype(jnp.float32)
-        z_T = jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)
-        total += jnp.sum(m_T * z_T**2)
-        rows += jnp.sum(m_T)
-    return total / rows

@@ -70,7 +70,8 @@ def put_router(params: dict, lora: dict) -> dict:
     router = _get(lora, ROUTER)
     if router is None:
         return params
-    dtype = jax.tree.leaves(params)[0].dtype if _get(params, ROUTER) is None else _get(params, ROUTER).dtype
+    base = _get(params, ROUTER)
+    dtype = params["embedding"].dtype if base is None else base.dtype  # taken out: the base's unquantized dtype
     return _with(params, ROUTER, router.astype(dtype))
 
 

@@ -185,7 +185,7 @@ def build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout |
     no device ever holds the whole model). The model carries the config's precision recipe (for
     LoRA, train.init_state quantizes the frozen base once)."""
     model, params, trainable = _build_model(cfg, model_dir, mode, layout)
-    model = Decoder(router_losses(cfg, model.config))
+    model = Decoder(with_router_weights(cfg, model.config))
     return with_recipe(model, quant_recipe(cfg)), params, trainable
 
 
@@ -283,7 +283,7 @@ def check_moe(cfg: SFTConfig, dcfg, prequantized: bool = False) -> None:
                           "or lora_target_modules without gate_proj / up_proj / down_proj")
 
 
-def router_losses(cfg: SFTConfig, dcfg):
+def with_router_weights(cfg: SFTConfig, dcfg):
     """The decoder config with the run's router loss weights (an MoE model; the model's aux weight by default)."""
     if not dcfg.num_experts:
         return dcfg

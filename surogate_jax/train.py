@@ -93,16 +93,17 @@ def batch_loss(model: Decoder, params, trainable, batch: dict, rng, quant: Any =
 
 
 def train_loss(model: Decoder, params, trainable, batch: dict, rng, quant: Any = None,
-               router_weight: jax.Array | float = 0.0) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+               router_weight: jax.Array | float = 0.0) -> tuple[jax.Array, tuple[jax.Array, jax.Array, dict]]:
     """What the train step differentiates for one micro-batch: (CE sum + router_weight x (the MoE router losses
-    times their coefficients), (supervised tokens, router metrics: {} for a dense model)). router_weight puts the
-    router losses, means over a micro-batch, on the CE sum's scale (the step divides by the step's token count)."""
+    times their coefficients), (supervised tokens, the CE sum alone, router metrics: {} for a dense model)).
+    router_weight puts the router losses, means over a micro-batch, on the CE sum's scale (the step divides by the
+    step's token count)."""
     ce_sum, n_tokens, router = _forward_loss(model, params, trainable, batch, rng, quant)
     if not router:
-        return ce_sum, (n_tokens, {})
+        return ce_sum, (n_tokens, ce_sum, {})
     cfg = model.config
     extra = cfg.router_aux_loss_coef * router["aux_loss"] + cfg.router_z_loss_coef * router["z_loss"]
-    return ce_sum + router_weight * extra, (n_tokens, jax.lax.stop_gradient(router))
+    return ce_sum + router_weight * extra, (n_tokens, ce_sum, jax.lax.stop_gradient(router))
 
 
 def _forward_loss(model: Decoder, params, trainable, batch: dict, rng, quant: Any = None):
@@ -219,13 +220,10 @@ def _accumulate(model: Decoder, state: TrainState, work, batch: dict, zeros, add
     def micro(carry, xs):
         grads, obs, loss, router = carry
         mb, i = xs
-        (l, (_, r)), (g, o) = grad_fn(work, state.quant, mb, jax.random.fold_in(step_rng, i))
+        (_, (_, ce, r)), (g, o) = grad_fn(work, state.quant, mb, jax.random.fold_in(step_rng, i))
         obs = fp8_lib.combine_observations(obs, o)  # amaxes: max over micro-batches, not a sum
         router = {k: router[k] + r[k] for k in router}
-        if router:  # the step reports CE; the router terms are their own metrics
-            l = l - router_weight * (model.config.router_aux_loss_coef * r["aux_loss"]
-                                     + model.config.router_z_loss_coef * r["z_loss"])
-        return (add(grads, g, i), obs, loss + l, router), None
+        return (add(grads, g, i), obs, loss + ce, router), None  # the step reports CE; the router terms stand apart
 
     no_obs = jax.tree.map(jnp.zeros_like, state.quant)
     (grads, obs, loss_sum, router), _ = jax.lax.scan(
@@ -451,10 +449,10 @@ def free_block(mem: dict) -> float:
 
 
 def auto_unroll(cfg: DecoderConfig, unroll: bool | None) -> bool | None:
-    """`unroll_layers: auto` for this model: QLoRA on MoE experts keeps the layer loop. Unrolled, XLA merged the
-    forward's and the backward's dequantization of each layer's experts and kept them all in bf16 (Qwen3-30B-A3B NF4
-    on an H100: the unrolled step asked for 116 GB, 58 of them the experts, after 2.4 min of compiling; in the loop
-    31.5 GB)."""
+    """`unroll_layers: auto` for this model: QLoRA on MoE experts keeps the layer loop. Qwen3-30B-A3B NF4 on an H100:
+    the unrolled step asked for 116 GB after 2.4 min of compiling, the loop's 31.5 GB. Not traced in the HLO; the
+    excess is about what all 48 layers' experts take in bf16 (58 GB), as if XLA kept each layer's dequantized
+    experts from the forward for the backward instead of dequantizing again."""
     if unroll is None and cfg.num_experts and cfg.qlora is not None:
         return False
     return unroll

@@ -45,7 +45,7 @@ for name, cfg in {"full": base, "lora (swiglu_lora)": base.replace(lora=spec),
     quant = v.get("fp8", {})
 
     def loss(model, trainable, quant, batch):
-        l, (n, _) = T.train_loss(model, params, trainable, batch, None, quant, router_weight=3.0)
+        l, (n, _, _) = T.train_loss(model, params, trainable, batch, None, quant, router_weight=3.0)
         return l / n
 
     grad = jax.value_and_grad(loss, argnums=(1, 2))

@@ -106,9 +106,10 @@ def test_moe_config_is_checked():
 
 
 @pytest.mark.parametrize("fmt", ["nf4", "fp8"])
-def test_qlora_experts_load_quantized_and_dequantize_to_the_checkpoint(fmt, tmp_path):
-    """A QLoRA base quantizes each layer's experts as one [E * out, in] weight while loading: the forward through it
-    equals the plain model over its dequantized weights, which are the checkpoint's within the format's error."""
+def test_qlora_experts_load_quantized_and_dequantize_to_the_checkpoint(fmt, tmp_path, assert_close):
+    """A QLoRA base quantizes each layer's experts as one [E * out, in] weight while loading: the forward and the LoRA
+    gradients through it equal the plain model's over its dequantized weights, which are the checkpoint's within the
+    format's error."""
     from surogate_jax.hf import dequantize_base  # noqa: PLC0415
     from surogate_jax.qlora.base import QloraSpec, param_names  # noqa: PLC0415
 
@@ -129,6 +130,26 @@ def test_qlora_experts_load_quantized_and_dequantize_to_the_checkpoint(fmt, tmp_
     ids = jnp.asarray(_ids(4))
     np.testing.assert_allclose(np.asarray(qmodel.apply({"params": qparams}, ids)),
                                np.asarray(plain.apply({"params": dq}, ids)), rtol=2e-5, atol=2e-5)
+    # LoRA gradients through the frozen grouped GEMM (dequantized again in its backward) equal those over the
+    # dequantized experts
+    import jax  # noqa: PLC0415
+
+    from surogate_jax.models import Decoder, LoraSpec  # noqa: PLC0415
+
+    spec_l = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "up_proj", "down_proj"))
+    mq, mp = Decoder(qmodel.config.replace(lora=spec_l)), Decoder(plain.config.replace(lora=spec_l))
+    lora = mp.init({"params": jax.random.key(0), "lora": jax.random.key(1)}, ids[:, :4])["lora"]
+    lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(2), a.shape, a.dtype), lora)
+
+    def grads(model, params):
+        loss = lambda lo: jnp.mean(model.apply({"params": params, "lora": lo}, ids) ** 2)  # noqa: E731
+        return jax.value_and_grad(loss)(lora)
+
+    (lq, gq), (lp, gp) = grads(mq, qparams), grads(mp, dq)
+    assert_close(lq, lp, jnp.float32)
+    for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gp), strict=True):
+        assert_close(a, b, jnp.float32)
+    assert float(jnp.abs(gq["layers"]["mlp"]["experts"]["up_proj"]["lora_a"]).max()) > 0
 
 
 @pytest.mark.parametrize(("aux", "padded"), [(0.01, False), (0.3, True)])
@@ -157,8 +178,8 @@ def test_train_loss_equals_transformers_loss_with_router_logits(aux, padded, tmp
              "loss_mask": jnp.asarray(loss_mask), "positions": jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)),
              "segment_ids": jnp.asarray(mask, jnp.int32)}  # 0 = padding
     n = float(loss_mask.sum())
-    total, (count, router) = T.train_loss(model, {}, params, batch, None, router_weight=n)
-    assert float(count) == n
+    total, (count, ce, router) = T.train_loss(model, {}, params, batch, None, router_weight=n)
+    assert float(count) == n and float(ce) < float(total)
     np.testing.assert_allclose(float(router["aux_loss"]), float(out.aux_loss), rtol=1e-5)
     np.testing.assert_allclose(float(total) / n, float(out.loss), rtol=1e-5)
 

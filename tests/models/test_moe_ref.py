@@ -36,7 +36,7 @@ def _weights(block, E, I):
     return sd["gate.weight"], ex["gate_proj"], ex["up_proj"], ex["down_proj"]
 
 
-BLOCKS = {"sorted": moe.moe_mlp, "dense": moe.moe_mlp_ref}
+BLOCKS = {"sorted": lambda *a, **kw: (moe.moe_mlp(*a, **kw)[0], None), "dense": moe.moe_mlp_ref}
 
 
 @pytest.mark.parametrize("path", sorted(BLOCKS))
@@ -57,7 +57,8 @@ def test_block_matches_transformers(D, I, E, k, norm, path):
                                   jnp.asarray(up), jnp.asarray(down), k=k, norm_topk_prob=norm)
     scale = np.abs(want).max()
     assert np.abs(np.asarray(got) - want).max() <= 1e-4 * scale
-    np.testing.assert_allclose(np.asarray(logits), x.numpy().reshape(-1, D) @ router.T, rtol=1e-5, atol=1e-5)
+    if logits is not None:
+        np.testing.assert_allclose(np.asarray(logits), x.numpy().reshape(-1, D) @ router.T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("path", sorted(BLOCKS))
@@ -83,37 +84,42 @@ def test_block_gradients_match_transformers(E, k, norm, path):
         assert np.abs(np.asarray(a) - b).max() <= 1e-4 * np.abs(b).max(), name
 
 
+def _stats(logits, k, mask=None):
+    _, idx, probs = moe.route(logits, k, False)
+    return moe.router_stats(logits, probs, idx, mask)
+
+
+def _losses(logits_per_layer, k, mask=None):
+    """moe.router_losses over the layers' router logits, as the model pools them (per-layer sums, stacked)."""
+    per_layer = [_stats(x, k, mask) for x in logits_per_layer]
+    return moe.router_losses({n: jnp.stack([s[n] for s in per_layer]) for n in per_layer[0]})
+
+
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize(("E", "k"), [(8, 2), (5, 3), (6, 1)])
 def test_load_balancing_loss_matches_transformers(E, k, masked):
+    # transformers concatenates every layer's rows; the model sums per-layer statistics: the same pooled loss
     rng = np.random.default_rng(E + k)
     B, T, layers = 2, 9, 3
     logits = [rng.normal(size=(B * T, E)).astype(np.float32) for _ in range(layers)]
     mask = (rng.random((B, T)) < 0.7).astype(np.int64) if masked else None
     want = qwen3_moe.load_balancing_loss_func(tuple(torch.from_numpy(x) for x in logits), E, k,
                                               None if mask is None else torch.from_numpy(mask))
-    got = moe.load_balancing_loss([jnp.asarray(x) for x in logits], k,
-                                  None if mask is None else jnp.asarray(mask.reshape(-1)))
-    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    got = _losses([jnp.asarray(x) for x in logits], k, None if mask is None else jnp.asarray(mask.reshape(-1)))
+    np.testing.assert_allclose(float(got["aux_loss"]), float(want), rtol=1e-5)
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_router_losses_pool_layer_statistics_like_transformers(masked):
-    # per-layer sums (as the model's layer scan emits them) pooled = one pass over all layers' rows
-    rng = np.random.default_rng(5 + masked)
-    E, k, T, layers = 6, 2, 15, 4
-    logits = [jnp.asarray(rng.normal(size=(T, E)), jnp.float32) for _ in range(layers)]
-    mask = jnp.asarray(rng.random(T) < 0.6) if masked else None
-    per_layer = [moe.router_stats(x, k, mask) for x in logits]
-    stacked = {n: jnp.stack([s[n] for s in per_layer]) for n in per_layer[0]}
-    got = moe.router_losses(stacked)
-    np.testing.assert_allclose(float(got["aux_loss"]), float(moe.load_balancing_loss(logits, k, mask)), rtol=1e-5)
-    np.testing.assert_allclose(float(got["z_loss"]), float(moe.router_z_loss(logits, mask)), rtol=1e-5)
-    counts = np.asarray(stacked["counts"])
-    np.testing.assert_allclose(float(got["expert_load"]), np.mean(counts.max(-1) / counts.mean(-1)), rtol=1e-5)
-    # the counts carry no gradient; the probabilities do
-    g = jax.grad(lambda x: moe.router_losses({n: v[None] for n, v in moe.router_stats(x, k).items()})["aux_loss"])(
-        logits[0])
+def test_expert_load_and_the_router_gradient():
+    rng = np.random.default_rng(5)
+    E, k, T = 6, 2, 15
+    logits = [jnp.asarray(rng.normal(size=(T, E)), jnp.float32) for _ in range(4)]
+    per_layer = [_stats(x, k) for x in logits]
+    counts = np.stack([np.asarray(s["counts"]) for s in per_layer])
+    assert counts.sum() == 4 * T * k
+    np.testing.assert_allclose(float(_losses(logits, k)["expert_load"]), np.mean(counts.max(-1) / counts.mean(-1)),
+                               rtol=1e-6)
+    # the top-k counts carry no gradient; the probabilities and logsumexp do
+    g = jax.grad(lambda x: _losses([x], k)["aux_loss"])(logits[0])
     assert float(jnp.abs(g).max()) > 0
 
 
@@ -122,17 +128,17 @@ def test_balanced_routing_gives_loss_k():
     E, k = 4, 2
     logits = jnp.zeros((8, E)).at[jnp.arange(8), jnp.arange(8) % E].add(1e-3)
     logits = logits.at[jnp.arange(8), (jnp.arange(8) + 1) % E].add(1e-3)
-    np.testing.assert_allclose(float(moe.load_balancing_loss([logits], k)), k, rtol=1e-3)
+    np.testing.assert_allclose(float(_losses([logits], k)["aux_loss"]), k, rtol=1e-3)
 
 
 def test_route_renormalises_and_keeps_the_logits_dtype():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(6, 5)), jnp.bfloat16)
-    w, idx = moe.route(logits, 2, True)
+    w, idx, _ = moe.route(logits, 2, True)
     assert w.dtype == jnp.bfloat16 and idx.dtype == jnp.int32 and idx.shape == (6, 2)
     np.testing.assert_allclose(np.asarray(w, np.float32).sum(-1), 1.0, atol=1e-2)
     p = np.asarray(jnp.asarray(logits, jnp.float32))
     assert (np.asarray(idx)[:, 0] == p.argmax(-1)).all()
-    w_raw, _ = moe.route(logits, 2, False)
+    w_raw, _, _ = moe.route(logits, 2, False)
     sm = np.exp(p - p.max(-1, keepdims=True))
     sm /= sm.sum(-1, keepdims=True)
     np.testing.assert_allclose(np.asarray(w_raw, np.float32), np.sort(sm, -1)[:, ::-1][:, :2], rtol=1e-2)
@@ -144,5 +150,5 @@ def test_z_loss_is_the_mean_squared_logsumexp_over_unmasked_rows():
     mask = np.array([1, 0, 1, 1])
     lse = lambda x: np.log(np.exp(x).sum(-1))  # noqa: E731
     want = ((lse(a) ** 2 * mask).sum() + (lse(b) ** 2 * mask).sum()) / (2 * mask.sum())
-    got = moe.router_z_loss([jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)], jnp.asarray(mask))
+    got = _losses([jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)], 1, jnp.asarray(mask))["z_loss"]
     np.testing.assert_allclose(float(got), want, rtol=1e-5)
