@@ -14,6 +14,8 @@
 #           master, grads, residual, all four: ~90 s each (compile ~50 s, steps of ~3-8 s)
 #   qlora8  (not in the default) Qwen3-8B QLoRA, NF4 base under fp8-hybrid, seed config, 1/2/4 GPUs
 #           (ZeRO-1), then ZeRO-3 on all GPUs (the 4-bit base sharded), 4 timed steps: ~80 s each
+#   moe_ep  (not in the default) Qwen3-30B-A3B shape, bf16 LoRA, seed config, on all GPUs: --ep-size = GPUs
+#           (each GPU holds 1/N of the experts), then data parallel (every GPU the whole model), 4 timed steps
 #   Build: ~100 s on a fresh machine, ~10 s when warm from a previous call (build/ is kept).
 # Everything does not fit one call (~100 + 135 + 225 + 540 s): a run whose estimate does not fit
 # what is left of BUDGET_S (default 550 s) is skipped and listed; run the rest in a second call,
@@ -101,7 +103,11 @@ for p in "${pieces[@]}"; do
              bench "full_8b_${g}gpu_z3_off-$(echo "${off:-none}" | tr ' ' '+')" 90 --size 8b --gpus "$g" --full-ft \
                --zero-level 3 --accum 2 --steps $((2 * STEPS_SCALE)) --optimizer adamw_8bit "${flags[@]}"
            done ;;
-    *) echo "unknown piece $p (lora06, lora8, full8, qlora8)" | tee -a "$OUT/status.txt" ;;
+    moe_ep) g=${counts[-1]}  # Qwen3-30B-A3B bf16 LoRA: expert parallel over all GPUs, then data parallel
+            bench "lora_30b-a3b_${g}gpu_ep${g}" 240 --size 30b-a3b --gpus "$g" --ep-size "$g" \
+              --steps $((4 * STEPS_SCALE))
+            bench "lora_30b-a3b_${g}gpu_ep1" 240 --size 30b-a3b --gpus "$g" --steps $((4 * STEPS_SCALE)) ;;
+    *) echo "unknown piece $p (lora06, lora8, full8, qlora8, moe_ep)" | tee -a "$OUT/status.txt" ;;
   esac
 done
 
@@ -119,7 +125,8 @@ for r in rows:
     eff = f"{100 * r['tokens_per_s_per_gpu'] / b:.1f}%" if b and r["gpus"] > 1 else "--"
     fmt = lambda xs: "/".join("--" if x is None else f"{x:.1f}" for x in xs)
     init = max([x for x in r["init_peak_gb_per_gpu"] if x is not None], default=0.0)
-    print(f"| Qwen3-{r['size'].upper()} | {r['mode']} | {r['gpus']} | {r['zero_level']} | {'+'.join(r['offload']) or 'none'} "
+    ep = f" (ep {r['ep_size']})" if r.get("ep_size", 1) > 1 else ""
+    print(f"| Qwen3-{r['size'].upper()} | {r['mode']} | {r['gpus']}{ep} | {r['zero_level']} | {'+'.join(r['offload']) or 'none'} "
           f"| {r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | {eff} | {100 * r['mfu']:.1f}% "
           f"| {r['peak_gb']:.1f} ({fmt(r['peak_gb_per_gpu'])}) | {init:.1f} | {r['compiled_gb'].get('device_total', 0):.1f} "
           f"| {1e3 * r['step_s']:.0f} | {r['compile_s']:.0f} |")

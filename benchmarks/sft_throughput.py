@@ -16,7 +16,8 @@ the first step (building the state), compiled_gb = XLA's buffer assignment of th
 
 Scaling: --gpus N builds the mesh over the first N devices (global batch = batch x N rows, split
 over "data"), the state and step exactly as the trainer does (parallel.Layout from a
-ParallelConfig with --zero-level / --offload-*; train.init_state; train.jit_train_step).
+ParallelConfig with --zero-level / --offload-* / --ep-size; train.init_state; train.jit_train_step).
+--ep-size N: expert parallelism, N devices of the mesh split each MoE layer's experts.
 --full-ft trains fp32 masters of every weight (bf16 compute, no LoRA), as the trainer's full
 fine-tuning does. --baseline-tps (the 1-GPU tokens/s) adds the scaling efficiency
 (tokens/s per GPU / baseline).
@@ -135,7 +136,7 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
         zero_level: int = 1, offload: tuple[str, ...] = (), full_ft: bool = False, optimizer: str = "adamw",
         baseline_tps: float | None = None, recipe: str = "bf16", kernels: tuple[str, ...] | None = None,
         qlora: str | None = None, max_segments: int | None = None, long_docs: bool = False,
-        trace_dir: str | None = None, unroll: bool | None = None, layers: int | None = None) -> dict:
+        trace_dir: str | None = None, unroll: bool | None = None, layers: int | None = None, ep_size: int = 1) -> dict:
     if recompute == "auto" and "residual" in offload:
         recompute = True  # as the trainer: the offloaded layer input is what the recomputation starts from
     cfg = qwen3(size, recompute, full_ft, "residual" in offload, layers)
@@ -160,8 +161,9 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
 
         cfg = cfg.replace(recipe=QuantRecipe(recipe))
     model = Decoder(cfg)
-    mesh = T.make_mesh(devices)
-    pcfg = ParallelConfig(zero_level=zero_level, gpus=gpus, **{f"offload_{o}": True for o in offload})
+    mesh = T.make_mesh(devices, ep_size)
+    pcfg = ParallelConfig(zero_level=zero_level, gpus=gpus, ep_size=ep_size,
+                          **{f"offload_{o}": True for o in offload})
     layout = par.Layout(mesh, par.Plan.from_config(pcfg))
     if full_ft:  # the trainer's full fine-tuning: no frozen base, the fp32 masters are trained
         params, trainable = {}, init_weights(model, layout, 0)
@@ -209,7 +211,7 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
                seed_surogate_bf16=SEED_H100[size][0], seed_unsloth_bf16=SEED_H100[size][1],
                gpus=len(devices), tokens_per_s_per_gpu=tps / len(devices), peak_gb_per_gpu=peaks,
                mode="full" if full_ft else ("qlora-" + qlora if qlora else "lora"), recipe=recipe,
-               zero_level=zero_level, offload=list(offload),
+               zero_level=zero_level, offload=list(offload), ep_size=ep_size,
                optimizer=optimizer,
                init_peak_gb_per_gpu=init_peaks, compiled_gb=mem,
                parallel=layout.describe(), remat=model.config.remat_policy,
@@ -229,7 +231,8 @@ def table_line(res: dict, plain: bool) -> str:
                 f"| {res['seed_unsloth_bf16'] / 1e3:.1f}k |")
     eff = f"{100 * res['scaling_efficiency']:.1f}%" if res["scaling_efficiency"] else "--"
     peaks = "/".join("--" if p is None else f"{p:.1f}" for p in res["peak_gb_per_gpu"])
-    return (f"| Qwen3-{res['size'].upper()} | {res['mode']} | {res['gpus']} | zero {res['zero_level']} "
+    ep = f" ep {res['ep_size']}" if res["ep_size"] > 1 else ""
+    return (f"| Qwen3-{res['size'].upper()} | {res['mode']} | {res['gpus']}{ep} | zero {res['zero_level']} "
             f"| {','.join(res['offload']) or 'none'} | {res['optimizer']} | {res['tokens_per_s'] / 1e3:.2f}k "
             f"| {res['tokens_per_s_per_gpu'] / 1e3:.2f}k | {eff} | {100 * res['mfu']:.1f}% | {res['peak_gb']:.1f} GB "
             f"({peaks}) | {res['step_s'] * 1e3:.0f} ms |")
@@ -250,6 +253,7 @@ def main():
     ap.add_argument("--no-recompute", dest="recompute", action="store_const", const="false")
     ap.add_argument("--auto-recompute", dest="recompute", action="store_const", const="auto")
     ap.add_argument("--gpus", type=int, default=1, help="mesh over the first N local devices (0 = all)")
+    ap.add_argument("--ep-size", type=int, default=1, help="expert parallelism: groups of N devices split the experts")
     ap.add_argument("--zero-level", type=int, choices=(0, 1, 2, 3), default=ParallelConfig().zero_level)
     for o in OFFLOADS:
         ap.add_argument(f"--offload-{o}", action="store_true")
@@ -276,7 +280,8 @@ def main():
     res = run(a.size, a.steps, recompute, a.batch, a.accum, a.seq, gpus=a.gpus, zero_level=a.zero_level,
               offload=offload, full_ft=a.full_ft, optimizer=a.optimizer, baseline_tps=a.baseline_tps,
               recipe=a.recipe, kernels=kernels, qlora=a.qlora, max_segments=a.max_segments, long_docs=a.long_docs,
-              trace_dir=a.trace, unroll={"auto": None, "true": True, "false": False}[a.unroll_layers], layers=a.layers)
+              trace_dir=a.trace, unroll={"auto": None, "true": True, "false": False}[a.unroll_layers], layers=a.layers,
+              ep_size=a.ep_size)
     plain = res["gpus"] == 1 and not (offload or a.full_ft or a.optimizer != "adamw" or a.baseline_tps or a.qlora)
     print(json.dumps(res))
     print(table_line(res, plain))

@@ -1,9 +1,9 @@
 """Our parameter paths <-> HF safetensors tensor names and layouts (shared by every family).
 
 Our modules are named like HF's (`self_attn.q_proj`, `mlp.down_proj`, `input_layernorm`, ...), so the
-map is mechanical: stacked `layers/...` leaves hold one HF tensor per layer (MoE experts: one per layer and expert,
-stacked [L, E, ...] here as transformers 5 stacks them); kernels are stored
-[in..., out...] (JAX's x @ W) where HF stores Linear weights [out, in]; q/k/v kernels split the
+map is mechanical: stacked `layers/...` leaves (`layers_N/...`: a stack from layer N) hold one HF tensor per
+layer (MoE experts: one per layer and expert, stacked [L, E, ...] here as transformers 5 stacks them); kernels
+are stored [in..., out...] (JAX's x @ W) where HF stores Linear weights [out, in]; q/k/v kernels split the
 output into (heads, head_dim) and o_proj splits its input the same way.
 """
 
@@ -13,22 +13,27 @@ import math
 
 import numpy as np
 
+from surogate_jax.names import layer_stack_start
+
 Path = tuple[str, ...]
 
 
 def is_stacked(path: Path) -> bool:
-    return path[0] == "layers"
+    return layer_stack_start(path[0]) is not None
 
 
 def is_experts(path: Path) -> bool:
     """A stacked MoE expert weight [L, E, ...] ('layers', 'mlp', 'experts', 'gate_proj'): one HF tensor per layer
     and expert."""
-    return len(path) == 4 and path[:3] == ("layers", "mlp", "experts")
+    return len(path) == 4 and is_stacked(path) and path[1:3] == ("mlp", "experts")
 
 
 def hf_name(path: Path, layer: int | None = None, expert: int | None = None) -> str:
     """('layers', 'self_attn', 'q_proj', 'kernel'), 3 -> 'model.layers.3.self_attn.q_proj.weight';
-    ('layers', 'mlp', 'experts', 'up_proj'), 3, 5 -> 'model.layers.3.mlp.experts.5.up_proj.weight'."""
+    ('layers', 'mlp', 'experts', 'up_proj'), 3, 5 -> 'model.layers.3.mlp.experts.5.up_proj.weight'; `layer` counts
+    from the stack's first layer (('layers_4', ...), 1 is HF's layer 5)."""
+    if is_stacked(path):
+        layer += layer_stack_start(path[0])
     if is_experts(path):
         return f"model.layers.{layer}.mlp.experts.{expert}.{path[3]}.weight"
     if path == ("embedding",):
@@ -37,7 +42,7 @@ def hf_name(path: Path, layer: int | None = None, expert: int | None = None) -> 
         return "lm_head.weight"
     *modules, leaf = path
     suffix = "bias" if leaf == "bias" else "weight"
-    if modules[0] == "layers":
+    if is_stacked(path):
         return ".".join(["model.layers", str(layer), *modules[1:], suffix])
     return ".".join(["model", *modules, suffix])
 

@@ -32,7 +32,7 @@ from jax.sharding import AbstractMesh, Mesh
 from surogate_jax.names import PROJECTIONS, REMAT_POLICIES
 from surogate_jax.ops import add_rms_norm, fp8_formats, rms_norm, rope_qk, swiglu, swiglu_lora
 from surogate_jax.ops import attention as attention_op
-from surogate_jax.ops._sharding import on_shards
+from surogate_jax.ops._sharding import EXPERT_AXIS, expert_parallel, on_shards
 from surogate_jax.precision import recipe as recipe_lib
 from surogate_jax.precision.recipe import QuantRecipe
 from surogate_jax.qlora import base as qlora_base
@@ -118,12 +118,15 @@ class DecoderConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     initializer_range: float = 0.02
-    # Mixture-of-experts feed-forward in every layer when num_experts > 0 (models/moe.py: top-k of num_experts
-    # experts of moe_intermediate_size, drop-free, as Qwen3-MoE); not yet with a precision recipe.
+    # Mixture-of-experts feed-forward when num_experts > 0 (models/moe.py: top-k of num_experts experts of
+    # moe_intermediate_size, drop-free, as Qwen3-MoE) in the layers `sparse_layer` picks, the dense MLP of
+    # intermediate_size in the others; not yet with a precision recipe.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     # Weights of the MoE router losses that train.train_loss adds (models/moe.py): the load-balancing aux loss (HF's
     # router_aux_loss_coef, so it round-trips through config.json) and the z-loss.
     router_aux_loss_coef: float = 0.0
@@ -165,6 +168,9 @@ class DecoderConfig:
             raise ValueError(f"kernels={self.kernels!r}: choose among {MODEL_KERNELS}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}")
+        if self.decoder_sparse_step < 1 or not all(0 <= i < self.num_layers for i in self.mlp_only_layers):
+            raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1 and mlp_only_layers="
+                             f"{list(self.mlp_only_layers)} layer indices in [0, {self.num_layers})")
         if self.num_experts:
             if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
                 raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
@@ -181,6 +187,22 @@ class DecoderConfig:
         if self.qlora is not None and self.recipe is not None and self.recipe.skips:
             raise ValueError("skip_quant_first_layers / skip_quant_last_layers keep layers' exact weights, which a "
                              f"QLoRA base ({self.qlora.format}) does not have; leave them at 0")
+
+    def sparse_layer(self, i: int) -> bool:
+        """Whether layer i's feed-forward is the mixture of experts (transformers' Qwen3-MoE rule)."""
+        return bool(self.num_experts) and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    def layer_stacks(self) -> tuple[tuple[str, int, int, bool], ...]:
+        """(module name, first layer, layers, sparse) per run of consecutive layers of one kind: each run is one
+        nn.scan stack, named "layers" from layer 0 and "layers_<first>" after it (surogate_jax.names)."""
+        runs = []
+        for i in range(self.num_layers):
+            if runs and runs[-1][3] == self.sparse_layer(i):
+                name, start, n, sparse = runs[-1]
+                runs[-1] = (name, start, n + 1, sparse)
+            else:
+                runs.append(("layers" if i == 0 else f"layers_{i}", i, 1, self.sparse_layer(i)))
+        return tuple(runs)
 
     def impl(self, op: str) -> str | None:
         """impl argument for op: None (kernel on GPU, reference elsewhere) or "ref" (XLA fusion)."""
@@ -491,7 +513,8 @@ class SparseMoeMLP(nn.Module):
     data shard: every device sorts and multiplies its own tokens. Params as HF names them: the router `gate` kernel
     [D, E]; `experts` gate_proj / up_proj [E, D, I], down_proj [E, I, D]. LoRA on gate/up/down_proj adapts every
     expert (A [E, in, r], B [E, r, out] in the `lora` collection under experts/<proj>). Returns (y, this layer's
-    router statistics summed over the data shards' rows; `valid_BT` marks the rows that count)."""
+    router statistics summed over the data shards' rows; `valid_BT` marks the rows that count). With an "expert" mesh
+    axis (ep_size) each device of it holds E / ep experts and their adapters (moe.moe_mlp's ep_axis)."""
 
     cfg: DecoderConfig
 
@@ -510,6 +533,10 @@ class SparseMoeMLP(nn.Module):
         x_TD = x_BTD.reshape(-1, D).astype(cfg.dtype)
         m_T = jnp.ones(x_TD.shape[:1], jnp.float32) if valid_BT is None else valid_BT.reshape(-1).astype(jnp.float32)
 
+        ep = expert_parallel(cfg.mesh) > 1
+        if ep and cfg.qlora is not None:
+            raise ValueError("expert parallelism (ep_size > 1) over a QLoRA base is not built yet")
+
         def block(x_TD, router_ED, m_T, *leaves):
             base = jax.tree.unflatten(base_def, leaves[:len(base_leaves)])
             if cfg.qlora is not None:  # each projection dequantized inside its grouped GEMM, forward and backward
@@ -518,14 +545,16 @@ class SparseMoeMLP(nn.Module):
                              for p, q in zip(EXPERT_PROJECTIONS, base, strict=True))
             y_TD, st = moe.moe_mlp(x_TD, router_ED, *base, k=k, norm_topk_prob=cfg.norm_topk_prob, mask_T=m_T,
                                    swiglu_impl=cfg.impl("swiglu"),
-                                   lora=jax.tree.unflatten(lora_def, leaves[len(base_leaves):]), lora_scale=scale)
+                                   lora=jax.tree.unflatten(lora_def, leaves[len(base_leaves):]), lora_scale=scale,
+                                   ep_axis=EXPERT_AXIS if ep else None)
             return y_TD, *(st[n] for n in ROUTER_STATS)
 
         rest = (*base_leaves, *lora_leaves)
         y_TD, *stats = on_shards(block, x_TD, router_DE.T.astype(cfg.dtype), m_T, *rest, mesh=cfg.mesh,
                                  batched=(True, False, True) + (False,) * len(rest),
                                  out_batched=(True, False, False, False, False),
-                                 out_summed=(False, True, True, True, True))
+                                 out_summed=(False, True, True, True, True),
+                                 split_experts=(False,) * 3 + (ep,) * len(rest))
         return y_TD.reshape(x_BTD.shape), dict(zip(ROUTER_STATS, stats, strict=True))
 
 
@@ -583,6 +612,7 @@ class _Experts(nn.Module):
 
 class DecoderLayer(nn.Module):
     cfg: DecoderConfig
+    sparse: bool = False  # the feed-forward is SparseMoeMLP (cfg.sparse_layer)
 
     @nn.compact
     def __call__(self, x_BTD, cos_BTK, sin_BTK, segs, valid_BT=None, layer=None):
@@ -597,7 +627,7 @@ class DecoderLayer(nn.Module):
         # carries per layer that remat keeps, for saving one element-wise pass.
         h, x_BTD = AddRMSNorm(**norm, impl=cfg.impl("add_rms_norm"), name="post_attention_layernorm")(attn_BTD, x_BTD)
         stats = None
-        if cfg.num_experts:
+        if self.sparse:
             mlp, stats = SparseMoeMLP(cfg, name="mlp")(h, valid_BT)
         else:
             mlp = MLP(cfg, name="mlp")(h, layer)
@@ -645,23 +675,28 @@ class Decoder(nn.Module):
             layer_cls = nn.remat(DecoderLayer, policy=_remat_policy(cfg.remat_policy), prevent_cse=unroll)
         # The layer index is a scanned input only when the recipe skips edge layers (lax.cond per layer).
         skips = cfg.recipe is not None and cfg.recipe.skips
-        stack = nn.scan(
-            layer_cls,
-            variable_axes={"params": 0, "lora": 0, recipe_lib.FP8_COLLECTION: 0},
-            split_rngs={"params": True, "lora": True, "dropout": True, recipe_lib.QUANT_RNG: True},
-            in_axes=(nn.broadcast,) * 4 + ((0,) if skips else ()),
-            length=cfg.num_layers,
-            unroll=cfg.num_layers if unroll else 1,
-        )
-        layer_ids = (jnp.arange(cfg.num_layers, dtype=jnp.int32),) if skips else ()
         segs = segment_ids  # with a bound: each segment's start and length, once for every layer
         if segment_ids is not None and cfg.max_segments is not None:
             segs = attention_op.segments(segment_ids, cfg.max_segments)
         # MoE: the rows that count in the router statistics (padding, segment id 0, does not)
         valid_BT = segment_ids > 0 if cfg.num_experts and segment_ids is not None else None
-        x_BTD, router_stats = stack(cfg, name="layers")(x_BTD, cos_BTK, sin_BTK, segs, valid_BT, *layer_ids)
-        if router_stats is not None:  # [L, ...] per statistic; train.batch_loss reads them (moe.router_losses)
-            self.sow("intermediates", "router_stats", router_stats)
+        router_stats = []
+        for name, start, n, sparse in cfg.layer_stacks():  # one scan per run of dense or MoE layers
+            stack = nn.scan(
+                layer_cls,
+                variable_axes={"params": 0, "lora": 0, recipe_lib.FP8_COLLECTION: 0},
+                split_rngs={"params": True, "lora": True, "dropout": True, recipe_lib.QUANT_RNG: True},
+                in_axes=(nn.broadcast,) * 4 + ((0,) if skips else ()),
+                length=n,
+                unroll=n if unroll else 1,
+            )
+            layer_ids = (jnp.arange(start, start + n, dtype=jnp.int32),) if skips else ()
+            x_BTD, stats = stack(cfg, sparse, name=name)(x_BTD, cos_BTK, sin_BTK, segs, valid_BT, *layer_ids)
+            if stats is not None:
+                router_stats.append(stats)
+        if router_stats:  # [sparse layers, ...] per statistic; train.batch_loss reads them (moe.router_losses)
+            self.sow("intermediates", "router_stats",
+                     jax.tree.map(lambda *s: jnp.concatenate(s), *router_stats))
         x_BTD = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, cfg.impl("rms_norm"), cfg.mesh,
                         name="norm")(x_BTD)
         if return_hidden:

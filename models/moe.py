@@ -68,20 +68,52 @@ def sort_by_expert(idx_TK: jax.Array, num_experts: int) -> tuple[jax.Array, jax.
 
 def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array, down_EID: jax.Array,
             *, k: int, norm_topk_prob: bool, mask_T: jax.Array | None = None, impl: str | None = None,
-            swiglu_impl: str | None = None, lora: dict | None = None,
-            lora_scale: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+            swiglu_impl: str | None = None, lora: dict | None = None, lora_scale: float = 0.0,
+            ep_axis: str | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(y [T, D], the layer's router statistics: `router_stats` over the rows mask_T marks): the MoE block
     computing only each token's k experts. impl: the grouped
     GEMMs' (ops/grouped_matmul.py), swiglu_impl: SwiGLU's. A projection's weights may instead be a function
     (rows sorted by expert, group sizes) -> its output: a quantized frozen base (qlora.base.frozen_grouped_matmul).
     lora: {"gate_proj" | "up_proj" | "down_proj": (A [E, in, r], B [E, r, out])}: each expert's projection gets +
-    lora_scale * (x A_e) B_e (rounded like the dense Linear's LoRA: the product to x's dtype after scaling)."""
+    lora_scale * (x A_e) B_e (rounded like the dense Linear's LoRA: the product to x's dtype after scaling).
+
+    ep_axis: expert parallelism inside a shard_map whose `ep_axis` devices each hold E / ep consecutive experts (the
+    expert weights and adapters here are that device's slice; the router is whole). Dispatch by all-gather: the
+    group's tokens and routing gather on every device, each runs its own experts' (token, expert) pairs, and a
+    reduce-scatter sums the partial outputs back to the tokens' owners. Drop-free with static shapes; it moves
+    2 (ep - 1) / ep x T x D values per device and layer where an all-to-all of the pairs would move about
+    K (ep - 1) / ep x T x D (fewer bytes for ep <= K; the sorted buffer holds the group's ep x T x K pairs)."""
     T, D = x_TD.shape
+    E = router_ED.shape[0]
     logits_TE = x_TD @ router_ED.T
     weights_TK, idx_TK, probs_TE = route(logits_TE, k, norm_topk_prob)
-    order_N, sizes_E = sort_by_expert(idx_TK, router_ED.shape[0])
+    stats = router_stats(logits_TE, probs_TE, idx_TK, mask_T)
+    x_all, w_all, local_idx, groups = x_TD, weights_TK, idx_TK, E
+    if ep_axis is not None:
+        if callable(gate_EDI):
+            raise ValueError("expert parallelism needs the experts' weights as arrays (not a quantized base)")
+        groups = gate_EDI.shape[0]  # this device's experts
+        x_all, w_all, idx_all = (jax.lax.all_gather(a, ep_axis, tiled=True) for a in (x_TD, weights_TK, idx_TK))
+        # this device's experts first: ids relative to its first expert, mod E; the others sort past them and
+        # fall outside this device's groups (the grouped GEMMs leave those rows zero) and get weight 0
+        local_idx = (idx_all - jax.lax.axis_index(ep_axis) * groups) % E
+        w_all = jnp.where(local_idx < groups, w_all, jnp.zeros_like(w_all))
+    y_TD = _experts(x_all, w_all, local_idx, gate_EDI, up_EDI, down_EID, k=k, impl=impl, swiglu_impl=swiglu_impl,
+                    lora=lora or {}, lora_scale=lora_scale, num_experts=E, groups=groups)
+    if ep_axis is not None:
+        y_TD = jax.lax.psum_scatter(y_TD, ep_axis, scatter_dimension=0, tiled=True)
+    return y_TD.astype(x_TD.dtype), stats
+
+
+def _experts(x_TD, weights_TK, idx_TK, gate_EDI, up_EDI, down_EID, *, k, impl, swiglu_impl, lora, lora_scale,
+             num_experts, groups):
+    """sum_k weights[t, k] x expert_{idx[t, k]}(x_t) [T, D] in fp32 for the first `groups` of the ids in [0,
+    num_experts) (expert parallelism: the weights hold this device's experts); pairs of the other ids sort past the
+    groups and come out as zeros."""
+    T, D = x_TD.shape
+    order_N, sizes_E = sort_by_expert(idx_TK, num_experts)
+    sizes_E = sizes_E[:groups]
     xs_ND = jnp.take(x_TD, order_N // k, axis=0)
-    lora = lora or {}
 
     def project(x, w, name):
         y = w(x, sizes_E) if callable(w) else grouped_matmul(x, w, sizes_E, impl=impl)
@@ -98,8 +130,7 @@ def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: 
     ys_ND = project(h_NI, down_EID, "down_proj")
     inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=jnp.int32))
     y_TKD = jnp.take(ys_ND, inverse_N, axis=0).reshape(T, k, D)
-    y_TD = jnp.einsum("tk,tkd->td", weights_TK.astype(jnp.float32), y_TKD.astype(jnp.float32))
-    return y_TD.astype(x_TD.dtype), router_stats(logits_TE, probs_TE, idx_TK, mask_T)
+    return jnp.einsum("tk,tkd->td", weights_TK.astype(jnp.float32), y_TKD.astype(jnp.float32))
 
 
 def router_stats(logits_TE: jax.Array, probs_TE: jax.Array, idx_TK: jax.Array,

@@ -370,11 +370,18 @@ class ParallelConfig:
     offload_grads: bool = False
     offload_residual: bool = False
     gpus: int = 1  # devices of a single-process run; 0 = all
+    # Expert parallelism: groups of ep_size devices split each MoE layer's experts (divides the devices and the
+    # experts; parallel.make_mesh)
+    ep_size: int = 1
     distributed: DistributedConfig | None = None
 
     def __post_init__(self):
         _check(self.zero_level in (0, 1, 2, 3), f"zero_level={self.zero_level}: use 1, 2 or 3 (0 = plain DDP)")
         _check(self.gpus >= 0, f"gpus={self.gpus}: must be >= 0 (0 = all)")
+        _check(not isinstance(self.ep_size, bool) and isinstance(self.ep_size, int) and self.ep_size >= 1,
+               f"ep_size={self.ep_size!r}: must be an integer >= 1 (1 = no expert parallelism)")
+        _check(self.ep_size == 1 or not (self.offload_optimizer or self.offload_master or self.offload_grads),
+               f"ep_size={self.ep_size} with offload_optimizer / offload_master / offload_grads is not built yet")
         _check(not self.offload_grads or self.zero_level >= 2 or self.shard_gradients,
                "offload_grads: true needs sharded gradients (zero_level >= 2 or shard_gradients: true)")
 
@@ -423,7 +430,7 @@ NOT_YET = frozenset(
     """use_fused_rope qlora_selective_expert_dequant qlora_offload_experts adapter_path
     adapter_init_mode
     offload_saved_tensors offload_quants persistent_quants cpu_training
-    use_zero_copy use_write_combined ep_size parallelism sequence_chunks
+    use_zero_copy use_write_combined parallelism sequence_chunks
     long_context lmhead_chunks auto_lmhead_chunks lmhead_drop_ignored_rows attn_bwd_chunks
     distillation auto_lr_reduction early_stop epoch_adjustment max_model_len rope_scaling
     train_vision""".split()

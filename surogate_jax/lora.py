@@ -27,14 +27,14 @@ from .config import LoraConfig
 from .errors import ModelLoadError
 from .models import Decoder, LoraSpec
 from .models import hf_names as names
-from .names import PROJECTIONS
+from .names import PROJECTIONS, layer_stack_start
 from .safetensors_io import CheckpointReader, write_file
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 PEFT_PREFIX = "base_model.model."
-# The MoE router (train_router): its kernel [L, D, E] leaves the frozen params for the trainable tree, and the PEFT
-# adapter carries it whole, as PEFT saves a `modules_to_save` module (`...layers.L.mlp.gate.weight` [E, D]).
-ROUTER = ("layers", "mlp", "gate", "kernel")
+# The MoE router (train_router): each stack's kernel [L, D, E] leaves the frozen params for the trainable tree, and
+# the PEFT adapter carries it whole, as PEFT saves a `modules_to_save` module (`...layers.L.mlp.gate.weight` [E, D]).
+ROUTER = ("mlp", "gate", "kernel")
 ROUTER_MODULES = ["gate"]
 
 
@@ -59,20 +59,26 @@ def _with(tree: dict, path, value) -> dict:
     return out
 
 
+def router_paths(tree: dict) -> list[tuple[str, ...]]:
+    """The router kernels' paths in `tree` (params or trainable): one per stack of MoE layers."""
+    return [p for k in tree if layer_stack_start(k) is not None and _get(tree, p := (k, *ROUTER)) is not None]
+
+
 def take_router(params: dict, trainable: dict, dtype) -> tuple[dict, dict]:
-    """train_router: the router moves from the frozen params into the trainable tree, as `dtype` masters."""
-    router = _get(params, ROUTER)
-    return _with(params, ROUTER, None), _with(trainable, ROUTER, router.astype(dtype))
+    """train_router: the routers move from the frozen params into the trainable tree, as `dtype` masters."""
+    for path in router_paths(params):
+        trainable = _with(trainable, path, _get(params, path).astype(dtype))
+        params = _with(params, path, None)
+    return params, trainable
 
 
 def put_router(params: dict, lora: dict) -> dict:
-    """params with the trained router (when `lora` holds one) back in place, in the params' dtype."""
-    router = _get(lora, ROUTER)
-    if router is None:
-        return params
-    base = _get(params, ROUTER)
-    dtype = params["embedding"].dtype if base is None else base.dtype  # taken out: the base's unquantized dtype
-    return _with(params, ROUTER, router.astype(dtype))
+    """params with the trained routers (when `lora` holds them) back in place, in the params' dtype."""
+    for path in router_paths(lora):
+        base = _get(params, path)
+        dtype = params["embedding"].dtype if base is None else base.dtype  # taken out: the base's unquantized dtype
+        params = _with(params, path, _get(lora, path).astype(dtype))
+    return params
 
 
 def lora_spec(cfg: LoraConfig, lora_dtype: str = "fp32") -> LoraSpec | None:
@@ -122,10 +128,11 @@ def save_peft(out_dir: str | os.PathLike, model: Decoder, lora: Any, *, base_mod
     out = Path(out_dir)
     host = jax.device_get(lora)
     entries, arrays = [], []
-    router = _get(host, ROUTER)
-    for i in range(0 if router is None else router.shape[0]):
-        entries.append((PEFT_PREFIX + names.hf_name(ROUTER, i), np.dtype(np.float32), router.shape[:0:-1]))
-        arrays.append(np.asarray(router[i], np.float32).T)  # [E, D], HF's Linear layout
+    for path in router_paths(host):
+        router = _get(host, path)
+        for i in range(router.shape[0]):
+            entries.append((PEFT_PREFIX + names.hf_name(path, i), np.dtype(np.float32), router.shape[:0:-1]))
+            arrays.append(np.asarray(router[i], np.float32).T)  # [E, D], HF's Linear layout
     for module, a, b in _entries(host):
         stem = PEFT_PREFIX + module
         a_hf = np.asarray(a, np.float32).reshape(-1, spec.rank).T  # [r, in]
@@ -221,9 +228,9 @@ def load_peft(adapter_dir: str | os.PathLike, model: Decoder) -> Any:
     expected: dict[str, tuple[tuple[int, ...], int, tuple[int, ...]]] = {}
     for k, (kp, sds) in enumerate(leaves):
         path = tuple(p.key for p in kp)
-        if path == ROUTER:  # [L, D, E]: HF's [E, D] per layer
+        if path[1:] == ROUTER:  # [L, D, E]: HF's [E, D] per layer
             for i in range(sds.shape[0]):
-                expected[PEFT_PREFIX + names.hf_name(ROUTER, i)] = (sds.shape[:0:-1], k, (i,))
+                expected[PEFT_PREFIX + names.hf_name(path, i)] = (sds.shape[:0:-1], k, (i,))
             continue
         for idx, module in _slots(path[:-1], sds.shape):
             one = sds.shape[len(idx):]

@@ -211,10 +211,10 @@ def linear_params(cfg: DecoderConfig) -> int:
     """The linear-layer weights one token multiplies by (lm_head included); MoE: the router and its top-k experts."""
     D, H, KV, K, F, L = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                          cfg.intermediate_size, cfg.num_layers)
-    mlp = 3 * D * F
-    if cfg.num_experts:
-        mlp = D * cfg.num_experts + cfg.num_experts_per_tok * 3 * D * cfg.moe_intermediate_size
-    return L * (2 * D * H * K + 2 * D * KV * K + mlp) + D * cfg.vocab_size
+    sparse = sum(cfg.sparse_layer(i) for i in range(L))
+    mlp = (L - sparse) * 3 * D * F + sparse * (D * cfg.num_experts + cfg.num_experts_per_tok * 3 * D *
+                                               cfg.moe_intermediate_size)
+    return L * (2 * D * H * K + 2 * D * KV * K) + mlp + D * cfg.vocab_size
 
 
 def flops_per_token(cfg: DecoderConfig, seq_len: int, frozen_base: bool) -> float:

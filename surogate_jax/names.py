@@ -20,3 +20,14 @@ RECOMPUTE_POLICIES = (*REMAT_POLICIES[:4], "auto")  # `recompute:` values beside
 QLORA_FORMATS = {"qlora_bnb": "nf4", "qlora_fp8": "fp8", "qlora_fp4": "fp4"}
 NF4_BLOCK_SIZES = (64, 128, 256, 512)  # qlora_bnb_block_size: bitsandbytes' blockwise absmax blocks
 FP8_BLOCK_SIZES = (64, 128, 256)  # qlora_block_size: square tiles sharing one FP8 scale
+
+
+def layer_stack_start(key) -> int | None:
+    """The first decoder layer of a stacked-layers module (nn.scan over consecutive layers of one kind): "layers"
+    starts at 0, "layers_5" at 5 (a model whose MoE and dense layers alternate has one stack per run); None for
+    any other key."""
+    if key == "layers":
+        return 0
+    if isinstance(key, str) and key.startswith("layers_") and key[7:].isdigit():
+        return int(key[7:])
+    return None

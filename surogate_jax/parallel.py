@@ -5,7 +5,11 @@ and XLA inserts the collectives; there is no communication code of ours.
 
 Mesh. One axis, "data", over the devices of the run (all processes). It splits the batch (data
 parallelism) AND is the axis ZeRO shards state over, like Surogate's single data-parallel group;
-the ops' `on_shards` (ops/_sharding.py) splits rows over the same axis.
+the ops' `on_shards` (ops/_sharding.py) splits rows over the same axis. Expert parallelism
+(`ep_size` > 1, Surogate's key) makes it ("data", "expert") of n / ep_size x ep_size: the batch
+splits over both, ZeRO over "data", and the MoE experts' stacked leaves split their expert axis over
+"expert" (zero.expert_spec); the MoE layers dispatch tokens within each expert group
+(models/moe.py).
 
 ZeRO (Surogate's `zero_level`, `shard_gradients`, `shard_weights`):
   0  DDP: everything replicated, gradients all-reduced (a surogate_jax extension of the key);
@@ -54,7 +58,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .config import ConfigError, ParallelConfig
-from .zero import DATA, zero_spec
+from .zero import DATA, EXPERT, expert_spec, zero_spec
 
 log = logging.getLogger("surogate_jax")
 
@@ -147,10 +151,15 @@ def initialize_distributed(env: Mapping[str, str] | None = None) -> DistributedP
 # Mesh
 
 
-def make_mesh(devices=None) -> Mesh:
-    """A 1-D ("data",) mesh over `devices` (default: every device of every process)."""
-    devices = np.asarray(jax.devices() if devices is None else devices)
-    return Mesh(devices.reshape(-1), (DATA,))
+def make_mesh(devices=None, ep_size: int = 1) -> Mesh:
+    """A 1-D ("data",) mesh over `devices` (default: every device of every process); with ep_size > 1 a
+    ("data", "expert") mesh of n / ep_size x ep_size (consecutive devices form an expert-parallel group)."""
+    devices = np.asarray(jax.devices() if devices is None else devices).reshape(-1)
+    if ep_size <= 1:
+        return Mesh(devices, (DATA,))
+    if devices.size % ep_size:
+        raise ValueError(f"ep_size={ep_size} does not divide the {devices.size} devices")
+    return Mesh(devices.reshape(-1, ep_size), (DATA, EXPERT))
 
 
 def run_devices(gpus: int) -> list:
@@ -212,6 +221,7 @@ class Layout:
         self.mesh, self.plan = mesh, plan or Plan()
         self.stream = (self.plan.offloads if stream is None else stream) and mesh is not None
         self.n = mesh.shape[DATA] if mesh is not None else 1
+        self.ep = dict(mesh.shape).get(EXPERT, 1) if mesh is not None else 1
         if mesh is None and self.plan != Plan():
             raise ValueError("a Layout with a sharding/offload plan needs a mesh")
         if self.plan.offloads:
@@ -223,7 +233,9 @@ class Layout:
         kind = HOST if host else (DEVICE if device_kind else None)
 
         def one(path, x):
-            spec = zero_spec(path, tuple(x.shape), self.n) if shard else P()
+            spec = expert_spec(path, tuple(x.shape), self.ep)
+            if spec is None:
+                spec = zero_spec(path, tuple(x.shape), self.n) if shard else P()
             return NamedSharding(self.mesh, spec, memory_kind=kind)
 
         def own(path, x):
@@ -290,7 +302,11 @@ class Layout:
 
     def describe(self) -> str:
         p = self.plan
-        parts = [f"{self.n} device(s)", "zero: " + ",".join(
+        parts = [f"{self.n * self.ep} device(s)"]
+        if self.ep > 1:
+            parts.append(f"expert parallel: {self.n} group(s) of {self.ep} (each device holds 1/{self.ep} of the "
+                         "experts)")
+        parts += ["zero: " + ",".join(
             name for name, on in (("optimizer", p.shard_optimizer), ("gradients", p.shard_gradients),
                                   ("weights", p.shard_weights)) if on) or "none"]
         off = [name for name, on in (("optimizer", p.offload_optimizer), ("master", p.offload_master),

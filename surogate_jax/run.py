@@ -262,12 +262,14 @@ def check_qlora_device(spec: QloraSpec | None, device=None) -> None:
 
 
 def check_moe(cfg: SFTConfig, dcfg, prequantized: bool = False) -> None:
-    """The mixture-of-experts keys against the model: router loss weights only on an MoE model; on one, precision
-    recipes, pre-quantized checkpoints and LoRA dropout on the experts are not built yet."""
-    o = cfg.optim
+    """The mixture-of-experts keys against the model: router loss weights, train_router and ep_size only on an MoE
+    model, ep_size dividing its experts; on one, precision recipes, pre-quantized checkpoints, LoRA dropout on the
+    experts and expert parallelism over a QLoRA base are not built yet."""
+    o, ep = cfg.optim, cfg.parallel.ep_size
     if not dcfg.num_experts:
         set_keys = [k for k in ("router_aux_loss_coef", "router_z_loss_coef") if getattr(o, k)]
         set_keys += ["train_router"] if cfg.lora.train_router else []
+        set_keys += [f"ep_size={ep}"] if ep > 1 else []
         if set_keys:
             raise ConfigError(f"{set_keys[0]}: applies to mixture-of-experts models; model={cfg.model.model} is dense "
                               f"({dcfg.model_type}); remove the key")
@@ -278,6 +280,10 @@ def check_moe(cfg: SFTConfig, dcfg, prequantized: bool = False) -> None:
     if prequantized:
         raise ConfigError(f"{what} stored pre-quantized: reading quantized experts is not built yet; train over the "
                           "bf16 checkpoint with a qlora_* key (its experts are quantized while loading)")
+    if dcfg.num_experts % ep:
+        raise ConfigError(f"ep_size={ep}: must divide the {dcfg.num_experts} experts of model={cfg.model.model}")
+    if ep > 1 and cfg.lora.qlora_format is not None:
+        raise ConfigError(f"ep_size={ep} over a QLoRA base ({cfg.lora.qlora_format}) is not built yet; use ep_size: 1")
     if cfg.lora.lora and cfg.lora.lora_dropout > 0 and set(cfg.lora.targets) & {"gate_proj", "up_proj", "down_proj"}:
         raise ConfigError(f"{what}: lora_dropout on the experts' projections is not built yet; use lora_dropout: 0, "
                           "or lora_target_modules without gate_proj / up_proj / down_proj")
@@ -330,7 +336,11 @@ def _checked_run(cfg: SFTConfig, mode: str, stop: StopSignals) -> dict:
     out, ckpt = check_output(cfg)
     if ckpt.latest_step() is not None:
         ckpt.check_meta(meta)
-    mesh = par.make_mesh(par.run_devices(cfg.parallel.gpus))
+    devices = par.run_devices(cfg.parallel.gpus)
+    if len(devices) % cfg.parallel.ep_size:
+        raise ConfigError(f"ep_size={cfg.parallel.ep_size}: must divide the run's {len(devices)} device(s) (gpus: "
+                          f"{cfg.parallel.gpus})")
+    mesh = par.make_mesh(devices, cfg.parallel.ep_size)
     check_host_memory(cfg, sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index()))
     tokenizer = load_tokenizer(model_dir)
     check_exact_match(cfg, tokenizer, model_dir)

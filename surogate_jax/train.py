@@ -296,7 +296,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh, accum_axis: bool) -> NamedSharding:
-    return NamedSharding(mesh, P(None, "data") if accum_axis else P("data"))
+    rows = tuple(a for a in mesh.axis_names)  # "data", and "expert" under expert parallelism: both split the batch
+    return NamedSharding(mesh, P(None, rows) if accum_axis else P(rows))
 
 
 def global_batch(mesh: Mesh, local: dict, accum_axis: bool) -> dict:

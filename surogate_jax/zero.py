@@ -5,18 +5,23 @@ that shard in their own way (adamw_8bit's block-quantized moments declare their 
 it), so neither side imports the other. Per leaf: the largest dimension that the axis size
 divides, never the leading layer axis of a leaf under a `layers` key (the layer scan slices that
 axis; sharding it would make every iteration fetch its layer from one device); else replicated.
+Under expert parallelism the MoE experts' stacked leaves split their expert axis over "expert" instead
+(`expert_spec`).
 """
 
 from __future__ import annotations
 
 from jax.sharding import PartitionSpec as P
 
-DATA = "data"  # the one mesh axis: data parallelism, and the axis ZeRO shards state over
+from .names import layer_stack_start
+
+DATA = "data"  # data parallelism, and the axis ZeRO shards state over
+EXPERT = "expert"  # expert parallelism (ep_size): splits the batch too, and the MoE layers' experts
 
 
 def under_layers(path) -> bool:
     """Whether a pytree path runs through the scanned layer stack."""
-    return any(getattr(k, "key", getattr(k, "name", None)) == "layers" for k in path)
+    return any(layer_stack_start(getattr(k, "key", getattr(k, "name", None))) is not None for k in path)
 
 
 def zero_spec(path, shape: tuple[int, ...], n: int) -> P:
@@ -31,3 +36,12 @@ def zero_spec(path, shape: tuple[int, ...], n: int) -> P:
     if best is None:
         return P()
     return P(*([None] * best), DATA)
+
+
+def expert_spec(path, shape: tuple[int, ...], ep: int) -> P | None:
+    """Expert parallelism: a stacked MoE expert leaf [L, E, ...] under `experts` (the weights, their adapters, and
+    optimizer state of their shape) splits E over the "expert" axis; None for every other leaf (and ep 1)."""
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    if ep <= 1 or "experts" not in keys or not under_layers(path) or len(shape) < 2 or shape[1] % ep:
+        return None
+    return P(None, EXPERT)

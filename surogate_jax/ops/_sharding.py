@@ -32,8 +32,10 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# Mesh axes that split the batch (surogate_jax.parallel puts data parallelism and ZeRO on these).
-DATA_AXES = ("data",)
+# Mesh axes that split the batch (surogate_jax.parallel puts data parallelism and ZeRO on "data"). The "expert" axis
+# (expert parallelism, ep_size) splits the batch too and, in the MoE layers, the experts (`split_experts`).
+DATA_AXES = ("data", "expert")
+EXPERT_AXIS = "expert"
 
 
 def data_axes(mesh) -> tuple[str, ...]:
@@ -42,6 +44,12 @@ def data_axes(mesh) -> tuple[str, ...]:
         return ()
     shape = dict(mesh.shape)
     return tuple(a for a in DATA_AXES if shape.get(a, 1) > 1)
+
+
+def expert_parallel(mesh) -> int:
+    """The size of `mesh`'s "expert" axis when it has more than one device (else 0: no expert parallelism)."""
+    size = 0 if mesh is None or mesh.empty else dict(mesh.shape).get(EXPERT_AXIS, 1)
+    return size if size > 1 else 0
 
 
 def _explicit(mesh, axes) -> bool:
@@ -92,6 +100,7 @@ def on_shards(
     batched: Sequence[bool],
     out_batched: Sequence[bool],
     out_summed: Sequence[bool] | None = None,
+    split_experts: Sequence[bool] | None = None,
 ):
     """Calls fn(*args) per shard of the leading axis of the `batched` operands.
 
@@ -100,6 +109,8 @@ def on_shards(
     out_batched[j]: output j is split along axis 0 (else it must be identical on every shard, or
       listed in out_summed).
     out_summed[j]: output j is a per-shard partial sum; the shards' values are added (psum).
+    split_experts[i]: args[i] (unbatched) is split along axis 0 over the "expert" axis alone (each device of an
+      expert-parallel group holds its experts; fn runs collectives over EXPERT_AXIS itself).
     fn must return a tuple of len(out_batched) arrays.
 
     On an Explicit mesh the operands are first resharded to those specs (batched: split rows,
@@ -117,12 +128,18 @@ def on_shards(
     if any(b and (a.ndim == 0 or a.shape[0] % n) for a, b in zip(args, batched, strict=True)):
         # rows do not split evenly: the op runs whole (correct, slower); an Explicit mesh gathers
         # the operands here, an Auto one lets XLA do it
+        if any(split_experts or ()):
+            raise ValueError(f"expert parallelism needs rows that split evenly over the {n} devices; got "
+                             f"{[a.shape[0] for a, b in zip(args, batched, strict=True) if b]}")
         if not explicit:
             return fn(*args)
         outs = fn(*(jax.sharding.reshard(a, NamedSharding(mesh, P())) for a in args))
         return _types_back(mesh, outs, args, specs, batched, out_batched)
     out_summed = tuple(out_summed or (False,) * len(out_batched))
     split, rep = P(axes), P()
+    experts = P(EXPERT_AXIS) if EXPERT_AXIS in axes else rep
+    in_specs = tuple(split if b else experts if e else rep
+                     for b, e in zip(batched, split_experts or (False,) * len(args), strict=True))
 
     def body(*local):
         outs = fn(*local)
@@ -131,12 +148,11 @@ def on_shards(
     run = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=tuple(split if b else rep for b in batched),
+        in_specs=in_specs,
         out_specs=tuple(split if b else rep for b in out_batched),
         check_vma=False,
     )
     if not explicit:
         return run(*args)
-    outs = run(*(jax.sharding.reshard(a, NamedSharding(mesh, split if b else rep))
-                 for a, b in zip(args, batched, strict=True)))
+    outs = run(*(jax.sharding.reshard(a, NamedSharding(mesh, spec)) for a, spec in zip(args, in_specs, strict=True)))
     return _types_back(mesh, outs, args, specs, batched, out_batched)

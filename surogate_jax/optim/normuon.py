@@ -93,6 +93,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ..names import layer_stack_start
 from .adamw_8bit import adamw_8bit
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ def default_matrix_dims(path, leaf) -> MatrixDims | None:
     name = keys[-1] if keys else ""
     if name not in ("kernel", "lora_a", "lora_b") or any(a in k for k in keys for a in AUX_NAMES) or "gate" in keys:
         return None
-    lead = sum(k == "layers" for k in keys) + ("experts" in keys)
+    lead = sum(layer_stack_start(k) is not None for k in keys) + ("experts" in keys)
     mat = len(leaf.shape) - lead
     if mat < 2:
         return None

@@ -1,12 +1,13 @@
 """Qwen3-MoE checkpoints through load_pretrained / save_pretrained, against transformers' Qwen3MoeForCausalLM: fp32
 logits within 1e-4 on tiny random configs (uneven expert counts, top-k with and without renormalisation); the
-per-expert tensors stacked on load and split back on save (transformers loads what we write); the variants we do
-not compute (dense layers among sparse ones, shared experts) refused by name."""
+per-expert tensors stacked on load and split back on save (transformers loads what we write); dense layers among
+sparse ones (mlp_only_layers, decoder_sparse_step 2) as their own layer stacks; shared experts refused by name."""
 
 from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,8 +26,8 @@ MOE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediat
            decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
 
 
-def _hf_moe(E, k, norm, seed):
-    cfg = transformers.Qwen3MoeConfig(**MOE, num_experts=E, num_experts_per_tok=k, norm_topk_prob=norm)
+def _hf_moe(E, k, norm, seed, **layout):
+    cfg = transformers.Qwen3MoeConfig(**{**MOE, **layout}, num_experts=E, num_experts_per_tok=k, norm_topk_prob=norm)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     with torch.no_grad():
@@ -52,6 +53,38 @@ def test_moe_checkpoint_logits_match_transformers(E, k, norm, tmp_path):
     assert rel_err(ours, hf_logits(hf, _ids(E))) < 1e-4
 
 
+# (HF layout keys, our stacks: (name, first layer, layers, sparse))
+LAYOUTS = [
+    (dict(num_hidden_layers=4, decoder_sparse_step=2),
+     (("layers", 0, 1, False), ("layers_1", 1, 1, True), ("layers_2", 2, 1, False), ("layers_3", 3, 1, True))),
+    (dict(num_hidden_layers=5, mlp_only_layers=[0, 3]),
+     (("layers", 0, 1, False), ("layers_1", 1, 2, True), ("layers_3", 3, 1, False), ("layers_4", 4, 1, True))),
+    (dict(num_hidden_layers=3, decoder_sparse_step=3, mlp_only_layers=[1]),
+     (("layers", 0, 2, False), ("layers_2", 2, 1, True))),
+]
+
+
+@pytest.mark.parametrize(("layout", "stacks"), LAYOUTS)
+def test_dense_layers_among_sparse_ones_match_transformers(layout, stacks, tmp_path):
+    """Each run of dense or MoE layers is one layer stack; the logits, the per-layer tensors written back and the
+    config's layout keys equal transformers'."""
+    hf = _hf_moe(5, 2, False, seed=7, **layout)
+    hf.save_pretrained(tmp_path / "hf")
+    model, params = surogate_jax.load_pretrained(tmp_path / "hf", dtype=jnp.float32)
+    assert model.config.layer_stacks() == stacks
+    assert set(params) == {"embedding", "lm_head", "norm", *(s[0] for s in stacks)}
+    for name, _, n, sparse in stacks:
+        assert params[name]["mlp"]["experts" if sparse else "up_proj"] is not None
+        assert jax.tree.leaves(params[name])[0].shape[0] == n
+    ours = model.apply({"params": params}, jnp.asarray(_ids(5)))
+    assert rel_err(ours, hf_logits(hf, _ids(5))) < 1e-4
+    surogate_jax.save_pretrained(tmp_path / "ours", model, params)
+    assert set(CheckpointReader(tmp_path / "ours").names()) == set(CheckpointReader(tmp_path / "hf").names())
+    written = json.loads((tmp_path / "ours" / "config.json").read_text())
+    for key in ("decoder_sparse_step", "mlp_only_layers"):
+        assert written[key] == getattr(hf.config, key)
+
+
 def test_saved_moe_loads_in_transformers(tmp_path):
     hf = _hf_moe(5, 2, True, seed=3)
     hf.save_pretrained(tmp_path / "hf")
@@ -73,8 +106,10 @@ def _cfg(**kw):
 
 
 @pytest.mark.parametrize(("change", "error", "message"), [
-    ({"mlp_only_layers": [1]}, UnsupportedConfigError, "mlp_only_layers=\\[1\\] is not supported"),
-    ({"decoder_sparse_step": 2}, UnsupportedConfigError, "decoder_sparse_step=2 is not supported"),
+    ({"mlp_only_layers": [2]}, ModelLoadError, "mlp_only_layers=\\[2\\] must be a list of layer indices in \\[0, "
+                                                "num_hidden_layers=2\\)"),
+    ({"mlp_only_layers": 1}, ModelLoadError, "mlp_only_layers=1 must be a list"),
+    ({"decoder_sparse_step": 0}, ModelLoadError, "decoder_sparse_step=0 must be an integer >= 1"),
     ({"shared_expert_intermediate_size": 32}, UnsupportedConfigError, "shared experts are not implemented"),
     ({"num_experts_per_tok": 5}, ModelLoadError, "num_experts_per_tok=5 exceeds num_experts=4"),
     ({"num_experts": None}, ModelLoadError, "the required field 'num_experts' \\(or 'num_local_experts'\\) is missing"),
@@ -132,7 +167,6 @@ def test_qlora_experts_load_quantized_and_dequantize_to_the_checkpoint(fmt, tmp_
                                np.asarray(plain.apply({"params": dq}, ids)), rtol=2e-5, atol=2e-5)
     # LoRA gradients through the frozen grouped GEMM (dequantized again in its backward) equal those over the
     # dequantized experts
-    import jax  # noqa: PLC0415
 
     from surogate_jax.models import Decoder, LoraSpec  # noqa: PLC0415
 
@@ -152,14 +186,15 @@ def test_qlora_experts_load_quantized_and_dequantize_to_the_checkpoint(fmt, tmp_
     assert float(jnp.abs(gq["layers"]["mlp"]["experts"]["up_proj"]["lora_a"]).max()) > 0
 
 
-@pytest.mark.parametrize(("aux", "padded"), [(0.01, False), (0.3, True)])
-def test_train_loss_equals_transformers_loss_with_router_logits(aux, padded, tmp_path):
+@pytest.mark.parametrize(("aux", "padded", "layout"), [(0.01, False, {}), (0.3, True, {}),
+                                                     (0.3, True, LAYOUTS[1][0])])
+def test_train_loss_equals_transformers_loss_with_router_logits(aux, padded, layout, tmp_path):
     """train.train_loss on one micro-batch (CE + router_aux_loss_coef x the load-balancing loss) against
     transformers' Qwen3MoeForCausalLM(labels=..., output_router_logits=True), whose loss is the same sum; with
     padding the aux loss skips padded rows as transformers' attention mask does."""
     from surogate_jax import train as T  # noqa: PLC0415
 
-    hf = _hf_moe(6, 2, True, seed=11)
+    hf = _hf_moe(6, 2, True, seed=11, **layout)
     hf.config.router_aux_loss_coef = hf.router_aux_loss_coef = aux  # the model copies it at construction
     hf.save_pretrained(tmp_path)
     model, params = surogate_jax.load_pretrained(tmp_path, dtype=jnp.float32)
@@ -184,16 +219,16 @@ def test_train_loss_equals_transformers_loss_with_router_logits(aux, padded, tmp
     np.testing.assert_allclose(float(total) / n, float(out.loss), rtol=1e-5)
 
 
-def test_peft_round_trip_with_expert_adapters_and_a_trained_router(tmp_path):
+@pytest.mark.parametrize("layout", [{}, LAYOUTS[1][0]])
+def test_peft_round_trip_with_expert_adapters_and_a_trained_router(layout, tmp_path):
     """save_peft writes one lora_A / lora_B pair per expert and, under train_router, the router as PEFT's
-    modules_to_save; load_peft reads back the same tree, and merge folds every expert and the router in."""
-    import jax  # noqa: PLC0415
-
+    modules_to_save; load_peft reads back the same tree, and merge folds every expert and the router in (with
+    dense layers among the sparse ones: their plain adapters, HF's layer numbers)."""
     from surogate_jax import lora as lora_lib  # noqa: PLC0415
     from surogate_jax.models import Decoder, LoraSpec  # noqa: PLC0415
 
-    cfg = config_from_hf(_cfg()).replace(lora=LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "up_proj", "down_proj"),
-                                                       train_router=True))
+    spec = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "up_proj", "down_proj"), train_router=True)
+    cfg = config_from_hf(_cfg(**layout)).replace(lora=spec)
     model = Decoder(cfg)
     adapters = lora_lib.init_adapters(model, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
     adapters = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), adapters)
@@ -206,8 +241,17 @@ def test_peft_round_trip_with_expert_adapters_and_a_trained_router(tmp_path):
     base = jax.eval_shape(lambda: plain.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
     base = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), base)
     merged = lora_lib.merge(base, adapters, cfg.lora)
-    router = adapters["layers"]["mlp"]["gate"]["kernel"]
-    np.testing.assert_array_equal(merged["layers"]["mlp"]["gate"]["kernel"], router)
-    up = adapters["layers"]["mlp"]["experts"]["up_proj"]
-    want = 2.0 * np.einsum("leir,lero->leio", np.asarray(up["lora_a"]), np.asarray(up["lora_b"]))  # alpha / r = 2
-    np.testing.assert_allclose(merged["layers"]["mlp"]["experts"]["up_proj"], want, rtol=1e-5, atol=1e-7)
+    sparse = [name for name, _, _, is_sparse in cfg.layer_stacks() if is_sparse]
+    assert lora_lib.router_paths(adapters) == [(name, "mlp", "gate", "kernel") for name in sparse]
+    for name in sparse:
+        router = adapters[name]["mlp"]["gate"]["kernel"]
+        np.testing.assert_array_equal(merged[name]["mlp"]["gate"]["kernel"], router)
+        up = adapters[name]["mlp"]["experts"]["up_proj"]
+        want = 2.0 * np.einsum("leir,lero->leio", np.asarray(up["lora_a"]), np.asarray(up["lora_b"]))  # alpha / r
+        np.testing.assert_allclose(merged[name]["mlp"]["experts"]["up_proj"], want, rtol=1e-5, atol=1e-7)
+    written = set(CheckpointReader(tmp_path).names())
+    for i in range(cfg.num_layers):
+        mod = f"base_model.model.model.layers.{i}.mlp."
+        assert (mod + "gate.weight" in written) == cfg.sparse_layer(i)
+        assert (mod + "experts.1.up_proj.lora_A.weight" in written) == cfg.sparse_layer(i)
+        assert (mod + "up_proj.lora_A.weight" in written) == (not cfg.sparse_layer(i))

@@ -26,15 +26,31 @@ def env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory, env):
     """A random Qwen3-MoE (5 experts, top 2) with builtin:tiny-qwen3's tokenizer."""
-    d = tmp_path_factory.mktemp("tiny_moe")
+    return _tiny_moe(tmp_path_factory.mktemp("tiny_moe"), env, num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def ep_dir(tmp_path_factory, env):
+    """Layers 0 and 2 dense, 1 and 3 MoE of 8 experts (top 3): ep_size 2 and 4 divide the experts."""
+    return _tiny_moe(tmp_path_factory.mktemp("tiny_ep"), env, num_hidden_layers=4, decoder_sparse_step=2,
+                     num_experts=8, num_experts_per_tok=3)
+
+
+@pytest.fixture(scope="module")
+def mixed_dir(tmp_path_factory, env):
+    """Like moe_dir with dense layers among the sparse ones: layers 0 and 2 dense, 1 and 3 MoE."""
+    return _tiny_moe(tmp_path_factory.mktemp("tiny_mixed"), env, num_hidden_layers=4, decoder_sparse_step=2)
+
+
+def _tiny_moe(d, env, **layout):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SUROGATE_JAX_CACHE", env["SUROGATE_JAX_CACHE"])
         tiny = builtin_models.resolve("builtin:tiny-qwen3")
     vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
-    cfg = transformers.Qwen3MoeConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      num_experts=5, num_experts_per_tok=2, norm_topk_prob=True,
-                                      max_position_embeddings=512, tie_word_embeddings=False)
+    cfg = transformers.Qwen3MoeConfig(**{**dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=5, num_experts_per_tok=2, norm_topk_prob=True,
+        max_position_embeddings=512, tie_word_embeddings=False), **layout})
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
     for f in tiny.iterdir():
@@ -121,6 +137,58 @@ def test_moe_qlora_trains_over_quantized_experts(tmp_path, env, moe_dir):
     assert loss[6] < loss[1]
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")  # the bf16 base re-read, merged
+
+
+def test_dense_and_moe_layers_train_under_qlora_with_a_trained_router(tmp_path, env, mixed_dir):
+    """The dense layers' MLP and the experts quantized, LoRA on both, the two MoE layers' routers trained: the adapter
+    holds a router for the MoE layers only, under HF's layer numbers, and the merged model loads in transformers."""
+    from safetensors.numpy import load_file  # noqa: PLC0415
+
+    cfg = write_config(tmp_path, model=str(mixed_dir), max_steps=6, save_steps=6, eval_steps=0, learning_rate=3e-3,
+                       qlora_bnb=True, qlora_bnb_block_size=64, train_router=True, merge_adapter=True)
+    sft(cfg, env)
+    loss = losses(tmp_path / "out")
+    assert loss[6] < loss[1]
+    adapter = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
+    routers = sorted(n for n in adapter if n.endswith("mlp.gate.weight"))
+    assert routers == [f"base_model.model.model.layers.{i}.mlp.gate.weight" for i in (1, 3)]
+    assert "base_model.model.model.layers.2.mlp.up_proj.lora_A.weight" in adapter
+    assert "base_model.model.model.layers.3.mlp.experts.4.up_proj.lora_A.weight" in adapter
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")
+
+
+def test_dense_and_moe_layers_full_fine_tuning_with_normuon(tmp_path, env, mixed_dir):
+    cfg = write_config(tmp_path, model=str(mixed_dir), lora=False, max_steps=6, save_steps=6, eval_steps=0,
+                       learning_rate=3e-3, optimizer="normuon")
+    sft(cfg, env)
+    loss = losses(tmp_path / "out")
+    assert loss[6] < loss[1]
+    rows = [x for x in _records(tmp_path / "out") if "loss" in x]
+    assert all(1.0 <= x["aux_loss"] <= 5.0 for x in rows)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
+    assert back.config.decoder_sparse_step == 2
+
+
+def test_expert_parallel_losses_equal_ep_size_1_on_four_devices(tmp_path, env, ep_dir):
+    """4 CPU devices: ep_size 2 (2 data x 2 expert) and 4 train the same losses as plain data parallelism, for LoRA
+    on attention and every expert (and a trained router) and for full fine-tuning; the experts' tensors are split
+    over the expert axis (each device holds E / ep of them)."""
+    four = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    runs = {}
+    for name, over in {"lora": dict(train_router=True), "full": dict(lora=False)}.items():
+        for ep in (1, 2, 4) if name == "lora" else (1, 2):
+            d = tmp_path / f"{name}{ep}"
+            d.mkdir()
+            cfg = write_config(d, model=str(ep_dir), max_steps=4, save_steps=4, eval_steps=0, learning_rate=3e-3,
+                               gpus=0, ep_size=ep, per_device_train_batch_size=1, **over)
+            r = sft(cfg, four)
+            assert (f"expert parallel: {4 // ep} group(s) of {ep}" in r.stderr) == (ep > 1), r.stderr[-2000:]
+            runs[name, ep] = losses(d / "out")
+            assert max(runs[name, ep]) == 4, r.stderr[-2000:]
+    for (name, ep), got in runs.items():
+        want = runs[name, 1]
+        np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=2e-5,
+                                   err_msg=f"{name} ep_size={ep}")
 
 
 @pytest.mark.parametrize(("over", "message"), [
