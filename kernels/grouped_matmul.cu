@@ -281,13 +281,13 @@ __global__ void __launch_bounds__(kThreads)
   store_tile(acc, dw + int64_t(e) * M * N + int64_t(m0) * N, N, M - m0, n0, N);
 }
 
-// Once per kernel and process (a template per kernel: the two forward instantiations share one
-// function type): a function attribute, not a stream operation.
+// Every launch: the attribute belongs to the current device's context, so a process driving two
+// GPUs must set it on each (once per process left the second GPU's launch invalid). A function
+// attribute, not a stream operation, so it is allowed while a graph is captured.
 template <auto kKernel>
 cudaError_t allow_smem() {
-  static const cudaError_t err = cudaFuncSetAttribute(
-      kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
-  return err;
+  return cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(kSmem));
 }
 
 }  // namespace

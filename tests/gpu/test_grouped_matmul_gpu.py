@@ -87,3 +87,24 @@ def test_kernels_match_a_loop_over_groups(rows, K, M, E, empty, transpose_w, ass
     want_dx[past:] = 0.0
     assert_close(dx, want_dx, jnp.bfloat16, "dx")
     assert_close(dw, want_dw, jnp.bfloat16, "dw")
+
+
+def test_every_gpu_of_the_process_runs_the_kernel():
+    """The kernel's shared-memory attribute is per device: each GPU of a multi-GPU process must be able to launch it
+    (expert parallelism runs it on both GPUs of one process)."""
+    gpus = jax.devices()
+    if len(gpus) < 2:
+        pytest.skip("one GPU")
+    rng = np.random.default_rng(next(_seed))
+    sizes = _sizes(rng, 300, 5, False)
+    for dev in gpus:
+        x, w = (jax.device_put(jnp.asarray(rng.standard_normal(s), jnp.bfloat16), dev)
+                for s in ((300, 64), (5, 64, 72)))
+        y = jax.jit(lambda x, w, s: grouped_matmul(x, w, s))(x, w, jax.device_put(sizes, dev))
+        assert y.devices() == {dev}
+        xs, ws = (np.asarray(a, np.float32) for a in (x, w))
+        want, start = np.zeros((300, 72), np.float32), 0
+        for e, n in enumerate(sizes):
+            want[start:start + n] = xs[start:start + n] @ ws[e]
+            start += n
+        np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2e-2, atol=5e-2)
