@@ -331,15 +331,15 @@ def _checked_run(cfg: SFTConfig, mode: str, stop: StopSignals) -> dict:
     check_launch(cfg)
     check_backends(cfg.run)
     recipe_lib.check_device(quant_recipe(cfg))  # fp8 below SM89: error naming the GPU; nvfp4: "emulated"
+    devices = par.run_devices(cfg.parallel.gpus)
+    if len(devices) % cfg.parallel.ep_size:
+        raise ConfigError(f"ep_size={cfg.parallel.ep_size}: must divide the run's {len(devices)} device(s) (gpus: "
+                          f"{cfg.parallel.gpus})")
     model_dir = resolve_model(cfg.model.model)
     meta = run_meta(cfg, model_dir, mode)  # reads and checks the model's config.json
     out, ckpt = check_output(cfg)
     if ckpt.latest_step() is not None:
         ckpt.check_meta(meta)
-    devices = par.run_devices(cfg.parallel.gpus)
-    if len(devices) % cfg.parallel.ep_size:
-        raise ConfigError(f"ep_size={cfg.parallel.ep_size}: must divide the run's {len(devices)} device(s) (gpus: "
-                          f"{cfg.parallel.gpus})")
     mesh = par.make_mesh(devices, cfg.parallel.ep_size)
     check_host_memory(cfg, sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index()))
     tokenizer = load_tokenizer(model_dir)

@@ -169,6 +169,17 @@ def test_dense_and_moe_layers_full_fine_tuning_with_normuon(tmp_path, env, mixed
     assert back.config.decoder_sparse_step == 2
 
 
+def test_expert_parallel_needs_experts_it_divides_and_no_qlora(tmp_path, env, moe_dir, ep_dir):
+    """2 CPU devices: ep_size 2 divides them but not moe_dir's 5 experts; over a QLoRA base it is not built."""
+    two = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    for model, over, message in ((moe_dir, {}, "ep_size=2: must divide the 5 experts"),
+                                 (ep_dir, {"qlora_bnb": True}, "ep_size=2 over a QLoRA base (nf4) is not built yet")):
+        cfg = write_config(tmp_path, model=str(model), gpus=0, ep_size=2, **over)
+        r = sft(cfg, two, check=False)
+        assert r.returncode == 2 and message in r.stderr and r.stderr.count("error:") == 1, r.stderr[-2000:]
+        assert not (tmp_path / "out").exists()
+
+
 def test_expert_parallel_losses_equal_ep_size_1_on_four_devices(tmp_path, env, ep_dir):
     """4 CPU devices: ep_size 2 (2 data x 2 expert) and 4 train the same losses as plain data parallelism, for LoRA
     on attention and every expert (and a trained router) and for full fine-tuning; the experts' tensors are split
@@ -196,6 +207,11 @@ def test_expert_parallel_losses_equal_ep_size_1_on_four_devices(tmp_path, env, e
     ({"lora_dropout": 0.1}, "lora_dropout on the experts' projections is not built yet"),
     ({"router_aux_loss_coef": -0.5}, "router_aux_loss_coef=-0.5: must be a number >= 0"),
     ({"router_z_loss_coef": -1}, "router_z_loss_coef=-1.0: must be a number >= 0"),
+    ({"ep_size": 2}, "ep_size=2: must divide the run's 1 device(s)"),
+    ({"ep_size": 5, "gpus": 0}, "ep_size=5: must divide the run's 1 device(s)"),
+    ({"ep_size": 0}, "ep_size=0: must be an integer >= 1"),
+    ({"ep_size": 1.5}, "ep_size: expected int, got 1.5"),
+    ({"ep_size": 2, "offload_optimizer": True}, "ep_size=2 with offload_optimizer"),
 ])
 def test_moe_bad_input_is_refused_before_any_work(tmp_path, env, moe_dir, over, message):
     cfg = write_config(tmp_path, model=str(moe_dir), **over)
@@ -209,9 +225,11 @@ def test_moe_bad_input_is_refused_before_any_work(tmp_path, env, moe_dir, over, 
     ({"router_z_loss_coef": 0.01}, "router_z_loss_coef: applies to mixture-of-experts models"),
     ({"train_router": True}, "train_router: applies to mixture-of-experts models"),
     ({"train_router": True, "lora": False}, "train_router: unfreezes an MoE router under LoRA"),
+    ({"ep_size": 2, "gpus": 0}, "ep_size=2: applies to mixture-of-experts models"),
 ])
 def test_moe_keys_on_a_dense_model_or_without_lora_are_refused(tmp_path, env, over, message):
     cfg = write_config(tmp_path, **over)
-    r = sft(cfg, env, check=False)
+    r = sft(cfg, env if "ep_size" not in over else {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+            check=False)
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("error:") == 1, r.stderr[-2000:]
     assert not (tmp_path / "out").exists()
