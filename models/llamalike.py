@@ -32,7 +32,7 @@ from jax.sharding import AbstractMesh, Mesh
 from surogate_jax.names import PROJECTIONS, REMAT_POLICIES
 from surogate_jax.ops import add_rms_norm, fp8_formats, rms_norm, rope_qk, swiglu, swiglu_lora
 from surogate_jax.ops import attention as attention_op
-from surogate_jax.ops._sharding import EXPERT_AXIS, expert_parallel, on_shards
+from surogate_jax.ops._sharding import EXPERT_AXIS, data_axes, expert_parallel, on_shards
 from surogate_jax.precision import recipe as recipe_lib
 from surogate_jax.precision.recipe import QuantRecipe
 from surogate_jax.qlora import base as qlora_base
@@ -177,9 +177,6 @@ class DecoderConfig:
                                  f"{self.num_experts}] and moe_intermediate_size={self.moe_intermediate_size} >= 1")
             if self.recipe is not None:
                 raise ValueError("mixture-of-experts layers do not take a precision recipe yet")
-            if self.lora is not None and self.lora.dropout > 0 and set(self.lora.targets) & {"gate_proj", "up_proj",
-                                                                                              "down_proj"}:
-                raise ValueError("LoRA dropout on the experts' projections is not built; use lora_dropout: 0")
         elif self.lora is not None and self.lora.train_router:
             raise ValueError("train_router applies to mixture-of-experts models (num_experts > 0)")
         if self.recipe is not None:
@@ -504,7 +501,7 @@ class MLP(nn.Module):
         return Linear((cfg.hidden_size,), cfg, name="down_proj")(h, layer)
 
 
-EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_PROJECTIONS = moe.EXPERT_PROJECTIONS
 ROUTER_STATS = ("counts", "probs", "z", "rows")  # moe.router_stats, in the order the per-shard block returns them
 
 
@@ -536,8 +533,14 @@ class SparseMoeMLP(nn.Module):
         ep = expert_parallel(cfg.mesh) > 1
         if ep and cfg.qlora is not None:
             raise ValueError("expert parallelism (ep_size > 1) over a QLoRA base is not built yet")
+        # LoRA dropout: one key per layer, folded with the shard's index inside (every shard its own masks)
+        shards = math.prod(dict(cfg.mesh.shape)[a] for a in data_axes(cfg.mesh)) if cfg.mesh is not None else 1
+        drop = cfg.lora is not None and cfg.lora.dropout > 0 and bool(lora) and self.has_rng("dropout")
+        key = self.make_rng("dropout") if drop else jnp.zeros((2,), jnp.uint32)
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):  # on_shards takes arrays: the key's raw words
+            key = jax.random.key_data(key)
 
-        def block(x_TD, router_ED, m_T, *leaves):
+        def block(x_TD, router_ED, m_T, key, shard, *leaves):
             base = jax.tree.unflatten(base_def, leaves[:len(base_leaves)])
             if cfg.qlora is not None:  # each projection dequantized inside its grouped GEMM, forward and backward
                 base = tuple(lambda x, sizes, p=p, q=q: qlora_base.frozen_grouped_matmul(
@@ -546,15 +549,18 @@ class SparseMoeMLP(nn.Module):
             y_TD, st = moe.moe_mlp(x_TD, router_ED, *base, k=k, norm_topk_prob=cfg.norm_topk_prob, mask_T=m_T,
                                    swiglu_impl=cfg.impl("swiglu"),
                                    lora=jax.tree.unflatten(lora_def, leaves[len(base_leaves):]), lora_scale=scale,
+                                   lora_dropout=(cfg.lora.dropout, jax.random.fold_in(jax.random.wrap_key_data(key),
+                                                                                      shard[0])) if drop else None,
                                    ep_axis=EXPERT_AXIS if ep else None)
             return y_TD, *(st[n] for n in ROUTER_STATS)
 
         rest = (*base_leaves, *lora_leaves)
-        y_TD, *stats = on_shards(block, x_TD, router_DE.T.astype(cfg.dtype), m_T, *rest, mesh=cfg.mesh,
-                                 batched=(True, False, True) + (False,) * len(rest),
+        y_TD, *stats = on_shards(block, x_TD, router_DE.T.astype(cfg.dtype), m_T, key,
+                                 jnp.arange(shards, dtype=jnp.int32), *rest, mesh=cfg.mesh,
+                                 batched=(True, False, True, False, True) + (False,) * len(rest),
                                  out_batched=(True, False, False, False, False),
                                  out_summed=(False, True, True, True, True),
-                                 split_experts=(False,) * 3 + (ep,) * len(rest))
+                                 split_experts=(False,) * 5 + (ep,) * len(rest))
         return y_TD.reshape(x_BTD.shape), dict(zip(ROUTER_STATS, stats, strict=True))
 
 

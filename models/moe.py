@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from surogate_jax.ops import swiglu
 from surogate_jax.ops.grouped_matmul import grouped_matmul
 
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
 
 def route(logits_TE: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(weights [T, K] in the logits' dtype, expert ids [T, K] int32, router probabilities [T, E] f32) of each
@@ -69,6 +71,7 @@ def sort_by_expert(idx_TK: jax.Array, num_experts: int) -> tuple[jax.Array, jax.
 def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array, down_EID: jax.Array,
             *, k: int, norm_topk_prob: bool, mask_T: jax.Array | None = None, impl: str | None = None,
             swiglu_impl: str | None = None, lora: dict | None = None, lora_scale: float = 0.0,
+            lora_dropout: tuple[float, jax.Array] | None = None,
             ep_axis: str | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(y [T, D], the layer's router statistics: `router_stats` over the rows mask_T marks): the MoE block
     computing only each token's k experts. impl: the grouped
@@ -76,6 +79,8 @@ def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: 
     (rows sorted by expert, group sizes) -> its output: a quantized frozen base (qlora.base.frozen_grouped_matmul).
     lora: {"gate_proj" | "up_proj" | "down_proj": (A [E, in, r], B [E, r, out])}: each expert's projection gets +
     lora_scale * (x A_e) B_e (rounded like the dense Linear's LoRA: the product to x's dtype after scaling).
+    lora_dropout: (rate, key): the adapters' input is dropout(x), each (token, expert) row and projection its own
+    mask (PEFT's dropout before lora_A, per expert call); training only.
 
     ep_axis: expert parallelism inside a shard_map whose `ep_axis` devices each hold E / ep consecutive experts (the
     expert weights and adapters here are that device's slice; the router is whole). Dispatch by all-gather: the
@@ -99,14 +104,14 @@ def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: 
         local_idx = (idx_all - jax.lax.axis_index(ep_axis) * groups) % E
         w_all = jnp.where(local_idx < groups, w_all, jnp.zeros_like(w_all))
     y_TD = _experts(x_all, w_all, local_idx, gate_EDI, up_EDI, down_EID, k=k, impl=impl, swiglu_impl=swiglu_impl,
-                    lora=lora or {}, lora_scale=lora_scale, num_experts=E, groups=groups)
+                    lora=lora or {}, lora_scale=lora_scale, dropout=lora_dropout, num_experts=E, groups=groups)
     if ep_axis is not None:
         y_TD = jax.lax.psum_scatter(y_TD, ep_axis, scatter_dimension=0, tiled=True)
     return y_TD.astype(x_TD.dtype), stats
 
 
 def _experts(x_TD, weights_TK, idx_TK, gate_EDI, up_EDI, down_EID, *, k, impl, swiglu_impl, lora, lora_scale,
-             num_experts, groups):
+             dropout, num_experts, groups):
     """sum_k weights[t, k] x expert_{idx[t, k]}(x_t) [T, D] in fp32 for the first `groups` of the ids in [0,
     num_experts) (expert parallelism: the weights hold this device's experts); pairs of the other ids sort past the
     groups and come out as zeros."""
@@ -119,6 +124,11 @@ def _experts(x_TD, weights_TK, idx_TK, gate_EDI, up_EDI, down_EID, *, k, impl, s
         y = w(x, sizes_E) if callable(w) else grouped_matmul(x, w, sizes_E, impl=impl)
         if name in lora:
             a, b = lora[name]
+            if dropout is not None:
+                rate, key = dropout
+                keep = jax.random.bernoulli(jax.random.fold_in(key, EXPERT_PROJECTIONS.index(name)), 1.0 - rate,
+                                            x.shape)
+                x = jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x)).astype(x.dtype)
             xa = grouped_matmul(x, a.astype(x.dtype), sizes_E, impl=impl)
             xab = grouped_matmul(xa, b.astype(x.dtype), sizes_E, impl=impl)
             y = y + (xab * lora_scale).astype(y.dtype)

@@ -263,8 +263,8 @@ def check_qlora_device(spec: QloraSpec | None, device=None) -> None:
 
 def check_moe(cfg: SFTConfig, dcfg, prequantized: bool = False) -> None:
     """The mixture-of-experts keys against the model: router loss weights, train_router and ep_size only on an MoE
-    model, ep_size dividing its experts; on one, precision recipes, pre-quantized checkpoints, LoRA dropout on the
-    experts and expert parallelism over a QLoRA base are not built yet."""
+    model, ep_size dividing its experts; on one, precision recipes, pre-quantized checkpoints and expert
+    parallelism over a QLoRA base are not built yet."""
     o, ep = cfg.optim, cfg.parallel.ep_size
     if not dcfg.num_experts:
         set_keys = [k for k in ("router_aux_loss_coef", "router_z_loss_coef") if getattr(o, k)]
@@ -284,9 +284,6 @@ def check_moe(cfg: SFTConfig, dcfg, prequantized: bool = False) -> None:
         raise ConfigError(f"ep_size={ep}: must divide the {dcfg.num_experts} experts of model={cfg.model.model}")
     if ep > 1 and cfg.lora.qlora_format is not None:
         raise ConfigError(f"ep_size={ep} over a QLoRA base ({cfg.lora.qlora_format}) is not built yet; use ep_size: 1")
-    if cfg.lora.lora and cfg.lora.lora_dropout > 0 and set(cfg.lora.targets) & {"gate_proj", "up_proj", "down_proj"}:
-        raise ConfigError(f"{what}: lora_dropout on the experts' projections is not built yet; use lora_dropout: 0, "
-                          "or lora_target_modules without gate_proj / up_proj / down_proj")
 
 
 def with_router_weights(cfg: SFTConfig, dcfg):

@@ -1,7 +1,8 @@
 """A Qwen3-MoE checkpoint through `python -m surogate_jax.sft`: full fine-tuning, LoRA (on attention and every
 expert) and QLoRA (NF4 experts) train, the loss falls and metrics.jsonl carries the router metrics; the exports load
-(the full model in transformers, the adapter with one tensor pair per expert, the merged model); recipes, LoRA dropout
-on experts, negative or misplaced router loss weights are refused with one error line before output_dir is touched."""
+(the full model in transformers, the adapter with one tensor pair per expert, the merged model); dense layers among
+the MoE ones; expert parallelism against ep_size 1 on 4 CPU devices; recipes, bad ep_size values, negative or
+misplaced router loss weights are refused with one error line before output_dir is touched."""
 
 from __future__ import annotations
 
@@ -140,12 +141,14 @@ def test_moe_qlora_trains_over_quantized_experts(tmp_path, env, moe_dir):
 
 
 def test_dense_and_moe_layers_train_under_qlora_with_a_trained_router(tmp_path, env, mixed_dir):
-    """The dense layers' MLP and the experts quantized, LoRA on both, the two MoE layers' routers trained: the adapter
+    """The dense layers' MLP and the experts quantized, LoRA (with dropout) on both, the two MoE layers' routers
+    trained: the adapter
     holds a router for the MoE layers only, under HF's layer numbers, and the merged model loads in transformers."""
     from safetensors.numpy import load_file  # noqa: PLC0415
 
     cfg = write_config(tmp_path, model=str(mixed_dir), max_steps=6, save_steps=6, eval_steps=0, learning_rate=3e-3,
-                       qlora_bnb=True, qlora_bnb_block_size=64, train_router=True, merge_adapter=True)
+                       qlora_bnb=True, qlora_bnb_block_size=64, train_router=True, merge_adapter=True,
+                       lora_dropout=0.1)
     sft(cfg, env)
     loss = losses(tmp_path / "out")
     assert loss[6] < loss[1]
@@ -204,7 +207,6 @@ def test_expert_parallel_losses_equal_ep_size_1_on_four_devices(tmp_path, env, e
 
 @pytest.mark.parametrize(("over", "message"), [
     ({"recipe": "fp8-hybrid"}, "precision recipes on experts are not built yet"),
-    ({"lora_dropout": 0.1}, "lora_dropout on the experts' projections is not built yet"),
     ({"router_aux_loss_coef": -0.5}, "router_aux_loss_coef=-0.5: must be a number >= 0"),
     ({"router_z_loss_coef": -1}, "router_z_loss_coef=-1.0: must be a number >= 0"),
     ({"ep_size": 2}, "ep_size=2: must divide the run's 1 device(s)"),
