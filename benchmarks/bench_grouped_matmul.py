@@ -11,7 +11,9 @@ with a per-expert bias (skewed: a few experts get several times the mean).
 
 Variants: `ours` (kernels/grouped_matmul.cu: forward, d_lhs = the same kernel reading w transposed, d_rhs = the
 weight-gradient kernel), `ragged_dot` (jax.lax.ragged_dot; XLA lowers it to cuDNN's grouped GEMM where its version
-has that path, else to a zero-padded dense dot), `dense` (one [N, D] x [D, I] GEMM: the GEMM ceiling). Each line
+has that path, else to a zero-padded dense dot), `tokamax <impl>` (tokamax.ragged_dot, Google's Pallas kernel
+library, when it is installed: its Mosaic GPU (wgmma) and Triton implementations, gradients through its own VJP),
+`dense` (one [N, D] x [D, I] GEMM: the GEMM ceiling). Each line
 also says whether the compiled program calls cuDNN. Timing: benchmarks/_opbench.py (chained steps, difference of two
 chain lengths).
 """
@@ -36,6 +38,27 @@ def group_sizes(key, skew: bool) -> jax.Array:
         logits = logits + 2.0 * jax.random.normal(jax.random.fold_in(key, 1), (E,), jnp.float32)
     _, idx = jax.lax.top_k(logits, K)
     return jnp.bincount(idx.reshape(-1), length=E).astype(jnp.int32)
+
+
+def tokamax_cases(x, w, gs, dy) -> list:
+    """tokamax.ragged_dot's fwd / d_lhs / d_rhs per GPU implementation, as the ragged_dot cases (none without it)."""
+    try:
+        import tokamax  # noqa: PLC0415
+    except ImportError as e:
+        print(json.dumps({"bench": "grouped_matmul", "case": "tokamax", "error": f"not installed: {e}"}), flush=True)
+        return []
+    out = []
+    for impl in ("mosaic", "triton"):
+        rd = lambda a, b, g, impl=impl: tokamax.ragged_dot(a, b, g, implementation=impl)  # noqa: E731
+        out += [
+            (f"tokamax {impl} fwd", lambda a, b, g, rd=rd: (rd(a, b, g)[:, :1].astype(a.dtype) + a, b, g), (x, w, gs),
+             lambda: False),
+            (f"tokamax {impl} d_lhs", lambda a, b, g, d, rd=rd: (jax.vjp(lambda a_: rd(a_, b, g), a)[1](d)[0], b, g, d),
+             (x, w, gs, dy), lambda: False),
+            (f"tokamax {impl} d_rhs", lambda a, b, g, d, rd=rd: (
+                a, jax.vjp(lambda b_: rd(a, b_, g), b)[1](d)[0].astype(b.dtype), g, d), (x, w, gs, dy), lambda: False),
+        ]
+    return out
 
 
 def uses_cudnn(fn, *args) -> bool:
@@ -67,6 +90,7 @@ def main() -> None:
         ours_dlhs = lambda a, b, g, d: (a, b, g, _fwd_ffi(d, b, g, w_nk=True)[:, :I] + d)  # noqa: E731
         ours_drhs = lambda a, b, g, d: (a, _dw_ffi(a, d, g, E) + b, g, d)  # noqa: E731
         cases = [
+            *tokamax_cases(x, w, gs, dy),
             ("ours fwd", ours_fwd, (x, w, gs), lambda: False),
             ("ours d_lhs", ours_dlhs, (x, w, gs, dy), lambda: False),
             ("ours d_rhs", ours_drhs, (x, w, gs, dy), lambda: False),
