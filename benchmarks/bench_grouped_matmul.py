@@ -40,6 +40,18 @@ def group_sizes(key, skew: bool) -> jax.Array:
     return jnp.bincount(idx.reshape(-1), length=E).astype(jnp.int32)
 
 
+def _dlhs_step(rd, a, b, g, d):
+    """(b, g, d'): the input gradient of rd at (a, b, g) for d, fed into the next step's d (as ours: a step's input
+    must depend on the last step's output, or XLA hoists the loop-invariant gradient out of the chain)."""
+    dx = jax.vjp(lambda a_: rd(a_, b, g), a)[1](d)[0]
+    return b, g, dx[:, :I].astype(d.dtype) + d
+
+
+def _drhs_step(rd, a, b, g, d):
+    """(a, b', g, d): the weight gradient added into the weights the next step reads."""
+    return a, jax.vjp(lambda b_: rd(a, b_, g), b)[1](d)[0].astype(b.dtype) + b, g, d
+
+
 def tokamax_cases(x, w, gs, dy) -> list:
     """tokamax.ragged_dot's fwd / d_lhs / d_rhs per GPU implementation, as the ragged_dot cases (none without it)."""
     try:
@@ -53,10 +65,10 @@ def tokamax_cases(x, w, gs, dy) -> list:
         out += [
             (f"tokamax {impl} fwd", lambda a, b, g, rd=rd: (rd(a, b, g)[:, :1].astype(a.dtype) + a, b, g), (x, w, gs),
              lambda: False),
-            (f"tokamax {impl} d_lhs", lambda a, b, g, d, rd=rd: (jax.vjp(lambda a_: rd(a_, b, g), a)[1](d)[0], b, g, d),
-             (x, w, gs, dy), lambda: False),
-            (f"tokamax {impl} d_rhs", lambda a, b, g, d, rd=rd: (
-                a, jax.vjp(lambda b_: rd(a, b_, g), b)[1](d)[0].astype(b.dtype), g, d), (x, w, gs, dy), lambda: False),
+            (f"tokamax {impl} d_lhs", lambda a, b, g, d, rd=rd: (a, *_dlhs_step(rd, a, b, g, d)), (x, w, gs, dy),
+             lambda: False),
+            (f"tokamax {impl} d_rhs", lambda a, b, g, d, rd=rd: _drhs_step(rd, a, b, g, d), (x, w, gs, dy),
+             lambda: False),
         ]
     return out
 
@@ -83,8 +95,8 @@ def main() -> None:
         assert int(gs.sum()) == N
         rd = lambda a, b, g: jax.lax.ragged_dot(a, b, g)  # noqa: E731
         fwd = lambda a, b, g: (rd(a, b, g)[:, :1].astype(a.dtype) + a, b, g)  # noqa: E731
-        dlhs = lambda a, b, g, d: (jax.vjp(lambda a_: rd(a_, b, g), a)[1](d)[0], b, g, d)  # noqa: E731
-        drhs = lambda a, b, g, d: (a, jax.vjp(lambda b_: rd(a, b_, g), b)[1](d)[0].astype(b.dtype), g, d)  # noqa: E731
+        dlhs = lambda a, b, g, d: (a, *_dlhs_step(rd, a, b, g, d))  # noqa: E731
+        drhs = lambda a, b, g, d: _drhs_step(rd, a, b, g, d)  # noqa: E731
         dense = lambda a, b: ((a @ b)[:, :1] + a, b)  # noqa: E731
         ours_fwd = lambda a, b, g: (_fwd_ffi(a, b, g)[:, :1] + a, b, g)  # noqa: E731
         ours_dlhs = lambda a, b, g, d: (a, b, g, _fwd_ffi(d, b, g, w_nk=True)[:, :I] + d)  # noqa: E731
@@ -95,7 +107,7 @@ def main() -> None:
             ("ours d_lhs", ours_dlhs, (x, w, gs, dy), lambda: False),
             ("ours d_rhs", ours_drhs, (x, w, gs, dy), lambda: False),
             ("ragged_dot fwd", fwd, (x, w, gs), lambda: uses_cudnn(rd, x, w, gs)),
-            ("ragged_dot d_lhs", dlhs, (x, w, gs, dy), lambda: uses_cudnn(lambda *a: dlhs(*a)[0], x, w, gs, dy)),
+            ("ragged_dot d_lhs", dlhs, (x, w, gs, dy), lambda: uses_cudnn(lambda *a: dlhs(*a)[3], x, w, gs, dy)),
             ("ragged_dot d_rhs", drhs, (x, w, gs, dy), lambda: uses_cudnn(lambda *a: drhs(*a)[1], x, w, gs, dy)),
             ("dense fwd (floor)", dense, (x, w2), lambda: False),
         ]
