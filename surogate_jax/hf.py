@@ -169,9 +169,8 @@ def _load_quantized(reader: CheckpointReader, parent, sds: dict, spec: QloraSpec
     for i in range(L):
         name = names.hf_name(parent, i, 0) if experts else names.hf_name((*parent, "kernel"), i)
         if prequantized and experts:
-            raise ModelLoadError(f"{reader.dir}: {name}: pre-quantized mixture-of-experts checkpoints are not read "
-                                 "yet; train over the bf16 checkpoint with a qlora_* key (quantized while loading)")
-        if prequantized:
+            parts = _stacked_fp8_experts(reader, parent, i, experts, shape, spec, used)
+        elif prequantized:
             fmt = qlora_base.format_module(spec.format)
             if spec.format == "nf4":
                 got = _prefixed(reader, name, _NF4_PARTS)
@@ -208,6 +207,33 @@ def _load_quantized(reader: CheckpointReader, parent, sds: dict, spec: QloraSpec
         sh = shardings.get(k)
         out[k] = jax.device_put(h, sh) if sh is not None else jnp.asarray(h)
     return out
+
+
+def _stacked_fp8_experts(reader: CheckpointReader, parent, layer: int, experts: int, shape: tuple[int, int],
+                         spec: QloraSpec, used: set) -> dict[str, np.ndarray]:
+    """A layer's per-expert fine-grained FP8 tensors stacked as one [experts * out, in] weight: exact when out is a
+    multiple of the block (each expert's scale tiles are then rows of the stacked weight's). NF4 checkpoints are
+    refused: every expert carries its own double-quantization offset, which one stacked weight cannot hold."""
+    out, inp = shape[0] // experts, shape[1]
+    first = names.hf_name(parent, layer, 0)
+    if spec.format != "fp8":
+        raise ModelLoadError(f"{reader.dir}: {first}: pre-quantized mixture-of-experts checkpoints are read in FP8 "
+                             f"only ({spec.describe()} experts each hold their own double-quantization offset); train "
+                             "over the bf16 checkpoint with qlora_bnb (quantized while loading)")
+    if out % spec.block_size:
+        raise ModelLoadError(f"{reader.dir}: {first}: experts of {out} rows are not whole {spec.block_size}-row scale "
+                             "tiles; such an FP8 checkpoint cannot be stacked exactly")
+    fmt = qlora_base.format_module(spec.format)
+    each = []
+    for e in range(experts):
+        name = names.hf_name(parent, layer, e)
+        got = _prefixed(reader, name, ("weight", "weight_scale_inv"))
+        try:
+            each.append(fmt.from_hf(got, (out, inp), spec.block_size))
+        except ValueError as err:
+            raise ModelLoadError(f"{reader.dir}: {name}: {err}") from None
+        used.update(f"{name.removesuffix('.weight')}.{p}" for p in got)
+    return {k: np.concatenate([p[k] for p in each]) for k in each[0]}
 
 
 def load_pretrained(

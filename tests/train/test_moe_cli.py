@@ -1,19 +1,25 @@
 """A Qwen3-MoE checkpoint through `python -m surogate_jax.sft`: full fine-tuning, LoRA (on attention and every
-expert) and QLoRA (NF4 experts) train, the loss falls and metrics.jsonl carries the router metrics; the exports load
-(the full model in transformers, the adapter with one tensor pair per expert, the merged model); dense layers among
-the MoE ones; expert parallelism against ep_size 1 on 4 CPU devices; recipes, bad ep_size values, negative or
-misplaced router loss weights are refused with one error line before output_dir is touched."""
+expert) and QLoRA (NF4 experts quantized while loading, FP8 ones as a checkpoint stores them) train, the loss falls
+and metrics.jsonl carries the router metrics; the exports load (the full model in transformers, the adapter with one
+tensor pair per expert, the merged model); dense layers among the MoE ones; expert parallelism against ep_size 1 on
+4 CPU devices; recipes, NF4 checkpoints, bad ep_size values, negative or misplaced router loss weights are refused
+with one error line before output_dir is touched."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from sft_cli import cli_env, losses, sft, write_config
 
 from surogate_jax import builtin_models
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "qlora"))
+from qlora_checkpoints import FP8_CONFIG, fp8_parts, write_prequantized  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -138,6 +144,29 @@ def test_moe_qlora_trains_over_quantized_experts(tmp_path, env, moe_dir):
     assert loss[6] < loss[1]
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")  # the bf16 base re-read, merged
+
+
+def test_fp8_checkpoint_trains_lora_over_its_experts_and_nf4_is_refused(tmp_path, env, moe_dir):
+    """A pre-quantized fine-grained FP8 MoE checkpoint (one weight / weight_scale_inv pair per expert, 64-wide tiles)
+    trains LoRA over its experts as they are stored and merges into a model transformers loads; a bitsandbytes NF4 one
+    is refused before any work."""
+    from surogate_jax.qlora import nf4  # noqa: PLC0415
+
+    fp8 = write_prequantized(moe_dir, tmp_path / "fp8", lambda w: fp8_parts(w, 64),
+                             {**FP8_CONFIG, "weight_block_size": [64, 64]})
+    cfg = write_config(tmp_path, model=str(fp8), max_steps=6, save_steps=6, eval_steps=0, learning_rate=3e-3,
+                       merge_adapter=True)
+    r = sft(cfg, env)
+    assert "qlora: FP8" in r.stderr and "in the checkpoint" in r.stderr, r.stderr[-2000:]
+    loss = losses(tmp_path / "out")
+    assert loss[6] < loss[1]
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")
+    bnb = write_prequantized(moe_dir, tmp_path / "nf4", lambda w: nf4.quantize_nf4(w, block_size=64),
+                             {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"})
+    cfg = write_config(tmp_path / "nf4", model=str(bnb))
+    r = sft(cfg, env, check=False)
+    assert r.returncode == 2 and "stored pre-quantized by bitsandbytes" in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count("error:") == 1 and not (tmp_path / "nf4" / "out").exists()
 
 
 def test_dense_and_moe_layers_train_under_qlora_with_a_trained_router(tmp_path, env, mixed_dir):
