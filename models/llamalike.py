@@ -544,7 +544,7 @@ class SparseMoeMLP(nn.Module):
             base = jax.tree.unflatten(base_def, leaves[:len(base_leaves)])
             if cfg.qlora is not None:  # each projection dequantized inside its grouped GEMM, forward and backward
                 base = tuple(lambda x, sizes, p=p, q=q: qlora_base.frozen_grouped_matmul(
-                                 cfg.qlora, x, q, sizes, shape=expert_shape(cfg, p), dtype=cfg.dtype)
+                                 cfg.qlora.experts(), x, q, sizes, shape=expert_shape(cfg, p), dtype=cfg.dtype)
                              for p, q in zip(EXPERT_PROJECTIONS, base, strict=True))
             y_TD, st = moe.moe_mlp(x_TD, router_ED, *base, k=k, norm_topk_prob=cfg.norm_topk_prob, mask_T=m_T,
                                    swiglu_impl=cfg.impl("swiglu"),
@@ -596,7 +596,7 @@ class _Experts(nn.Module):
         else:
             def quantized(key, p):  # a fresh init quantizes a normal(initializer_range) weight
                 E_, out, inp = expert_shape(cfg, p)
-                return qlora_base.quantize(cfg.qlora, init(key, (E_ * out, inp), jnp.float32))
+                return qlora_base.quantize(cfg.qlora.experts(), init(key, (E_ * out, inp), jnp.float32))
 
             weights = tuple(self.param(p, quantized, p) for p in EXPERT_PROJECTIONS)
         lora = {}

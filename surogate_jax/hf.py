@@ -134,7 +134,8 @@ def checkpoint_qlora(model_dir: Path, hf_cfg: dict) -> QloraSpec | None:
         name = names.hf_name(("layers", "self_attn", "q_proj", "kernel"), 0)
         shape = projection_shape(config_from_hf(hf_cfg), "q_proj")
         _, block, dq = nf4.from_hf(_prefixed(reader, name, _NF4_PARTS), shape)
-        return QloraSpec("nf4", block, dq)
+        moe_dq = False if dq and config_from_hf(hf_cfg).num_experts else None  # see _stacked_experts
+        return QloraSpec("nf4", block, dq, expert_double_quant=moe_dq)
     if method == "fp8":
         bs = qc.get("weight_block_size")
         if not (isinstance(bs, list) and len(bs) == 2 and bs[0] == bs[1] and bs[0] in FP8_BLOCK_SIZES):
@@ -169,7 +170,7 @@ def _load_quantized(reader: CheckpointReader, parent, sds: dict, spec: QloraSpec
     for i in range(L):
         name = names.hf_name(parent, i, 0) if experts else names.hf_name((*parent, "kernel"), i)
         if prequantized and experts:
-            parts = _stacked_fp8_experts(reader, parent, i, experts, shape, spec, used)
+            parts = _stacked_experts(reader, parent, i, experts, shape, spec, used)
         elif prequantized:
             fmt = qlora_base.format_module(spec.format)
             if spec.format == "nf4":
@@ -209,30 +210,39 @@ def _load_quantized(reader: CheckpointReader, parent, sds: dict, spec: QloraSpec
     return out
 
 
-def _stacked_fp8_experts(reader: CheckpointReader, parent, layer: int, experts: int, shape: tuple[int, int],
-                         spec: QloraSpec, used: set) -> dict[str, np.ndarray]:
-    """A layer's per-expert fine-grained FP8 tensors stacked as one [experts * out, in] weight: exact when out is a
-    multiple of the block (each expert's scale tiles are then rows of the stacked weight's). NF4 checkpoints are
-    refused: every expert carries its own double-quantization offset, which one stacked weight cannot hold."""
+def _stacked_experts(reader: CheckpointReader, parent, layer: int, experts: int, shape: tuple[int, int],
+                     spec: QloraSpec, used: set) -> dict[str, np.ndarray]:
+    """A layer's per-expert pre-quantized tensors as one stacked [experts * out, in] weight, exactly. Fine-grained
+    FP8: the experts' weights and scale tiles are rows of the stacked weight's when out is a multiple of the tile.
+    bitsandbytes NF4: the codes and blocks concatenate; under double quantization each expert has its own offset,
+    which one stacked weight cannot hold, so the experts' absmax is stored in fp32 as bnb dequantizes it
+    (`spec.double_quant` off: QloraSpec.expert_double_quant)."""
     out, inp = shape[0] // experts, shape[1]
     first = names.hf_name(parent, layer, 0)
-    if spec.format != "fp8":
-        raise ModelLoadError(f"{reader.dir}: {first}: pre-quantized mixture-of-experts checkpoints are read in FP8 "
-                             f"only ({spec.describe()} experts each hold their own double-quantization offset); train "
-                             "over the bf16 checkpoint with qlora_bnb (quantized while loading)")
-    if out % spec.block_size:
+    if spec.format == "fp8" and out % spec.block_size:
         raise ModelLoadError(f"{reader.dir}: {first}: experts of {out} rows are not whole {spec.block_size}-row scale "
                              "tiles; such an FP8 checkpoint cannot be stacked exactly")
     fmt = qlora_base.format_module(spec.format)
     each = []
     for e in range(experts):
         name = names.hf_name(parent, layer, e)
-        got = _prefixed(reader, name, ("weight", "weight_scale_inv"))
+        got = _prefixed(reader, name, _NF4_PARTS if spec.format == "nf4" else ("weight", "weight_scale_inv"))
         try:
-            each.append(fmt.from_hf(got, (out, inp), spec.block_size))
+            if spec.format == "nf4":
+                parts, block, dq = fmt.from_hf(got, (out, inp))
+                if block != spec.block_size:
+                    raise ValueError(f"blocks of {block}; layer 0 has {spec.block_size} (one format per checkpoint)")
+                if dq:
+                    parts = {"nf4_codes": parts["nf4_codes"], "nf4_absmax": np.asarray(fmt.double_quant_absmax(parts))}
+            else:
+                parts = fmt.from_hf(got, (out, inp), spec.block_size)
         except ValueError as err:
             raise ModelLoadError(f"{reader.dir}: {name}: {err}") from None
+        each.append(parts)
         used.update(f"{name.removesuffix('.weight')}.{p}" for p in got)
+    if set(each[0]) != set(qlora_base.param_names(spec)):
+        raise ModelLoadError(f"{reader.dir}: {first}: the experts hold {sorted(each[0])}, the model expects "
+                             f"{sorted(qlora_base.param_names(spec))}")
     return {k: np.concatenate([p[k] for p in each]) for k in each[0]}
 
 
@@ -292,12 +302,13 @@ def load_pretrained(
     for n, (parent, group) in enumerate(groups.items(), 1):
         t0 = time.perf_counter()
         experts = cfg.num_experts if names.is_experts(parent) else 0
+        spec = qlora
         if experts:
             E, out, inp = expert_shape(cfg, parent[-1])
-            shape = (E * out, inp)
+            shape, spec = (E * out, inp), qlora.experts()
         else:
             shape = projection_shape(cfg, parent[-1])
-        arrays = _load_quantized(reader, parent, {k: g[1] for k, g in group.items()}, qlora, shape, pre is not None,
+        arrays = _load_quantized(reader, parent, {k: g[1] for k, g in group.items()}, spec, shape, pre is not None,
                                  quantize, {k: g[2] for k, g in group.items()}, used, experts)
         for k, (idx, _, _) in group.items():
             loaded[idx] = arrays[k]
@@ -328,9 +339,9 @@ def dequantize_base(model: Decoder, params: Any, dtype: Any = None) -> tuple[Dec
             E, out, inp = expert_shape(cfg, path[-1])
 
             def one(q):
-                return jnp.swapaxes(qlora_base.expert_weights(cfg.qlora, q, (E, out, inp), dtype), 1, 2)
+                return jnp.swapaxes(qlora_base.expert_weights(cfg.qlora.experts(), q, (E, out, inp), dtype), 1, 2)
 
-            return jax.jit(jax.vmap(one))({k: tree[k] for k in qnames})
+            return jax.jit(jax.vmap(one))({k: tree[k] for k in qnames & set(tree)})
         if qnames & set(tree):
             kernel = shapes[(*path, "kernel")]
             per_layer = kernel.shape[1:] if names.is_stacked((*path, "kernel")) else kernel.shape

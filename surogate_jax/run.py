@@ -261,10 +261,10 @@ def check_qlora_device(spec: QloraSpec | None, device=None) -> None:
                                 instead="use qlora_bnb (NF4) or qlora_fp4")
 
 
-def check_moe(cfg: SFTConfig, dcfg, prequantized: str | None = None) -> None:
+def check_moe(cfg: SFTConfig, dcfg) -> None:
     """The mixture-of-experts keys against the model: router loss weights, train_router and ep_size only on an MoE
-    model, ep_size dividing its experts; on one, precision recipes, NF4 checkpoints (`prequantized`: config.json's
-    quant_method) and expert parallelism over a QLoRA base are not built yet."""
+    model, ep_size dividing its experts; on one, precision recipes and expert parallelism over a QLoRA base are not
+    built yet."""
     o, ep = cfg.optim, cfg.parallel.ep_size
     if not dcfg.num_experts:
         set_keys = [k for k in ("router_aux_loss_coef", "router_z_loss_coef") if getattr(o, k)]
@@ -277,10 +277,6 @@ def check_moe(cfg: SFTConfig, dcfg, prequantized: str | None = None) -> None:
     what = f"model={cfg.model.model} is a mixture-of-experts model ({dcfg.model_type}, {dcfg.num_experts} experts)"
     if quant_recipe(cfg) is not None:
         raise ConfigError(f"{what}: precision recipes on experts are not built yet; use recipe: bf16")
-    if prequantized == "bitsandbytes":
-        raise ConfigError(f"{what} stored pre-quantized by bitsandbytes: NF4 experts are not read (each expert has its "
-                          "own double-quantization offset); train over the bf16 checkpoint with qlora_bnb (its experts "
-                          "are quantized while loading), or over an FP8 checkpoint")
     if dcfg.num_experts % ep:
         raise ConfigError(f"ep_size={ep}: must divide the {dcfg.num_experts} experts of model={cfg.model.model}")
     if ep > 1 and cfg.lora.qlora_format is not None:
@@ -302,8 +298,7 @@ def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
     dcfg = config_from_hf(hf_cfg)
     arch = config_to_hf(dcfg)
     spec = lora_spec(cfg.lora, cfg.precision.lora_dtype)
-    quant = hf_cfg.get("quantization_config") if is_prequantized(hf_cfg) else None
-    check_moe(cfg, dcfg, quant.get("quant_method") if isinstance(quant, dict) else None)
+    check_moe(cfg, dcfg)
     meta = {"mode": mode, "model": json.dumps(arch, sort_keys=True),
             "lora": None if spec is None else (f"r={spec.rank},alpha={spec.alpha},targets={sorted(spec.targets)}"
                                                + (",train_router" if spec.train_router else "")),

@@ -42,12 +42,21 @@ class QloraSpec:
 
     format: "nf4" | "fp8" | "fp4". block_size: nf4's absmax block (qlora_bnb_block_size) or fp8's square tile
     (qlora_block_size); fp4's tiles are 16x16. double_quant: nf4's second-level absmax quantization.
-    four_over_six: fp4's 4/6 block-scale choice."""
+    four_over_six: fp4's 4/6 block-scale choice. expert_double_quant: nf4's for the MoE experts when it differs
+    (a pre-quantized NF4 MoE checkpoint: each expert carries its own second-level offset, which the layer's one
+    stacked expert weight cannot, so the experts keep their absmax in fp32, the values bnb dequantizes to)."""
 
     format: str
     block_size: int = 64
     double_quant: bool = True
     four_over_six: bool = True
+    expert_double_quant: bool | None = None
+
+    def experts(self) -> QloraSpec:
+        """The spec of the stacked MoE experts' weights."""
+        if self.expert_double_quant is None:
+            return self
+        return dataclasses.replace(self, double_quant=self.expert_double_quant, expert_double_quant=None)
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -67,7 +76,10 @@ class QloraSpec:
 
     def describe(self) -> str:
         if self.format == "nf4":
-            return f"NF4 base, blocks of {self.block_size}, double quantization {'on' if self.double_quant else 'off'}"
+            dq = "on" if self.double_quant else "off"
+            if self.expert_double_quant is not None and self.expert_double_quant != self.double_quant:
+                dq += f" ({'on' if self.expert_double_quant else 'off'} for the experts)"
+            return f"NF4 base, blocks of {self.block_size}, double quantization {dq}"
         if self.format == "fp8":
             return f"FP8 E4M3 base, {self.block_size}x{self.block_size} tiles"
         return f"NVFP4 base, 16x16 tiles, 4/6 {'on' if self.four_over_six else 'off'}"

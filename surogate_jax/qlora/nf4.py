@@ -468,7 +468,7 @@ def quantize(w, *, block_size: int = 64, double_quant: bool = True) -> dict[str,
     return _quantize_flat(x, block_size=block_size, double_quant=bool(double_quant))
 
 
-def _dq_absmax(params):
+def double_quant_absmax(params):
     """absmax = DYNAMIC_MAP[q2] * absmax2 + offset, two roundings (the barrier stops an FMA contraction)."""
     q2 = jnp.asarray(params["nf4_absmax"]).astype(jnp.int32)
     a2 = jnp.asarray(params["nf4_absmax2"], jnp.float32)
@@ -479,7 +479,7 @@ def _dq_absmax(params):
 
 
 def _absmax_f32(params, double_quant: bool):
-    return _dq_absmax(params) if double_quant else jnp.asarray(params["nf4_absmax"], jnp.float32)
+    return double_quant_absmax(params) if double_quant else jnp.asarray(params["nf4_absmax"], jnp.float32)
 
 
 @partial(jax.jit, static_argnames=("shape", "block_size", "double_quant", "dtype", "mesh"))

@@ -26,7 +26,7 @@ def _quantized(shape, block_size, double_quant, seed=0):
     """(codes, fp32 absmax, params) of a random weight quantized by nf4 (DQ: absmax decoded as nf4 does)."""
     w = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * 0.05
     params = nf4.quantize(w, block_size=block_size, double_quant=double_quant)
-    absmax = nf4._dq_absmax(params) if double_quant else params["nf4_absmax"]
+    absmax = nf4.double_quant_absmax(params) if double_quant else params["nf4_absmax"]
     return params["nf4_codes"], jnp.asarray(absmax, jnp.float32), params
 
 

@@ -1,10 +1,8 @@
 """Pre-quantized Qwen3-MoE checkpoints: fine-grained FP8 experts (one tensor pair per expert, as Qwen's FP8 releases
-store them) stack exactly into the QLoRA base's [experts x out, in] weight; experts whose rows do not fill whole scale
-tiles, and NF4 (bitsandbytes) experts, are refused naming the tensor."""
+store them) and bitsandbytes NF4 experts (their absmax kept in fp32) stack exactly into the QLoRA base's
+[experts x out, in] weight; FP8 experts whose rows do not fill whole scale tiles are refused naming the tensor."""
 
 from __future__ import annotations
-
-import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -63,12 +61,33 @@ def test_fp8_experts_that_split_a_scale_tile_are_refused(tmp_path):
         load_pretrained(qdir, dtype=jnp.float32)
 
 
-def test_nf4_experts_are_refused_naming_the_format(tmp_path):
+def test_nf4_experts_keep_their_absmax_in_fp32_and_dequantize_as_stored(tmp_path, assert_close):
+    """bitsandbytes NF4 with double quantization: every expert has its own second-level offset, so the stacked
+    experts keep the fp32 absmax that each expert's parts dequantize to; the weights equal the per-expert
+    dequantization bit for bit, and the rest of the model keeps double quantization."""
     from surogate_jax.qlora import nf4  # noqa: PLC0415
 
     src = _hf_moe(tmp_path / "bf16", 128)
     qdir = write_prequantized(src, tmp_path / "nf4", lambda w: nf4.quantize_nf4(w, block_size=64, double_quant=True),
                               {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"})
-    assert json.loads((qdir / "config.json").read_text())["quantization_config"]["quant_method"] == "bitsandbytes"
-    with pytest.raises(ModelLoadError, match="read in FP8 only"):
-        load_pretrained(qdir, dtype=jnp.float32)
+    model, params = load_pretrained(qdir, dtype=jnp.float32)
+    assert model.config.qlora == QloraSpec("nf4", 64, True, expert_double_quant=False)
+    assert "(off for the experts)" in model.config.qlora.describe()
+    up = params["layers"]["mlp"]["experts"]["up_proj"]
+    assert set(up) == {"nf4_codes", "nf4_absmax"} and up["nf4_absmax"].dtype == jnp.float32
+    assert "nf4_offset" in params["layers"]["self_attn"]["q_proj"]
+    plain, dq = dequantize_base(model, params, jnp.float32)
+    reader = CheckpointReader(qdir)
+    for e in (0, 3):
+        name = names.hf_name(("layers", "mlp", "experts", "down_proj"), 1, e)
+        module = name.removesuffix(".weight")
+        got = {p: reader.get(f"{module}.{p}") for p in ("weight", "weight.absmax", "weight.quant_map",
+                                                          "weight.nested_absmax", "weight.nested_quant_map",
+                                                          "weight.quant_state.bitsandbytes__nf4")}
+        parts, _, _ = nf4.from_hf(got, (128, 128))
+        want = nf4.dequantize({k: jnp.asarray(v) for k, v in parts.items()}, (128, 128), block_size=64,
+                              dtype=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(dq["layers"]["mlp"]["experts"]["down_proj"][1, e]),
+                                      np.asarray(want).T, err_msg=f"expert {e}")
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 7)), jnp.int32)
+    assert_close(model.apply({"params": params}, ids), plain.apply({"params": dq}, ids), jnp.float32)

@@ -1,8 +1,8 @@
 """A Qwen3-MoE checkpoint through `python -m surogate_jax.sft`: full fine-tuning, LoRA (on attention and every
-expert) and QLoRA (NF4 experts quantized while loading, FP8 ones as a checkpoint stores them) train, the loss falls
+expert) and QLoRA (experts quantized while loading, or as an FP8 / NF4 checkpoint stores them) train, the loss falls
 and metrics.jsonl carries the router metrics; the exports load (the full model in transformers, the adapter with one
 tensor pair per expert, the merged model); dense layers among the MoE ones; expert parallelism against ep_size 1 on
-4 CPU devices; recipes, NF4 checkpoints, bad ep_size values, negative or misplaced router loss weights are refused
+4 CPU devices; recipes, bad ep_size values, negative or misplaced router loss weights are refused
 with one error line before output_dir is touched."""
 
 from __future__ import annotations
@@ -146,27 +146,28 @@ def test_moe_qlora_trains_over_quantized_experts(tmp_path, env, moe_dir):
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")  # the bf16 base re-read, merged
 
 
-def test_fp8_checkpoint_trains_lora_over_its_experts_and_nf4_is_refused(tmp_path, env, moe_dir):
-    """A pre-quantized fine-grained FP8 MoE checkpoint (one weight / weight_scale_inv pair per expert, 64-wide tiles)
-    trains LoRA over its experts as they are stored and merges into a model transformers loads; a bitsandbytes NF4 one
-    is refused before any work."""
+@pytest.mark.parametrize("fmt", ["fp8", "nf4"])
+def test_prequantized_checkpoint_trains_lora_over_its_experts(tmp_path, env, moe_dir, fmt):
+    """A pre-quantized MoE checkpoint (fine-grained FP8 with 64-wide tiles, or bitsandbytes NF4 with double
+    quantization; one set of parts per expert) trains LoRA over its experts as they are stored and merges into a
+    model transformers loads."""
     from surogate_jax.qlora import nf4  # noqa: PLC0415
 
-    fp8 = write_prequantized(moe_dir, tmp_path / "fp8", lambda w: fp8_parts(w, 64),
-                             {**FP8_CONFIG, "weight_block_size": [64, 64]})
-    cfg = write_config(tmp_path, model=str(fp8), max_steps=6, save_steps=6, eval_steps=0, learning_rate=3e-3,
+    if fmt == "fp8":
+        q = write_prequantized(moe_dir, tmp_path / fmt, lambda w: fp8_parts(w, 64),
+                               {**FP8_CONFIG, "weight_block_size": [64, 64]})
+    else:
+        q = write_prequantized(moe_dir, tmp_path / fmt, lambda w: nf4.quantize_nf4(w, block_size=64),
+                               {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"})
+    cfg = write_config(tmp_path, model=str(q), max_steps=6, save_steps=6, eval_steps=0, learning_rate=3e-3,
                        merge_adapter=True)
     r = sft(cfg, env)
-    assert "qlora: FP8" in r.stderr and "in the checkpoint" in r.stderr, r.stderr[-2000:]
+    want = {"fp8": "qlora: FP8", "nf4": "qlora: NF4 base, blocks of 64, double quantization on (off for the experts)"}
+    want = want[fmt]
+    assert want in r.stderr and "in the checkpoint" in r.stderr, r.stderr[-2000:]
     loss = losses(tmp_path / "out")
     assert loss[6] < loss[1]
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")
-    bnb = write_prequantized(moe_dir, tmp_path / "nf4", lambda w: nf4.quantize_nf4(w, block_size=64),
-                             {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"})
-    cfg = write_config(tmp_path / "nf4", model=str(bnb))
-    r = sft(cfg, env, check=False)
-    assert r.returncode == 2 and "stored pre-quantized by bitsandbytes" in r.stderr, r.stderr[-2000:]
-    assert r.stderr.count("error:") == 1 and not (tmp_path / "nf4" / "out").exists()
 
 
 def test_dense_and_moe_layers_train_under_qlora_with_a_trained_router(tmp_path, env, mixed_dir):
