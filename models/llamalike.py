@@ -530,9 +530,12 @@ class SparseMoeMLP(nn.Module):
         x_TD = x_BTD.reshape(-1, D).astype(cfg.dtype)
         m_T = jnp.ones(x_TD.shape[:1], jnp.float32) if valid_BT is None else valid_BT.reshape(-1).astype(jnp.float32)
 
-        ep = expert_parallel(cfg.mesh) > 1
-        if ep and cfg.qlora is not None:
-            raise ValueError("expert parallelism (ep_size > 1) over a QLoRA base is not built yet")
+        ep = expert_parallel(cfg.mesh)
+        local = cfg.num_experts // max(ep, 1)  # the experts each device of an expert group holds
+        if ep > 1 and cfg.qlora is not None and not all(
+                qlora_base.splits_by_expert(cfg.qlora.experts(), expert_shape(cfg, p)) for p in EXPERT_PROJECTIONS):
+            raise ValueError(f"expert parallelism over this QLoRA base ({cfg.qlora.describe()}): its blocks straddle "
+                             "two experts, so the experts cannot be split")
         # LoRA dropout: one key per layer, folded with the shard's index inside (every shard its own masks)
         shards = math.prod(dict(cfg.mesh.shape)[a] for a in data_axes(cfg.mesh)) if cfg.mesh is not None else 1
         drop = cfg.lora is not None and cfg.lora.dropout > 0 and bool(lora) and self.has_rng("dropout")
@@ -544,14 +547,15 @@ class SparseMoeMLP(nn.Module):
             base = jax.tree.unflatten(base_def, leaves[:len(base_leaves)])
             if cfg.qlora is not None:  # each projection dequantized inside its grouped GEMM, forward and backward
                 base = tuple(lambda x, sizes, p=p, q=q: qlora_base.frozen_grouped_matmul(
-                                 cfg.qlora.experts(), x, q, sizes, shape=expert_shape(cfg, p), dtype=cfg.dtype)
+                                 cfg.qlora.experts(), x, q, sizes, shape=(local, *expert_shape(cfg, p)[1:]),
+                                 dtype=cfg.dtype)
                              for p, q in zip(EXPERT_PROJECTIONS, base, strict=True))
             y_TD, st = moe.moe_mlp(x_TD, router_ED, *base, k=k, norm_topk_prob=cfg.norm_topk_prob, mask_T=m_T,
                                    swiglu_impl=cfg.impl("swiglu"),
                                    lora=jax.tree.unflatten(lora_def, leaves[len(base_leaves):]), lora_scale=scale,
                                    lora_dropout=(cfg.lora.dropout, jax.random.fold_in(jax.random.wrap_key_data(key),
                                                                                       shard[0])) if drop else None,
-                                   ep_axis=EXPERT_AXIS if ep else None)
+                                   ep_axis=EXPERT_AXIS if ep > 1 else None, ep_experts=local)
             return y_TD, *(st[n] for n in ROUTER_STATS)
 
         rest = (*base_leaves, *lora_leaves)
@@ -560,7 +564,7 @@ class SparseMoeMLP(nn.Module):
                                  batched=(True, False, True, False, True) + (False,) * len(rest),
                                  out_batched=(True, False, False, False, False),
                                  out_summed=(False, True, True, True, True),
-                                 split_experts=(False,) * 5 + (ep,) * len(rest))
+                                 split_experts=(False,) * 5 + tuple(ep > 1 and jnp.ndim(a) > 0 for a in rest))
         return y_TD.reshape(x_BTD.shape), dict(zip(ROUTER_STATS, stats, strict=True))
 
 

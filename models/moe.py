@@ -71,8 +71,8 @@ def sort_by_expert(idx_TK: jax.Array, num_experts: int) -> tuple[jax.Array, jax.
 def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array, down_EID: jax.Array,
             *, k: int, norm_topk_prob: bool, mask_T: jax.Array | None = None, impl: str | None = None,
             swiglu_impl: str | None = None, lora: dict | None = None, lora_scale: float = 0.0,
-            lora_dropout: tuple[float, jax.Array] | None = None,
-            ep_axis: str | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+            lora_dropout: tuple[float, jax.Array] | None = None, ep_axis: str | None = None,
+            ep_experts: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(y [T, D], the layer's router statistics: `router_stats` over the rows mask_T marks): the MoE block
     computing only each token's k experts. impl: the grouped
     GEMMs' (ops/grouped_matmul.py), swiglu_impl: SwiGLU's. A projection's weights may instead be a function
@@ -82,8 +82,9 @@ def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: 
     lora_dropout: (rate, key): the adapters' input is dropout(x), each (token, expert) row and projection its own
     mask (PEFT's dropout before lora_A, per expert call); training only.
 
-    ep_axis: expert parallelism inside a shard_map whose `ep_axis` devices each hold E / ep consecutive experts (the
-    expert weights and adapters here are that device's slice; the router is whole). Dispatch by all-gather: the
+    ep_axis: expert parallelism inside a shard_map whose `ep_axis` devices each hold `ep_experts` = E / ep
+    consecutive experts (the expert weights, or the quantized base's functions, and adapters here are that device's
+    slice; the router is whole). Dispatch by all-gather: the
     group's tokens and routing gather on every device, each runs its own experts' (token, expert) pairs, and a
     reduce-scatter sums the partial outputs back to the tokens' owners. Drop-free with static shapes; it moves
     2 (ep - 1) / ep x T x D values per device and layer where an all-to-all of the pairs would move about
@@ -95,9 +96,9 @@ def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: 
     stats = router_stats(logits_TE, probs_TE, idx_TK, mask_T)
     x_all, w_all, local_idx, groups = x_TD, weights_TK, idx_TK, E
     if ep_axis is not None:
-        if callable(gate_EDI):
-            raise ValueError("expert parallelism needs the experts' weights as arrays (not a quantized base)")
-        groups = gate_EDI.shape[0]  # this device's experts
+        if ep_experts is None:
+            raise ValueError("moe_mlp: ep_axis needs ep_experts (the experts each device holds)")
+        groups = ep_experts  # this device's experts
         x_all, w_all, idx_all = (jax.lax.all_gather(a, ep_axis, tiled=True) for a in (x_TD, weights_TK, idx_TK))
         # this device's experts first: ids relative to its first expert, mod E; the others sort past them and
         # fall outside this device's groups (the grouped GEMMs leave those rows zero) and get weight 0

@@ -52,12 +52,13 @@ from .metrics import (
     router_note,
 )
 from .metrics import truncate as truncate_metrics
-from .models import Decoder, config_from_hf, config_to_hf
+from .models import Decoder, config_from_hf, config_to_hf, expert_shape
 from .names import QLORA_FORMATS
 from .ops import attention as attention_op
 from .optim import make_optimizer
 from .precision import fp8
 from .precision import recipe as recipe_lib
+from .qlora import base as qlora_base
 from .qlora.base import QloraSpec
 from .stop import Interrupted, StopSignals
 
@@ -263,8 +264,7 @@ def check_qlora_device(spec: QloraSpec | None, device=None) -> None:
 
 def check_moe(cfg: SFTConfig, dcfg) -> None:
     """The mixture-of-experts keys against the model: router loss weights, train_router and ep_size only on an MoE
-    model, ep_size dividing its experts; on one, precision recipes and expert parallelism over a QLoRA base are not
-    built yet."""
+    model, ep_size dividing its experts; on one, precision recipes are not built yet."""
     o, ep = cfg.optim, cfg.parallel.ep_size
     if not dcfg.num_experts:
         set_keys = [k for k in ("router_aux_loss_coef", "router_z_loss_coef") if getattr(o, k)]
@@ -279,8 +279,6 @@ def check_moe(cfg: SFTConfig, dcfg) -> None:
         raise ConfigError(f"{what}: precision recipes on experts are not built yet; use recipe: bf16")
     if dcfg.num_experts % ep:
         raise ConfigError(f"ep_size={ep}: must divide the {dcfg.num_experts} experts of model={cfg.model.model}")
-    if ep > 1 and cfg.lora.qlora_format is not None:
-        raise ConfigError(f"ep_size={ep} over a QLoRA base ({cfg.lora.qlora_format}) is not built yet; use ep_size: 1")
 
 
 def with_router_weights(cfg: SFTConfig, dcfg):
@@ -306,6 +304,11 @@ def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
     qspec = qlora_spec(cfg, model_dir)
     if qspec is not None:  # the quantized base is not in the checkpoint, but the adapters were trained over it
         meta["qlora"] = qspec.describe()
+        ep = cfg.parallel.ep_size
+        if ep > 1 and not all(qlora_base.splits_by_expert(qspec.experts(), expert_shape(dcfg, p))
+                              for p in ("gate_proj", "up_proj", "down_proj")):
+            raise ConfigError(f"ep_size={ep} over this QLoRA base ({qspec.describe()}): its blocks straddle two of "
+                              f"model={cfg.model.model}'s experts, so they cannot be split; use ep_size: 1")
     r = quant_recipe(cfg)
     if r is not None and r.quantizes:  # its state / cached base are part of the checkpoint (bf16: key absent)
         meta["recipe"] = f"{r.name},amax_history={r.amax_history},skip={r.skip_first}/{r.skip_last}"

@@ -183,6 +183,16 @@ def expert_weights(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tupl
     return dequantize(spec, params, (E * out, inp), dtype, mesh=mesh).reshape(E, out, inp)
 
 
+def splits_by_expert(spec: QloraSpec, shape: tuple[int, int, int]) -> bool:
+    """Whether the stacked experts' quantized parts [E * out, in] are the experts' own parts end to end (every
+    non-scalar part E times one expert's along its first axis; scalars shared): then E / ep consecutive experts'
+    slices of each part are those experts' weight, which expert parallelism relies on."""
+    E, out, inp = shape
+    whole, one = param_shapes(spec, (E * out, inp)), param_shapes(spec, (out, inp))
+    return all(w.shape == () or (w.shape[0] == E * one[k].shape[0] and w.shape[1:] == one[k].shape[1:])
+               for k, w in whole.items())
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _frozen_grouped(x, params, sizes, spec, shape, dtype):
     return grouped_matmul(x, expert_weights(spec, params, shape, dtype), sizes, transpose_w=True)

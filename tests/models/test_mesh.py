@@ -90,6 +90,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from surogate_jax import train as T
 from surogate_jax.models import Decoder, DecoderConfig, LoraSpec
 from surogate_jax.parallel import Layout
+from surogate_jax.qlora.base import QloraSpec
 cfg = DecoderConfig(model_type="qwen3_moe", vocab_size=67, hidden_size=32, intermediate_size=48, num_layers=3,
                     num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, initializer_range=0.2, num_experts=8,
                     num_experts_per_tok=3, moe_intermediate_size=16, mlp_only_layers=(1,), router_aux_loss_coef=0.1)
@@ -99,32 +100,40 @@ batch["positions"] = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (8, 16))
 batch["segment_ids"] = jnp.asarray(np.repeat([[1] * 12 + [0] * 4], 8, axis=0), jnp.int32)
 batch["loss_mask"] = jnp.asarray(rng.random((8, 16)) < 0.7, jnp.float32)
 spec = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "gate_proj", "up_proj", "down_proj"), train_router=True)
-for name, c in {"full": cfg, "lora": cfg.replace(lora=spec)}.items():
+cases = {"full": cfg, "lora": cfg.replace(lora=spec),
+         # the experts' quantized parts split by expert: NF4 blocks of 64 without double quantization, NVFP4 tiles
+         "qlora nf4": cfg.replace(lora=spec, qlora=QloraSpec("nf4", 64, False)),
+         "qlora fp4": cfg.replace(lora=spec, qlora=QloraSpec("fp4", 16))}
+for name, c in cases.items():
     model = Decoder(c)
     v = model.init({"params": jax.random.key(0), "lora": jax.random.key(1)}, jnp.zeros((1, 4), jnp.int32))
     params, trainable = (v["params"], v["lora"]) if c.lora else ({}, v["params"])
     trainable = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape, x.dtype), trainable)
 
-    def loss(model, trainable, batch):
+    def loss(model, params, trainable, batch):
         l, (n, _, router) = T.train_loss(model, params, trainable, batch, None, router_weight=3.0)
         return l / n, router
 
-    grad = jax.value_and_grad(loss, argnums=1, has_aux=True)
-    (want_l, want_r), want_g = grad(model, trainable, batch)
+    grad = jax.value_and_grad(loss, argnums=2, has_aux=True)
+    (want_l, want_r), want_g = grad(model, params, trainable, batch)
     for ep in (2, 4):
         mesh = T.make_mesh(ep_size=ep)
         layout = Layout(mesh)
         assert dict(mesh.shape) == {"data": 4 // ep, "expert": ep}
         split = Decoder(c.replace(mesh=mesh))
         on = jax.device_put(trainable, layout.shardings(trainable, False))
+        base = jax.device_put(params, layout.shardings(params, False))
+        if c.qlora is not None:
+            down = base["layers_2"]["mlp"]["experts"]["down_proj"]
+            assert all(down[k].sharding.spec == P(None, "expert") for k in down if down[k].ndim > 1), name
         experts = on["layers_2"]["mlp"]["experts"]["up_proj"]
         experts = experts["lora_a"] if c.lora else experts
         assert experts.sharding.spec == P(None, "expert"), experts.sharding
         assert experts.addressable_shards[0].data.shape[1] == 8 // ep  # each device: its experts only
         sharded = jax.device_put(batch, T.batch_sharding(mesh, False))
-        jaxpr = str(jax.make_jaxpr(lambda *a: grad(split, *a))(on, sharded))
+        jaxpr = str(jax.make_jaxpr(lambda *a: grad(split, *a))(base, on, sharded))
         assert "all_gather" in jaxpr and "reduce_scatter" in jaxpr, name
-        (got_l, got_r), got_g = jax.jit(lambda *a: grad(split, *a))(on, sharded)
+        (got_l, got_r), got_g = jax.jit(lambda *a: grad(split, *a))(base, on, sharded)
         tol = float(np.finfo(np.float32).eps) ** (2 / 3)
         np.testing.assert_allclose(got_l, want_l, rtol=1e-5, err_msg=name)
         for k in want_r:
@@ -141,7 +150,8 @@ print("ok")
 def test_expert_parallel_matches_one_device():
     """ep_size 2 and 4 on 4 CPU devices: each device holds its experts (and their adapters); tokens gather within
     the expert group and the partial outputs reduce-scatter back; the loss, router losses and every gradient equal
-    the unsplit model's (dense layers among the MoE ones, padding rows, full fine-tuning and LoRA with the router)."""
+    the unsplit model's (dense layers among the MoE ones, padding rows, full fine-tuning, LoRA with the router, and
+    LoRA over NF4 and NVFP4 quantized experts, each device holding its experts' quantized parts)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-c", EP_SCRIPT], check=False, env=env, capture_output=True, text=True,
                        timeout=600)

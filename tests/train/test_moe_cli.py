@@ -203,10 +203,11 @@ def test_dense_and_moe_layers_full_fine_tuning_with_normuon(tmp_path, env, mixed
 
 
 def test_expert_parallel_needs_experts_it_divides_and_no_qlora(tmp_path, env, moe_dir, ep_dir):
-    """2 CPU devices: ep_size 2 divides them but not moe_dir's 5 experts; over a QLoRA base it is not built."""
+    """2 CPU devices: ep_size 2 divides them but not moe_dir's 5 experts; over an NF4 base with double quantization
+    the second-level blocks (256 absmax each) straddle ep_dir's experts (64 blocks each), which cannot be split."""
     two = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     for model, over, message in ((moe_dir, {}, "ep_size=2: must divide the 5 experts"),
-                                 (ep_dir, {"qlora_bnb": True}, "ep_size=2 over a QLoRA base (nf4) is not built yet")):
+                                 (ep_dir, {"qlora_bnb": True}, "its blocks straddle two of")):
         cfg = write_config(tmp_path, model=str(model), gpus=0, ep_size=2, **over)
         r = sft(cfg, two, check=False)
         assert r.returncode == 2 and message in r.stderr and r.stderr.count("error:") == 1, r.stderr[-2000:]
@@ -215,11 +216,12 @@ def test_expert_parallel_needs_experts_it_divides_and_no_qlora(tmp_path, env, mo
 
 def test_expert_parallel_losses_equal_ep_size_1_on_four_devices(tmp_path, env, ep_dir):
     """4 CPU devices: ep_size 2 (2 data x 2 expert) and 4 train the same losses as plain data parallelism, for LoRA
-    on attention and every expert (and a trained router) and for full fine-tuning; the experts' tensors are split
-    over the expert axis (each device holds E / ep of them)."""
+    on attention and every expert (and a trained router), for full fine-tuning and for LoRA over NF4 experts; the
+    experts' tensors are split over the expert axis (each device holds E / ep of them)."""
     four = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     runs = {}
-    for name, over in {"lora": dict(train_router=True), "full": dict(lora=False)}.items():
+    for name, over in {"lora": dict(train_router=True), "full": dict(lora=False),
+                       "qlora": dict(qlora_bnb=True, qlora_bnb_double_quant=False)}.items():
         for ep in (1, 2, 4) if name == "lora" else (1, 2):
             d = tmp_path / f"{name}{ep}"
             d.mkdir()
