@@ -255,6 +255,18 @@ def test_moe_bad_input_is_refused_before_any_work(tmp_path, env, moe_dir, over, 
     assert not (tmp_path / "out").exists()
 
 
+def test_an_moe_variant_we_do_not_compute_is_refused_before_any_work(tmp_path, env, moe_dir):
+    """Shared experts (Qwen2-MoE's shared_expert_intermediate_size) in a Qwen3-MoE config.json: one error line, exit
+    code 2, no output_dir."""
+    d = tmp_path / "shared"
+    shutil.copytree(moe_dir, d)
+    cfg_json = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg_json, "shared_expert_intermediate_size": 128}))
+    r = sft(write_config(tmp_path, model=str(d)), env, check=False)
+    assert r.returncode == 2 and "shared experts are not implemented" in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count("error:") == 1 and "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(("over", "message"), [
     ({"router_z_loss_coef": 0.01}, "router_z_loss_coef: applies to mixture-of-experts models"),
     ({"train_router": True}, "train_router: applies to mixture-of-experts models"),
