@@ -189,6 +189,11 @@ class DecoderConfig:
         """Whether layer i's feed-forward is the mixture of experts (transformers' Qwen3-MoE rule)."""
         return bool(self.num_experts) and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
+    @property
+    def moe_layers(self) -> int:
+        """How many layers are mixture-of-experts (0: a dense model, or every layer in mlp_only_layers)."""
+        return sum(self.sparse_layer(i) for i in range(self.num_layers))
+
     def layer_stacks(self) -> tuple[tuple[str, int, int, bool], ...]:
         """(module name, first layer, layers, sparse) per run of consecutive layers of one kind: each run is one
         nn.scan stack, named "layers" from layer 0 and "layers_<first>" after it (surogate_jax.names)."""

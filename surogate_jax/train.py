@@ -116,7 +116,7 @@ def _forward_loss(model: Decoder, params, trainable, batch: dict, rng, quant: An
         rngs = {**(rngs or {}), recipe_lib.QUANT_RNG: jax.random.fold_in(rng, 0x5A17)}
     args = (batch["input_ids"], batch["positions"], batch["segment_ids"])
     router = {}
-    if model.config.num_experts:
+    if model.config.moe_layers:
         hidden, inter = model.apply(v, *args, return_hidden=True, rngs=rngs, mutable=["intermediates"])
         router = moe.router_losses(inter["intermediates"]["router_stats"][0])
     else:
@@ -215,7 +215,7 @@ def _accumulate(model: Decoder, state: TrainState, work, batch: dict, zeros, add
     router_weight = _token_count(batch)[1] / n_accum
     grad_fn = jax.value_and_grad(
         lambda t, q, mb, r: train_loss(model, state.params, t, mb, r, q, router_weight), argnums=(0, 1), has_aux=True)
-    router0 = {k: jnp.zeros((), jnp.float32) for k in ROUTER_METRICS} if model.config.num_experts else {}
+    router0 = {k: jnp.zeros((), jnp.float32) for k in ROUTER_METRICS} if model.config.moe_layers else {}
 
     def micro(carry, xs):
         grads, obs, loss, router = carry

@@ -140,6 +140,24 @@ def test_moe_config_is_checked():
         cfg.replace(mlp_only_layers=(2,))
 
 
+def test_an_moe_config_whose_layers_are_all_dense_trains_without_router_terms():
+    """Every layer in mlp_only_layers: no router, no router statistics; the loss is the CE alone."""
+    from surogate_jax import train as T  # noqa: PLC0415
+    from surogate_jax.models import Decoder  # noqa: PLC0415
+
+    cfg = config_from_hf(_cfg(mlp_only_layers=[0, 1]))
+    assert cfg.moe_layers == 0 and cfg.layer_stacks() == (("layers", 0, 2, False),)
+    model = Decoder(cfg)
+    ids = jnp.asarray(_ids(4))
+    params = model.init(jax.random.key(0), ids)["params"]
+    assert "gate" not in params["layers"]["mlp"]
+    batch = {"input_ids": ids, "targets": ids, "loss_mask": jnp.ones(ids.shape, jnp.float32),
+             "positions": jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape),
+             "segment_ids": jnp.ones(ids.shape, jnp.int32)}
+    total, (count, ce, router) = T.train_loss(model, {}, params, batch, None, router_weight=1.0)
+    assert router == {} and float(total) == float(ce)
+
+
 def test_lora_dropout_on_the_experts():
     """The experts' adapters see dropout(x) when moe_mlp gets (rate, key) (each row and projection its own mask, the
     kept values scaled by 1 / (1 - rate)): one key gives one output, another key another; the block is multilinear in
