@@ -237,6 +237,29 @@ def test_expert_parallel_losses_equal_ep_size_1_on_four_devices(tmp_path, env, e
                                    err_msg=f"{name} ep_size={ep}")
 
 
+def test_expert_parallel_run_resumes_exactly_and_under_another_ep_size(tmp_path, env, ep_dir):
+    """4 CPU devices, ep_size 2: a run resumed from its step-2 checkpoint continues bit for bit; resumed under
+    ep_size 1 instead (the experts' shards gathered back by the restore) it continues with the same losses."""
+    four = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    cfg = write_config(tmp_path, model=str(ep_dir), max_steps=4, save_steps=2, eval_steps=0, learning_rate=3e-3,
+                       gpus=0, ep_size=2, per_device_train_batch_size=1, train_router=True)
+    sft(cfg, four)
+    out = tmp_path / "out"
+    first = losses(out)
+    for ep in (2, 1):
+        shutil.rmtree(out / "checkpoints" / "4")
+        for d in ("adapter", "model"):
+            shutil.rmtree(out / d, ignore_errors=True)
+        (out / "metrics.jsonl").write_text("")
+        sft(cfg, four, f"ep_size={ep}")
+        again = losses(out)
+        assert sorted(again) == [3, 4]
+        if ep == 2:
+            assert [again[s] for s in (3, 4)] == [first[s] for s in (3, 4)]
+        else:
+            np.testing.assert_allclose([again[s] for s in (3, 4)], [first[s] for s in (3, 4)], rtol=2e-5)
+
+
 @pytest.mark.parametrize(("over", "message"), [
     ({"recipe": "fp8-hybrid"}, "precision recipes on experts are not built yet"),
     ({"router_aux_loss_coef": -0.5}, "router_aux_loss_coef=-0.5: must be a number >= 0"),
