@@ -191,3 +191,120 @@ def test_lora_dropout_on_the_experts():
     plain = Decoder(cfg.replace(lora=LoraSpec(rank=4, alpha=8.0, targets=("up_proj",)))).apply(variables, ids)
     np.testing.assert_array_equal(model.apply(variables, ids), plain)
     assert float(jnp.abs(model.apply(variables, ids, rngs={"dropout": jax.random.key(5)}) - plain).max()) > 1e-4
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "fp8"])
+def test_qlora_experts_load_quantized_and_dequantize_to_the_checkpoint(fmt, tmp_path, assert_close):
+    """A QLoRA base quantizes each layer's experts as one [E * out, in] weight while loading: the forward and the LoRA
+    gradients through it equal the plain model's over its dequantized weights, which are the checkpoint's within the
+    format's error."""
+    from surogate_jax.hf import dequantize_base  # noqa: PLC0415
+    from surogate_jax.qlora.base import QloraSpec, param_names  # noqa: PLC0415
+
+    MOE_Q = {**MOE, "hidden_size": 128, "moe_intermediate_size": 128, "head_dim": 32}  # whole 64 / 128 blocks
+    cfg = transformers.Qwen3MoeConfig(**MOE_Q, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    spec = QloraSpec("nf4", 64, True) if fmt == "nf4" else QloraSpec("fp8", 128)
+    qmodel, qparams = surogate_jax.load_pretrained(tmp_path, dtype=jnp.float32, qlora=spec)
+    assert set(qparams["layers"]["mlp"]["experts"]["up_proj"]) == set(param_names(spec))
+    plain, dq = dequantize_base(qmodel, qparams)
+    _, exact = surogate_jax.load_pretrained(tmp_path, dtype=jnp.float32)
+    got, want = (np.asarray(p["layers"]["mlp"]["experts"]["down_proj"]) for p in (dq, exact))
+    assert got.shape == want.shape == (2, 4, 128, 128)
+    # at most half a code step of the block's / tile's largest value: NF4's widest gap is 0.7230 -> 1.0; E4M3's top
+    # binade steps 32 of 448
+    assert rel_err(got, want) < (0.2770 / 2 if fmt == "nf4" else 16 / 448)
+    ids = jnp.asarray(_ids(4))
+    np.testing.assert_allclose(np.asarray(qmodel.apply({"params": qparams}, ids)),
+                               np.asarray(plain.apply({"params": dq}, ids)), rtol=2e-5, atol=2e-5)
+    # LoRA gradients through the frozen grouped GEMM (dequantized again in its backward) equal those over the
+    # dequantized experts
+
+    from surogate_jax.models import Decoder, LoraSpec  # noqa: PLC0415
+
+    spec_l = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "up_proj", "down_proj"))
+    mq, mp = Decoder(qmodel.config.replace(lora=spec_l)), Decoder(plain.config.replace(lora=spec_l))
+    lora = mp.init({"params": jax.random.key(0), "lora": jax.random.key(1)}, ids[:, :4])["lora"]
+    lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(2), a.shape, a.dtype), lora)
+
+    def grads(model, params):
+        loss = lambda lo: jnp.mean(model.apply({"params": params, "lora": lo}, ids) ** 2)  # noqa: E731
+        return jax.value_and_grad(loss)(lora)
+
+    (lq, gq), (lp, gp) = grads(mq, qparams), grads(mp, dq)
+    assert_close(lq, lp, jnp.float32)
+    for a, b in zip(jax.tree.leaves(gq), jax.tree.leaves(gp), strict=True):
+        assert_close(a, b, jnp.float32)
+    assert float(jnp.abs(gq["layers"]["mlp"]["experts"]["up_proj"]["lora_a"]).max()) > 0
+
+
+@pytest.mark.parametrize(("aux", "padded", "layout"), [(0.01, False, {}), (0.3, True, {}),
+                                                     (0.3, True, LAYOUTS[1][0])])
+def test_train_loss_equals_transformers_loss_with_router_logits(aux, padded, layout, tmp_path):
+    """train.train_loss on one micro-batch (CE + router_aux_loss_coef x the load-balancing loss) against
+    transformers' Qwen3MoeForCausalLM(labels=..., output_router_logits=True), whose loss is the same sum; with
+    padding the aux loss skips padded rows as transformers' attention mask does."""
+    from surogate_jax import train as T  # noqa: PLC0415
+
+    hf = _hf_moe(6, 2, True, seed=11, **layout)
+    hf.config.router_aux_loss_coef = hf.router_aux_loss_coef = aux  # the model copies it at construction
+    hf.save_pretrained(tmp_path)
+    model, params = surogate_jax.load_pretrained(tmp_path, dtype=jnp.float32)
+    assert model.config.router_aux_loss_coef == aux
+    ids = _ids(6)
+    mask = np.ones_like(ids)
+    if padded:
+        mask[1, 9:] = 0  # the second row's last 4 tokens are padding
+    with torch.no_grad():
+        out = hf(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                 labels=torch.from_numpy(np.where(mask == 1, ids, -100)).long(), output_router_logits=True)
+    B, L = ids.shape
+    loss_mask = np.zeros((B, L), np.float32)
+    loss_mask[:, :-1] = mask[:, 1:]  # predicting token t+1 from t, where t+1 is real
+    batch = {"input_ids": jnp.asarray(ids), "targets": jnp.asarray(np.roll(ids, -1, axis=1)),
+             "loss_mask": jnp.asarray(loss_mask), "positions": jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)),
+             "segment_ids": jnp.asarray(mask, jnp.int32)}  # 0 = padding
+    n = float(loss_mask.sum())
+    total, (count, ce, router) = T.train_loss(model, {}, params, batch, None, router_weight=n)
+    assert float(count) == n and float(ce) < float(total)
+    np.testing.assert_allclose(float(router["aux_loss"]), float(out.aux_loss), rtol=1e-5)
+    np.testing.assert_allclose(float(total) / n, float(out.loss), rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", [{}, LAYOUTS[1][0]])
+def test_peft_round_trip_with_expert_adapters_and_a_trained_router(layout, tmp_path):
+    """save_peft writes one lora_A / lora_B pair per expert and, under train_router, the router as PEFT's
+    modules_to_save; load_peft reads back the same tree, and merge folds every expert and the router in (with
+    dense layers among the sparse ones: their plain adapters, HF's layer numbers)."""
+    from surogate_jax import lora as lora_lib  # noqa: PLC0415
+    from surogate_jax.models import Decoder, LoraSpec  # noqa: PLC0415
+
+    spec = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "up_proj", "down_proj"), train_router=True)
+    cfg = config_from_hf(_cfg(**layout)).replace(lora=spec)
+    model = Decoder(cfg)
+    adapters = lora_lib.init_adapters(model, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    adapters = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), adapters)
+    lora_lib.save_peft(tmp_path, model, adapters, base_model="tiny")
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["modules_to_save"] == ["gate"]
+    back = lora_lib.load_peft(tmp_path, model)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(adapters)[0], jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    plain = Decoder(cfg.replace(lora=None))
+    base = jax.eval_shape(lambda: plain.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    base = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), base)
+    merged = lora_lib.merge(base, adapters, cfg.lora)
+    sparse = [name for name, _, _, is_sparse in cfg.layer_stacks() if is_sparse]
+    assert lora_lib.router_paths(adapters) == [(name, "mlp", "gate", "kernel") for name in sparse]
+    for name in sparse:
+        router = adapters[name]["mlp"]["gate"]["kernel"]
+        np.testing.assert_array_equal(merged[name]["mlp"]["gate"]["kernel"], router)
+        up = adapters[name]["mlp"]["experts"]["up_proj"]
+        want = 2.0 * np.einsum("leir,lero->leio", np.asarray(up["lora_a"]), np.asarray(up["lora_b"]))  # alpha / r
+        np.testing.assert_allclose(merged[name]["mlp"]["experts"]["up_proj"], want, rtol=1e-5, atol=1e-7)
+    written = set(CheckpointReader(tmp_path).names())
+    for i in range(cfg.num_layers):
+        mod = f"base_model.model.model.layers.{i}.mlp."
+        assert (mod + "gate.weight" in written) == cfg.sparse_layer(i)
+        assert (mod + "experts.1.up_proj.lora_A.weight" in written) == cfg.sparse_layer(i)
+        assert (mod + "up_proj.lora_A.weight" in written) == (not cfg.sparse_layer(i))
