@@ -29,7 +29,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AbstractMesh, Mesh
 
-from surogate_jax.names import PROJECTIONS, REMAT_POLICIES
+from surogate_jax.names import EXPERT_PROJECTIONS, PROJECTIONS, REMAT_POLICIES
 from surogate_jax.ops import add_rms_norm, fp8_formats, rms_norm, rope_qk, swiglu, swiglu_lora
 from surogate_jax.ops import attention as attention_op
 from surogate_jax.ops._sharding import EXPERT_AXIS, data_axes, expert_parallel, on_shards
@@ -506,7 +506,6 @@ class MLP(nn.Module):
         return Linear((cfg.hidden_size,), cfg, name="down_proj")(h, layer)
 
 
-EXPERT_PROJECTIONS = moe.EXPERT_PROJECTIONS
 ROUTER_STATS = ("counts", "probs", "z", "rows")  # moe.router_stats, in the order the per-shard block returns them
 
 

@@ -27,10 +27,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from surogate_jax.names import EXPERT_PROJECTIONS
 from surogate_jax.ops import swiglu
 from surogate_jax.ops.grouped_matmul import grouped_matmul
-
-EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def route(logits_TE: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -6,6 +6,7 @@ them from here.
 
 # The seven linear projections of a decoder layer: what LoRA adapts and what a recipe quantizes.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERT_PROJECTIONS = PROJECTIONS[4:]  # an MoE expert's three, stacked over the experts
 
 RECIPES = ("bf16", "fp8-hybrid", "nvfp4")
 RECIPE_ALIASES = {"fp8_hybrid": "fp8-hybrid"}

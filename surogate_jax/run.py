@@ -53,7 +53,7 @@ from .metrics import (
 )
 from .metrics import truncate as truncate_metrics
 from .models import Decoder, config_from_hf, config_to_hf, expert_shape
-from .names import QLORA_FORMATS
+from .names import EXPERT_PROJECTIONS, QLORA_FORMATS
 from .ops import attention as attention_op
 from .optim import make_optimizer
 from .precision import fp8
@@ -306,7 +306,7 @@ def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
         meta["qlora"] = qspec.describe()
         ep = cfg.parallel.ep_size
         if ep > 1 and not all(qlora_base.splits_by_expert(qspec.experts(), expert_shape(dcfg, p))
-                              for p in ("gate_proj", "up_proj", "down_proj")):
+                              for p in EXPERT_PROJECTIONS):
             raise ConfigError(f"ep_size={ep} over this QLoRA base ({qspec.describe()}): its blocks straddle two of "
                               f"model={cfg.model.model}'s experts, so they cannot be split; use ep_size: 1")
     r = quant_recipe(cfg)

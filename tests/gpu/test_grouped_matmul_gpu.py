@@ -89,22 +89,28 @@ def test_kernels_match_a_loop_over_groups(rows, K, M, E, empty, transpose_w, ass
     assert_close(dw, want_dw, jnp.bfloat16, "dw")
 
 
-def test_every_gpu_of_the_process_runs_the_kernel():
-    """The kernel's shared-memory attribute is per device: each GPU of a multi-GPU process must be able to launch it
-    (expert parallelism runs it on both GPUs of one process)."""
+def test_every_gpu_of_the_process_runs_the_kernel(assert_close):
+    """The kernels' shared-memory attribute is per device: each GPU of a multi-GPU process must launch them
+    (expert parallelism runs them on both GPUs of one process); forward and both gradients on each GPU."""
     gpus = jax.devices()
     if len(gpus) < 2:
-        pytest.skip("one GPU")
+        pytest.skip("needs 2 GPUs in one process")
     rng = np.random.default_rng(next(_seed))
-    sizes = _sizes(rng, 300, 5, False)
+    rows, K, M, E = 300, 64, 72, 5
+    sizes = _sizes(rng, rows, E, False)
+    x, dy = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((rows, K), (rows, M)))
+    w = jnp.asarray(rng.standard_normal((E, K, M)) / np.sqrt(K), jnp.bfloat16)
+    want_y, want_dx, want_dw = _want(x, w, sizes, dy)
+    want_dx[int(sizes.sum()):] = 0.0
+
+    @jax.jit
+    def go(x, w, gs, dy):
+        y, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs, impl="ffi"), x, w)
+        return (y, *vjp(dy))
+
     for dev in gpus:
-        x, w = (jax.device_put(jnp.asarray(rng.standard_normal(s), jnp.bfloat16), dev)
-                for s in ((300, 64), (5, 64, 72)))
-        y = jax.jit(lambda x, w, s: grouped_matmul(x, w, s))(x, w, jax.device_put(sizes, dev))
+        y, dx, dw = go(*jax.device_put((x, w, jnp.asarray(sizes), dy), dev))
         assert y.devices() == {dev}
-        xs, ws = (np.asarray(a, np.float32) for a in (x, w))
-        want, start = np.zeros((300, 72), np.float32), 0
-        for e, n in enumerate(sizes):
-            want[start:start + n] = xs[start:start + n] @ ws[e]
-            start += n
-        np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2e-2, atol=5e-2)
+        assert_close(y, want_y, jnp.bfloat16, f"y on {dev}")
+        assert_close(dx, want_dx, jnp.bfloat16, f"dx on {dev}")
+        assert_close(dw, want_dw, jnp.bfloat16, f"dw on {dev}")
