@@ -24,12 +24,19 @@ Shapes: T tokens, D hidden, E experts, I the experts' intermediate size, K = top
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 
 from surogate_jax.names import EXPERT_PROJECTIONS
 from surogate_jax.ops import swiglu
 from surogate_jax.ops.grouped_matmul import grouped_matmul
+
+# expert parallelism's fast path: the sorted rows a device computes, per (token, expert) pair it owns on average
+# (balanced routing gives it 1x; beyond this the step takes the exact full-buffer branch)
+EP_CAPACITY = 1.25
 
 
 def route(logits_TE: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -71,7 +78,7 @@ def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: 
             *, k: int, norm_topk_prob: bool, mask_T: jax.Array | None = None, impl: str | None = None,
             swiglu_impl: str | None = None, lora: dict | None = None, lora_scale: float = 0.0,
             lora_dropout: tuple[float, jax.Array] | None = None, ep_axis: str | None = None,
-            ep_experts: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+            ep_experts: int | None = None, ep_capacity: float = EP_CAPACITY) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(y [T, D], the layer's router statistics: `router_stats` over the rows mask_T marks): the MoE block
     computing only each token's k experts. impl: the grouped
     GEMMs' (ops/grouped_matmul.py), swiglu_impl: SwiGLU's. A projection's weights may instead be a function
@@ -85,39 +92,52 @@ def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: 
     consecutive experts (the expert weights, or the quantized base's functions, and adapters here are that device's
     slice; the router is whole). Dispatch by all-gather: the
     group's tokens and routing gather on every device, each runs its own experts' (token, expert) pairs, and a
-    reduce-scatter sums the partial outputs back to the tokens' owners. Drop-free with static shapes; it moves
-    2 (ep - 1) / ep x T x D values per device and layer where an all-to-all of the pairs would move about
-    K (ep - 1) / ep x T x D (fewer bytes for ep <= K; the sorted buffer holds the group's ep x T x K pairs)."""
+    reduce-scatter sums the partial outputs back to the tokens' owners. It moves 2 (ep - 1) / ep x T x D values per
+    device and layer where an all-to-all of the pairs would move about K (ep - 1) / ep x T x D (fewer bytes for
+    ep <= K). Of the group's ep x T x K sorted pairs a device owns T x K on average: it computes the first
+    ep_capacity x T x K of them (its own sort first) when they hold all of its pairs, and otherwise (a group
+    routing more than that to this device's experts) all ep x T x K, rematerialized so that only the fast branch's
+    activations are kept; drop-free either way, with static shapes (a `lax.cond` on a count computed on the
+    device)."""
     T, D = x_TD.shape
     E = router_ED.shape[0]
     logits_TE = x_TD @ router_ED.T
     weights_TK, idx_TK, probs_TE = route(logits_TE, k, norm_topk_prob)
     stats = router_stats(logits_TE, probs_TE, idx_TK, mask_T)
-    x_all, w_all, local_idx, groups = x_TD, weights_TK, idx_TK, E
-    if ep_axis is not None:
-        if ep_experts is None:
-            raise ValueError("moe_mlp: ep_axis needs ep_experts (the experts each device holds)")
-        groups = ep_experts  # this device's experts
-        x_all, w_all, idx_all = (jax.lax.all_gather(a, ep_axis, tiled=True) for a in (x_TD, weights_TK, idx_TK))
-        # this device's experts first: ids relative to its first expert, mod E; the others sort past them and
-        # fall outside this device's groups (the grouped GEMMs leave those rows zero) and get weight 0
-        local_idx = (idx_all - jax.lax.axis_index(ep_axis) * groups) % E
-        w_all = jnp.where(local_idx < groups, w_all, jnp.zeros_like(w_all))
-    y_TD = _experts(x_all, w_all, local_idx, gate_EDI, up_EDI, down_EID, k=k, impl=impl, swiglu_impl=swiglu_impl,
-                    lora=lora or {}, lora_scale=lora_scale, dropout=lora_dropout, num_experts=E, groups=groups)
-    if ep_axis is not None:
-        y_TD = jax.lax.psum_scatter(y_TD, ep_axis, scatter_dimension=0, tiled=True)
-    return y_TD.astype(x_TD.dtype), stats
+    experts = functools.partial(_experts, gate_EDI=gate_EDI, up_EDI=up_EDI, down_EID=down_EID, k=k, impl=impl,
+                                swiglu_impl=swiglu_impl, lora=lora or {}, lora_scale=lora_scale, dropout=lora_dropout)
+    if ep_axis is None:
+        order_N, sizes_E = sort_by_expert(idx_TK, E)
+        return experts(x_TD, weights_TK, order_N, sizes_E).astype(x_TD.dtype), stats
+    if ep_experts is None:
+        raise ValueError("moe_mlp: ep_axis needs ep_experts (the experts each device holds)")
+    x_all, w_all, idx_all = (jax.lax.all_gather(a, ep_axis, tiled=True) for a in (x_TD, weights_TK, idx_TK))
+    # this device's experts first: ids relative to its first expert, mod E; the others sort past them, fall outside
+    # this device's groups (the grouped GEMMs leave those rows zero) and get weight 0
+    local_idx = (idx_all - jax.lax.axis_index(ep_axis) * ep_experts) % E
+    w_all = jnp.where(local_idx < ep_experts, w_all, jnp.zeros_like(w_all))
+    order_N, sizes_E = sort_by_expert(local_idx, E)
+    sizes_E = sizes_E[:ep_experts]
+    rows = min(order_N.shape[0], math.ceil(ep_capacity * T * k))
+    if rows < order_N.shape[0]:
+        y_TD = jax.lax.cond(jnp.sum(sizes_E) <= rows,
+                            lambda *a: experts(*a, rows=rows),
+                            jax.checkpoint(lambda *a: experts(*a)),
+                            x_all, w_all, order_N, sizes_E)
+    else:
+        y_TD = experts(x_all, w_all, order_N, sizes_E)
+    return jax.lax.psum_scatter(y_TD, ep_axis, scatter_dimension=0, tiled=True).astype(x_TD.dtype), stats
 
 
-def _experts(x_TD, weights_TK, idx_TK, gate_EDI, up_EDI, down_EID, *, k, impl, swiglu_impl, lora, lora_scale,
-             dropout, num_experts, groups):
-    """sum_k weights[t, k] x expert_{idx[t, k]}(x_t) [T, D] in fp32 for the first `groups` of the ids in [0,
-    num_experts) (expert parallelism: the weights hold this device's experts); pairs of the other ids sort past the
-    groups and come out as zeros."""
+def _experts(x_TD, weights_TK, order_N, sizes_E, *, gate_EDI, up_EDI, down_EID, k, impl, swiglu_impl, lora,
+             lora_scale, dropout, rows=None):
+    """sum_k weights[t, k] x expert_{idx[t, k]}(x_t) [T, D] in fp32 from the pairs sorted by expert (`sort_by_expert`:
+    order [T*K]) for the experts sizes_E counts (expert parallelism: this device's experts, whose pairs sort first;
+    the others' pairs come out as zeros). rows: compute only the first `rows` sorted pairs (they must hold all the
+    counted experts' pairs)."""
     T, D = x_TD.shape
-    order_N, sizes_E = sort_by_expert(idx_TK, num_experts)
-    sizes_E = sizes_E[:groups]
+    inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=jnp.int32))
+    order_N = order_N if rows is None else order_N[:rows]
     xs_ND = jnp.take(x_TD, order_N // k, axis=0)
 
     def project(x, w, name):
@@ -138,8 +158,8 @@ def _experts(x_TD, weights_TK, idx_TK, gate_EDI, up_EDI, down_EID, *, k, impl, s
     u_NI = project(xs_ND, up_EDI, "up_proj")
     h_NI = swiglu(g_NI, u_NI, impl=swiglu_impl)
     ys_ND = project(h_NI, down_EID, "down_proj")
-    inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=jnp.int32))
-    y_TKD = jnp.take(ys_ND, inverse_N, axis=0).reshape(T, k, D)
+    # pairs sorted past `rows` are other devices' (weight 0): zeros
+    y_TKD = jnp.take(ys_ND, inverse_N, axis=0, mode="fill", fill_value=0).reshape(T, k, D)
     return jnp.einsum("tk,tkd->td", weights_TK.astype(jnp.float32), y_TKD.astype(jnp.float32))
 
 

@@ -156,3 +156,64 @@ def test_expert_parallel_matches_one_device():
     r = subprocess.run([sys.executable, "-c", EP_SCRIPT], check=False, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr[-3000:]
+
+
+BRANCH_SCRIPT = r'''
+import functools, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+from models import moe
+ep, E, k, T, D, I, r = 4, 8, 3, 16, 16, 24, 4  # T tokens per device
+rng = np.random.default_rng(0)
+f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)
+x, gate, up, down = f(ep * T, D), f(E, D, I), f(E, D, I), f(E, I, D)
+lora = {"gate_proj": (f(E, D, r), f(E, r, I)), "down_proj": (f(E, I, r), f(E, r, D))}
+mesh = Mesh(np.array(jax.devices()), ("expert",))
+local = E // ep
+
+def loss(x, router, gate, up, down, lora, ep_axis=None, capacity=moe.EP_CAPACITY):
+    y, _ = moe.moe_mlp(x, router, gate, up, down, k=k, norm_topk_prob=True, lora=lora, lora_scale=0.5,
+                       ep_axis=ep_axis, ep_experts=local if ep_axis else None, ep_capacity=capacity)
+    return jnp.sum(jnp.sin(y)), y
+
+def split(capacity):
+    specs = (P("expert"), P(), P("expert"), P("expert"), P("expert"), P("expert"))
+
+    def per_device(*a):
+        (l, y), g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True)(
+            *a, ep_axis="expert", capacity=capacity)
+        # the loss and the router's gradient: each device's share of the tokens
+        return (jax.lax.psum(l, "expert"), y), (g[0], jax.lax.psum(g[1], "expert"), *g[2:])
+
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=((P(), P("expert")), specs),
+                                 check_vma=False))
+
+def own_pairs(router):  # (token, expert) pairs of the whole group each device's experts receive
+    idx = moe.route(x @ router.T, k, True)[1]
+    return np.bincount(np.asarray(idx).reshape(-1) // local, minlength=ep)
+
+rows = int(np.ceil(moe.EP_CAPACITY * T * k))
+balanced = f(E, D)
+skewed = balanced.at[:local].add(5.0 * jnp.sign(x.mean(0)))  # device 0's experts win most tokens
+assert own_pairs(balanced).max() <= rows < own_pairs(skewed).max(), (own_pairs(balanced), own_pairs(skewed), rows)
+for name, router in (("fast path", balanced), ("fallback", skewed)):
+    (want_l, want_y), want_g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True)(
+        x, router, gate, up, down, lora)
+    for capacity in (moe.EP_CAPACITY, float(ep)):  # float(ep): the whole buffer, no branch
+        (got_l, got_y), got_g = split(capacity)(x, router, gate, up, down, lora)
+        np.testing.assert_allclose(got_y, want_y, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(got_l, want_l, rtol=1e-5, err_msg=name)
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got_g)[0], jax.tree.leaves(want_g), strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=f"{name} {capacity} {path}")
+    print("ok", name)
+print("ok")
+'''
+
+
+def test_expert_parallel_fast_path_and_its_fallback():
+    """Each device computes the first EP_CAPACITY x T x K of the group's sorted pairs when its experts' pairs fit
+    there, else the whole buffer: balanced routing (every device within capacity) and a router skewed to one
+    device's experts (beyond it) give the single-device output and gradients, as does a capacity holding it all."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", BRANCH_SCRIPT], check=False, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr[-3000:]
