@@ -550,9 +550,8 @@ class SparseMoeMLP(nn.Module):
         def block(x_TD, router_ED, m_T, key, shard, *leaves):
             base = jax.tree.unflatten(base_def, leaves[:len(base_leaves)])
             if cfg.qlora is not None:  # each projection dequantized inside its grouped GEMM, forward and backward
-                base = tuple(lambda x, sizes, p=p, q=q: qlora_base.frozen_grouped_matmul(
-                                 cfg.qlora.experts(), x, q, sizes, shape=(local, *expert_shape(cfg, p)[1:]),
-                                 dtype=cfg.dtype)
+                base = tuple(qlora_base.frozen_grouped(cfg.qlora.experts(), q, shape=(local, *expert_shape(cfg, p)[1:]),
+                                                       dtype=cfg.dtype)
                              for p, q in zip(EXPERT_PROJECTIONS, base, strict=True))
             y_TD, st = moe.moe_mlp(x_TD, router_ED, *base, k=k, norm_topk_prob=cfg.norm_topk_prob, mask_T=m_T,
                                    swiglu_impl=cfg.impl("swiglu"),

@@ -9,8 +9,8 @@ Experts: expert e computes down_e(silu(gate_e(x)) * up_e(x)); a token's output i
 weight x expert output. `moe_mlp_ref` computes every expert on every token and combines with a dense [T, E] weight
 matrix (zero off the top-k): exact, E/k times the work. `moe_mlp` computes only the routed pairs: the T*K (token,
 expert) pairs sorted by expert (a stable argsort of the expert ids, on the device), the tokens gathered in that
-order, three grouped GEMMs (ops/grouped_matmul.py) with SwiGLU between, and the results gathered back to
-[T, K, D] and summed with the routing weights in fp32.
+order, three grouped GEMMs (ops/grouped_matmul.py) with SwiGLU between, each row times its routing weight in
+fp32, gathered back to [T, K, D] and summed over K.
 
 Router losses (`router_losses`, from each layer's `router_stats`: sums over its rows, so that data shards and layers
 add up): the auxiliary load-balancing loss (Switch Transformer eqs. 4-6, as transformers' `load_balancing_loss_func`)
@@ -29,6 +29,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from surogate_jax.names import EXPERT_PROJECTIONS
 from surogate_jax.ops import swiglu
@@ -82,7 +83,8 @@ def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: 
     """(y [T, D], the layer's router statistics: `router_stats` over the rows mask_T marks): the MoE block
     computing only each token's k experts. impl: the grouped
     GEMMs' (ops/grouped_matmul.py), swiglu_impl: SwiGLU's. A projection's weights may instead be a function
-    (rows sorted by expert, group sizes) -> its output: a quantized frozen base (qlora.base.frozen_grouped_matmul).
+    (rows sorted by expert, group sizes) -> its output: a quantized frozen base (qlora.base.frozen_grouped, a
+    `jax.tree_util.Partial` over the quantized parts).
     lora: {"gate_proj" | "up_proj" | "down_proj": (A [E, in, r], B [E, r, out])}: each expert's projection gets +
     lora_scale * (x A_e) B_e (rounded like the dense Linear's LoRA: the product to x's dtype after scaling).
     lora_dropout: (rate, key): the adapters' input is dropout(x), each (token, expert) row and projection its own
@@ -104,11 +106,12 @@ def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: 
     logits_TE = x_TD @ router_ED.T
     weights_TK, idx_TK, probs_TE = route(logits_TE, k, norm_topk_prob)
     stats = router_stats(logits_TE, probs_TE, idx_TK, mask_T)
-    experts = functools.partial(_experts, gate_EDI=gate_EDI, up_EDI=up_EDI, down_EID=down_EID, k=k, impl=impl,
-                                swiglu_impl=swiglu_impl, lora=lora or {}, lora_scale=lora_scale, dropout=lora_dropout)
+    rate, key = lora_dropout if lora_dropout is not None else (0.0, None)
     if ep_axis is None:
         order_N, sizes_E = sort_by_expert(idx_TK, E)
-        return experts(x_TD, weights_TK, order_N, sizes_E).astype(x_TD.dtype), stats
+        y_TD = _experts(x_TD, weights_TK, order_N, sizes_E, gate_EDI, up_EDI, down_EID, lora or {}, key, k=k,
+                        impl=impl, swiglu_impl=swiglu_impl, lora_scale=lora_scale, dropout_rate=rate)
+        return y_TD.astype(x_TD.dtype), stats
     if ep_experts is None:
         raise ValueError("moe_mlp: ep_axis needs ep_experts (the experts each device holds)")
     x_all, w_all, idx_all = (jax.lax.all_gather(a, ep_axis, tiled=True) for a in (x_TD, weights_TK, idx_TK))
@@ -118,19 +121,80 @@ def moe_mlp(x_TD: jax.Array, router_ED: jax.Array, gate_EDI: jax.Array, up_EDI: 
     w_all = jnp.where(local_idx < ep_experts, w_all, jnp.zeros_like(w_all))
     order_N, sizes_E = sort_by_expert(local_idx, E)
     sizes_E = sizes_E[:ep_experts]
+    operands = (x_all, w_all, order_N, sizes_E, gate_EDI, up_EDI, down_EID, lora or {}, key)
+    experts = functools.partial(_experts, k=k, impl=impl, swiglu_impl=swiglu_impl, lora_scale=lora_scale,
+                                dropout_rate=rate)
     rows = min(order_N.shape[0], math.ceil(ep_capacity * T * k))
     if rows < order_N.shape[0]:
-        y_TD = jax.lax.cond(jnp.sum(sizes_E) <= rows,
-                            lambda *a: experts(*a, rows=rows),
-                            jax.checkpoint(lambda *a: experts(*a)),
-                            x_all, w_all, order_N, sizes_E)
+        y_TD = fast_or_exact(jnp.sum(sizes_E) <= rows, functools.partial(experts, rows=rows), experts, operands)
     else:
-        y_TD = experts(x_all, w_all, order_N, sizes_E)
+        y_TD = experts(*operands)
     return jax.lax.psum_scatter(y_TD, ep_axis, scatter_dimension=0, tiled=True).astype(x_TD.dtype), stats
 
 
-def _experts(x_TD, weights_TK, order_N, sizes_E, *, gate_EDI, up_EDI, down_EID, k, impl, swiglu_impl, lora,
-             lora_scale, dropout, rows=None):
+def fast_or_exact(pred: jax.Array, fast, exact, operands):
+    """fast(*operands) where pred holds, else exact(*operands) (same result), differentiable in the operands' float
+    leaves (callables among them: `jax.tree_util.Partial`s, their arguments leaves). The backward keeps fast's
+    residuals and recomputes exact's, and residuals that are operands stay references: `jax.lax.cond` under autodiff
+    (jax 0.11) keeps both branches' residuals and returns copies of operands, e.g. the experts' weights every layer."""
+    leaves, tree = jax.tree.flatten(operands)
+    diff = [jnp.issubdtype(jnp.result_type(v), jnp.inexact) for v in leaves]
+    box = {}
+
+    def split(leaves):
+        return [v for v, d in zip(leaves, diff) if d], [v for v, d in zip(leaves, diff) if not d]
+
+    def merge(floats, others):
+        it_f, it_o = iter(floats), iter(others)
+        return [next(it_f) if d else next(it_o) for d in diff]
+
+    def join(floats, others):
+        return jax.tree.unflatten(tree, merge(floats, others))
+
+    def fast_fwd(*leaves):
+        floats, others = split(leaves)
+        y, vjp_fn = jax.vjp(lambda *f: fast(*join(f, others)), *floats)
+        res, res_tree = jax.tree.flatten(vjp_fn)
+        where = {id(v): i for i, v in enumerate(leaves)}
+        box.update(tree=res_tree, src=[where.get(id(v)) for v in res],
+                   kept=[jax.ShapeDtypeStruct(v.shape, v.dtype) for v in res if id(v) not in where])
+        return y, [v for v in res if id(v) not in where]
+
+    def exact_fwd(*leaves):
+        return exact(*jax.tree.unflatten(tree, leaves)), [jnp.zeros(a.shape, a.dtype) for a in box["kept"]]
+
+    @jax.custom_vjp
+    def run(pred, leaves):
+        return jax.lax.cond(pred, lambda *a: fast(*jax.tree.unflatten(tree, a)),
+                            lambda *a: exact(*jax.tree.unflatten(tree, a)), *leaves)
+
+    def run_fwd(pred, leaves):
+        jax.eval_shape(fast_fwd, *leaves)  # the residuals' layout, before the cond traces exact_fwd
+        y, kept = jax.lax.cond(pred, fast_fwd, exact_fwd, *leaves)
+        return y, (pred, leaves, kept)
+
+    def run_bwd(res, dy):
+        pred, leaves, kept = res
+
+        def fast_bwd(leaves, kept, dy):
+            it = iter(kept)
+            vjp_fn = jax.tree.unflatten(box["tree"], [next(it) if i is None else leaves[i] for i in box["src"]])
+            return list(vjp_fn(dy))
+
+        def exact_bwd(leaves, kept, dy):
+            floats, others = split(leaves)
+            return list(jax.vjp(lambda *f: exact(*join(f, others)), *floats)[1](dy))
+
+        d_floats = jax.lax.cond(pred, fast_bwd, exact_bwd, list(leaves), kept, dy)
+        zeros = [np.zeros(jnp.shape(v), jax.dtypes.float0) for v in split(leaves)[1]]
+        return np.zeros(jnp.shape(pred), jax.dtypes.float0), merge(d_floats, zeros)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(pred, leaves)
+
+
+def _experts(x_TD, weights_TK, order_N, sizes_E, gate_EDI, up_EDI, down_EID, lora, key, *, k, impl, swiglu_impl,
+             lora_scale, dropout_rate, rows=None):
     """sum_k weights[t, k] x expert_{idx[t, k]}(x_t) [T, D] in fp32 from the pairs sorted by expert (`sort_by_expert`:
     order [T*K]) for the experts sizes_E counts (expert parallelism: this device's experts, whose pairs sort first;
     the others' pairs come out as zeros). rows: compute only the first `rows` sorted pairs (they must hold all the
@@ -144,11 +208,10 @@ def _experts(x_TD, weights_TK, order_N, sizes_E, *, gate_EDI, up_EDI, down_EID, 
         y = w(x, sizes_E) if callable(w) else grouped_matmul(x, w, sizes_E, impl=impl)
         if name in lora:
             a, b = lora[name]
-            if dropout is not None:
-                rate, key = dropout
-                keep = jax.random.bernoulli(jax.random.fold_in(key, EXPERT_PROJECTIONS.index(name)), 1.0 - rate,
-                                            x.shape)
-                x = jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x)).astype(x.dtype)
+            if key is not None:  # LoRA dropout
+                keep = jax.random.bernoulli(jax.random.fold_in(key, EXPERT_PROJECTIONS.index(name)),
+                                            1.0 - dropout_rate, x.shape)
+                x = jnp.where(keep, x / (1.0 - dropout_rate), jnp.zeros_like(x)).astype(x.dtype)
             xa = grouped_matmul(x, a.astype(x.dtype), sizes_E, impl=impl)
             xab = grouped_matmul(xa, b.astype(x.dtype), sizes_E, impl=impl)
             y = y + (xab * lora_scale).astype(y.dtype)
@@ -158,9 +221,11 @@ def _experts(x_TD, weights_TK, order_N, sizes_E, *, gate_EDI, up_EDI, down_EID, 
     u_NI = project(xs_ND, up_EDI, "up_proj")
     h_NI = swiglu(g_NI, u_NI, impl=swiglu_impl)
     ys_ND = project(h_NI, down_EID, "down_proj")
-    # pairs sorted past `rows` are other devices' (weight 0): zeros
-    y_TKD = jnp.take(ys_ND, inverse_N, axis=0, mode="fill", fill_value=0).reshape(T, k, D)
-    return jnp.einsum("tk,tkd->td", weights_TK.astype(jnp.float32), y_TKD.astype(jnp.float32))
+    w_N = jnp.take(weights_TK.reshape(-1), order_N)  # each sorted pair's routing weight
+    # weighted in fp32 per sorted row, the backward keeping ys in its dtype (not a [T, K, D] fp32 copy)
+    yw_ND = jax.checkpoint(lambda ys, w: ys.astype(jnp.float32) * w.astype(jnp.float32)[:, None])(ys_ND, w_N)
+    # back to [T, K, D] (pairs sorted past `rows` are other devices': zeros) and summed over each token's k
+    return jnp.sum(jnp.take(yw_ND, inverse_N, axis=0, mode="fill", fill_value=0).reshape(T, k, D), axis=1)
 
 
 def router_stats(logits_TE: jax.Array, probs_TE: jax.Array, idx_TK: jax.Array,

@@ -220,6 +220,18 @@ def frozen_grouped_matmul(spec: QloraSpec, x: jax.Array, params: Mapping[str, ja
     return _frozen_grouped(x.astype(dtype), dict(params), group_sizes, spec, tuple(shape), jnp.dtype(dtype))
 
 
+def frozen_grouped(spec: QloraSpec, params: Mapping[str, jax.Array], *, shape: tuple[int, int, int],
+                   dtype: Any) -> jax.tree_util.Partial:
+    """`frozen_grouped_matmul` bound to one projection's quantized parts: (x, group_sizes) -> y, a pytree whose leaves
+    are the parts (it passes through `jax.lax.cond` and `jax.custom_vjp` as operands, not as captured constants)."""
+    return jax.tree_util.Partial(functools.partial(_apply_frozen_grouped, spec, tuple(shape), jnp.dtype(dtype)),
+                                 dict(params))
+
+
+def _apply_frozen_grouped(spec, shape, dtype, params, x, group_sizes):
+    return frozen_grouped_matmul(spec, x, params, group_sizes, shape=shape, dtype=dtype)
+
+
 def frozen_fp8_weight(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int], dtype: Any, *,
                       mesh=None) -> tuple[jax.Array, jax.Array]:
     """(wq float8_e4m3fn [out, in], scale f32 []): what fp8-hybrid's frozen cache makes of the weight dequantized in

@@ -205,6 +205,22 @@ for name, router in (("fast path", balanced), ("fallback", skewed)):
         for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got_g)[0], jax.tree.leaves(want_g), strict=True):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=f"{name} {capacity} {path}")
     print("ok", name)
+
+# the branch's outputs are its result and the fast path's activations ([rows, ...]), never a copy of the experts'
+# weights or adapters (what differentiating a plain lax.cond gives on jax 0.11)
+def conds(jaxpr):
+    for e in jaxpr.eqns:
+        if e.primitive.name == "cond":
+            yield e
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                yield from conds(getattr(sub, "jaxpr", sub)) if hasattr(getattr(sub, "jaxpr", sub), "eqns") else ()
+
+jaxpr = jax.make_jaxpr(split(moe.EP_CAPACITY))(x, balanced, gate, up, down, lora).jaxpr
+weights = {(E // ep, *a.shape[1:]) for a in jax.tree.leaves((gate, up, down, lora))}
+out = [tuple(v.aval.shape) for e in conds(jaxpr) for v in e.outvars]
+# the backward's cotangents, one per weight and adapter, and nothing else of their shapes
+assert sum(s in weights for s in out) == len(jax.tree.leaves((gate, up, down, lora))), out
 print("ok")
 '''
 
@@ -212,7 +228,8 @@ print("ok")
 def test_expert_parallel_fast_path_and_its_fallback():
     """Each device computes the first EP_CAPACITY x T x K of the group's sorted pairs when its experts' pairs fit
     there, else the whole buffer: balanced routing (every device within capacity) and a router skewed to one
-    device's experts (beyond it) give the single-device output and gradients, as does a capacity holding it all."""
+    device's experts (beyond it) give the single-device output and gradients, as does a capacity holding it all;
+    the forward keeps only the fast path's activations (the weights pass by reference)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-c", BRANCH_SCRIPT], check=False, env=env, capture_output=True, text=True,
                        timeout=600)
