@@ -29,6 +29,7 @@ fine-tuning does. --baseline-tps (the 1-GPU tokens/s) adds the scaling efficienc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -49,7 +50,7 @@ from surogate_jax.metrics import H100_BF16_PEAK, flops_per_token
 from surogate_jax.models import Decoder, DecoderConfig, LoraSpec
 from surogate_jax.optim import adamw_8bit, fp32_state_mask
 
-OFFLOADS = ("optimizer", "master", "grads", "residual")
+OFFLOADS = ("optimizer", "master", "grads", "residual", "experts")  # experts: qlora_offload_experts
 
 
 def qwen3(size: str, recompute: bool | str, full_ft: bool = False, offload_residual: bool = False,
@@ -160,11 +161,12 @@ def run(size: str, steps: int, recompute: bool | str, batch: int, accum: int, se
         from surogate_jax.precision.recipe import QuantRecipe
 
         cfg = cfg.replace(recipe=QuantRecipe(recipe))
+    cfg = cfg.replace(offload_experts="experts" in offload)
     model = Decoder(cfg)
     mesh = T.make_mesh(devices, ep_size)
     pcfg = ParallelConfig(zero_level=zero_level, gpus=gpus, ep_size=ep_size,
-                          **{f"offload_{o}": True for o in offload})
-    layout = par.Layout(mesh, par.Plan.from_config(pcfg))
+                          **{f"offload_{o}": True for o in offload if o != "experts"})
+    layout = par.Layout(mesh, dataclasses.replace(par.Plan.from_config(pcfg), offload_experts="experts" in offload))
     if full_ft:  # the trainer's full fine-tuning: no frozen base, the fp32 masters are trained
         params, trainable = {}, init_weights(model, layout, 0)
     else:

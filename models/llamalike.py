@@ -148,6 +148,10 @@ class DecoderConfig:
     lora: LoraSpec | None = None
     # QLoRA: the seven projections' frozen base weights stored quantized (surogate_jax/qlora/); needs `lora`.
     qlora: QloraSpec | None = None
+    # qlora_offload_experts: the quantized experts arrive in pinned host memory and each MoE layer copies its own
+    # to the device where it uses them (forward, and the backward's recomputation: needs remat "full" in a loop);
+    # without qlora it does nothing (a config with qlora replaced by None stays valid)
+    offload_experts: bool = False
     # Precision recipe of the seven projections (precision/recipe.py); None = plain model dtype (bf16).
     recipe: QuantRecipe | None = None
     # The device mesh the ops split rows over (ops/_sharding.py); set when the train/eval step is built.
@@ -527,6 +531,8 @@ class SparseMoeMLP(nn.Module):
         experts, lora = _Experts(cfg, name="experts")()
         if cfg.qlora is None:
             experts = tuple(w.astype(cfg.dtype) for w in experts)
+        elif cfg.offload_experts:  # this layer's quantized experts, from pinned host memory
+            experts = jax.device_put(experts, jax.memory.Space.Device)
         lora = {p: tuple(w.astype(cfg.dtype) for w in ab) for p, ab in lora.items()}
         lora_leaves, lora_def = jax.tree.flatten(lora)
         base_leaves, base_def = jax.tree.flatten(experts)  # three arrays, or three dicts of quantized parts

@@ -58,7 +58,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .config import ConfigError, ParallelConfig
-from .zero import DATA, EXPERT, expert_spec, zero_spec
+from .zero import DATA, EXPERT, expert_spec, is_expert_leaf, zero_spec
 
 log = logging.getLogger("surogate_jax")
 
@@ -195,6 +195,7 @@ class Plan:
     offload_optimizer: bool = False
     offload_master: bool = False
     offload_grads: bool = False
+    offload_experts: bool = False  # qlora_offload_experts: the frozen base's MoE experts (models stream them)
 
     @classmethod
     def from_config(cls, c: ParallelConfig) -> Plan:
@@ -224,19 +225,21 @@ class Layout:
         self.ep = dict(mesh.shape).get(EXPERT, 1) if mesh is not None else 1
         if mesh is None and self.plan != Plan():
             raise ValueError("a Layout with a sharding/offload plan needs a mesh")
-        if self.plan.offloads:
+        if self.plan.offloads or self.plan.offload_experts:
             check_memory_kind(mesh, HOST)
 
-    def shardings(self, tree, shard: bool, host: bool = False, device_kind: bool = False):
-        """A NamedSharding per leaf of `tree`: ZeRO-sharded when `shard`, in pinned_host when `host`
-        (else explicitly in device memory when `device_kind`); 8-bit moments keep codes and absmax together."""
+    def shardings(self, tree, shard: bool, host: bool = False, device_kind: bool = False,
+                  host_experts: bool = False):
+        """A NamedSharding per leaf of `tree`: ZeRO-sharded when `shard`, in pinned_host when `host` (or, with
+        `host_experts`, when it is a stacked MoE expert leaf) else explicitly in device memory when `device_kind`;
+        8-bit moments keep codes and absmax together."""
         kind = HOST if host else (DEVICE if device_kind else None)
 
         def one(path, x):
             spec = expert_spec(path, tuple(x.shape), self.ep)
             if spec is None:
                 spec = zero_spec(path, tuple(x.shape), self.n) if shard else P()
-            return NamedSharding(self.mesh, spec, memory_kind=kind)
+            return NamedSharding(self.mesh, spec, memory_kind=HOST if host_experts and is_expert_leaf(path) else kind)
 
         def own(path, x):
             # a state that shards its own way (an 8-bit moment keeps each block's codes and absmax
@@ -255,14 +258,15 @@ class Layout:
         return state.replace(
             step=NamedSharding(self.mesh, P()),
             rng=NamedSharding(self.mesh, P()),
-            params=self.shardings(state.params, p.shard_weights),
+            params=self.shardings(state.params, p.shard_weights, host_experts=p.offload_experts),
             trainable=self.shardings(state.trainable, p.shard_weights, host=p.offload_master),
             opt_state=self.shardings(state.opt_state, p.shard_optimizer, host=p.offload_optimizer),
         )
 
     def weight_shardings(self, weights, *, trainable: bool):
         """Where loaded weights go: the frozen base (trainable False) or the trainable masters."""
-        return self.shardings(weights, self.plan.shard_weights, host=trainable and self.plan.offload_master)
+        return self.shardings(weights, self.plan.shard_weights, host=trainable and self.plan.offload_master,
+                              host_experts=not trainable and self.plan.offload_experts)
 
     def grad_shardings(self, trainable, host: bool = False):
         return self.shardings(trainable, self.plan.shard_gradients, host=host, device_kind=self.plan.offloads)
@@ -310,7 +314,7 @@ class Layout:
             name for name, on in (("optimizer", p.shard_optimizer), ("gradients", p.shard_gradients),
                                   ("weights", p.shard_weights)) if on) or "none"]
         off = [name for name, on in (("optimizer", p.offload_optimizer), ("master", p.offload_master),
-                                     ("grads", p.offload_grads)) if on]
+                                     ("grads", p.offload_grads), ("experts", p.offload_experts)) if on]
         if off:
             parts.append("offload to pinned_host: " + ",".join(off))
         return "; ".join(parts)

@@ -216,7 +216,7 @@ def _build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout 
                                         shardings=_weight_shardings(model_dir, master, layout, trainable=True))
     if spec is None:
         return model, {}, params
-    model = Decoder(model.config.replace(lora=spec))
+    model = Decoder(model.config.replace(lora=spec, offload_experts=cfg.lora.qlora_offload_experts))
     trainable = init_adapters(model, jax.random.key(cfg.run.train_seed + 1), jnp.zeros((1, 1), jnp.int32))
     if spec.train_router:  # the loaded router joins the trained tree (lora.merge / save_peft put it back out)
         params, trainable = take_router(params, trainable, spec.dtype)
@@ -281,6 +281,23 @@ def check_moe(cfg: SFTConfig, dcfg) -> None:
         raise ConfigError(f"ep_size={ep}: must divide the {dcfg.num_experts} experts of model={cfg.model.model}")
 
 
+def check_offload_experts(cfg: SFTConfig, dcfg, qspec: QloraSpec | None) -> None:
+    """qlora_offload_experts: a QLoRA base's MoE experts in host memory, each layer copying its own in, in the
+    forward and again in the backward's recomputation (so: recompute true or auto, the layers in a loop)."""
+    if not cfg.lora.qlora_offload_experts:
+        return
+    r = cfg.run
+    why = ("" if qspec is not None and dcfg.num_experts else
+           f"model={cfg.model.model} is dense ({dcfg.model_type})" if not dcfg.num_experts else
+           "the base is not quantized (no qlora_* key, no pre-quantized checkpoint)")
+    why = why or ("the backward must recompute each layer from its input (recompute: true or auto, got "
+                  f"recompute: {r.recompute!r})" if r.recompute not in (True, "auto", "full") else
+                  "the layers must run in a loop (unroll_layers: false or auto)" if r.unroll_layers is True else
+                  f"ep_size={cfg.parallel.ep_size} with it is not built yet" if cfg.parallel.ep_size > 1 else "")
+    if why:
+        raise ConfigError(f"qlora_offload_experts: streams a QLoRA base's MoE experts from host memory; {why}")
+
+
 def with_router_weights(cfg: SFTConfig, dcfg):
     """The decoder config with the run's router loss weights (an MoE model; the model's aux weight by default)."""
     if not dcfg.num_experts:
@@ -302,6 +319,7 @@ def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
                                                + (",train_router" if spec.train_router else "")),
             "sequence_len": cfg.model.sequence_len, "optimizer": cfg.optim.optimizer}
     qspec = qlora_spec(cfg, model_dir)
+    check_offload_experts(cfg, dcfg, qspec)
     if qspec is not None:  # the quantized base is not in the checkpoint, but the adapters were trained over it
         meta["qlora"] = qspec.describe()
         ep = cfg.parallel.ep_size
@@ -358,7 +376,8 @@ def _train(cfg: SFTConfig, mode: str, model_dir: Path, meta: dict, out: Path, ck
              st.get("docs", len(train_docs)), st.get("tokens", 0), st.get("supervised_tokens", 0),
              st.get("rows_skipped", 0), st.get("truncated_docs", 0), seq)
 
-    layout = par.Layout(mesh, par.Plan.from_config(cfg.parallel))
+    layout = par.Layout(mesh, dataclasses.replace(par.Plan.from_config(cfg.parallel),
+                                                  offload_experts=cfg.lora.qlora_offload_experts))
     model, params, trainable = build_model(cfg, model_dir, mode, layout)
     per_process_rows = par.process_local_rows(cfg.run.per_device_train_batch_size, mesh)
     accum = cfg.run.gradient_accumulation_steps

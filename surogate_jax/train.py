@@ -474,7 +474,8 @@ def pick_remat(model, tx, schedule, mesh: Mesh, state: TrainState, layout: Layou
     shardings) of one step's batch. Compiles each choice it tries (nothing runs); without known memory figures it
     takes the last choice without trying the others."""
     mem = device_memory(mesh) if memory is None else memory
-    choices = remat_choices(unroll)
+    # streamed experts are copied in again by the recomputation only: nothing of a layer may be saved
+    choices = (("full", False),) if model.config.offload_experts else remat_choices(unroll)
     tried = []
     for policy, unrolled in choices if mem else choices[-1:]:
         m = model.clone(config=model.config.replace(remat_policy=policy, unroll_layers=unrolled))

@@ -38,10 +38,15 @@ def zero_spec(path, shape: tuple[int, ...], n: int) -> P:
     return P(*([None] * best), DATA)
 
 
+def is_expert_leaf(path) -> bool:
+    """Whether a pytree path is a stacked MoE expert leaf ([L, E, ...] under a layer stack's `experts`)."""
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return "experts" in keys and under_layers(path)
+
+
 def expert_spec(path, shape: tuple[int, ...], ep: int) -> P | None:
     """Expert parallelism: a stacked MoE expert leaf [L, E, ...] under `experts` (the weights, their adapters, and
     optimizer state of their shape) splits E over the "expert" axis; None for every other leaf (and ep 1)."""
-    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    if ep <= 1 or "experts" not in keys or not under_layers(path) or len(shape) < 2 or shape[1] % ep:
+    if ep <= 1 or not is_expert_leaf(path) or len(shape) < 2 or shape[1] % ep:
         return None
     return P(None, EXPERT)

@@ -146,6 +146,39 @@ def test_moe_qlora_trains_over_quantized_experts(tmp_path, env, moe_dir):
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")  # the bf16 base re-read, merged
 
 
+def test_offloaded_experts_train_the_same_losses(tmp_path, env, mixed_dir):
+    """qlora_offload_experts: the quantized experts live in pinned host memory and each MoE layer copies its own in
+    (forward and the backward's recomputation): the same losses as keeping them on the device, the layers in a loop
+    with full recomputation (what `recompute: auto` is left to pick), and the layout says where the experts are."""
+    runs = {}
+    for off in (False, True):
+        d = tmp_path / str(off)
+        d.mkdir()
+        cfg = write_config(d, model=str(mixed_dir), max_steps=4, save_steps=4, eval_steps=2, learning_rate=3e-3,
+                           qlora_bnb=True, qlora_offload_experts=off)
+        r = sft(cfg, env)
+        assert ("offload to pinned_host: experts" in r.stderr) == off, r.stderr[-2000:]
+        if off:
+            assert "recompute auto: loop full" in r.stderr, r.stderr[-2000:]
+        runs[off] = losses(d / "out")
+        assert (d / "out" / "adapter" / "adapter_model.safetensors").is_file()
+    assert sorted(runs[True]) == [1, 2, 3, 4]
+    np.testing.assert_allclose([runs[True][s] for s in sorted(runs[True])],
+                               [runs[False][s] for s in sorted(runs[False])], rtol=1e-6)
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({}, "the base is not quantized"),
+    ({"qlora_bnb": True, "recompute": False}, "recompute: true or auto, got recompute: False"),
+    ({"qlora_bnb": True, "unroll_layers": True}, "the layers must run in a loop"),
+])
+def test_offloaded_experts_refused_where_they_cannot_stream(tmp_path, env, moe_dir, over, message):
+    cfg = write_config(tmp_path, model=str(moe_dir), qlora_offload_experts=True, **over)
+    r = sft(cfg, env, check=False)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("error:") == 1, r.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "nf4"])
 def test_prequantized_checkpoint_trains_lora_over_its_experts(tmp_path, env, moe_dir, fmt):
     """A pre-quantized MoE checkpoint (fine-grained FP8 with 64-wide tiles, or bitsandbytes NF4 with double
