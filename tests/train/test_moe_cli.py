@@ -148,18 +148,22 @@ def test_moe_qlora_trains_over_quantized_experts(tmp_path, env, moe_dir):
 
 def test_offloaded_experts_train_the_same_losses(tmp_path, env, mixed_dir):
     """qlora_offload_experts: the quantized experts live in pinned host memory and each MoE layer copies its own in
-    (forward and the backward's recomputation): the same losses as keeping them on the device, the layers in a loop
-    with full recomputation (what `recompute: auto` is left to pick), and the layout says where the experts are."""
+    (forward and the backward's recomputation): the same losses as keeping them on the device, also across a resume,
+    the layers in a loop with full recomputation (what `recompute: auto` is left to pick), and the layout says where
+    the experts are."""
     runs = {}
     for off in (False, True):
         d = tmp_path / str(off)
         d.mkdir()
-        cfg = write_config(d, model=str(mixed_dir), max_steps=4, save_steps=4, eval_steps=2, learning_rate=3e-3,
-                           qlora_bnb=True, qlora_offload_experts=off)
-        r = sft(cfg, env)
-        assert ("offload to pinned_host: experts" in r.stderr) == off, r.stderr[-2000:]
-        if off:
-            assert "recompute auto: loop full" in r.stderr, r.stderr[-2000:]
+        # offloaded: 2 steps, then resumed to 4 (the experts placed in host memory again at the restore)
+        for steps in (2, 4) if off else (4,):
+            cfg = write_config(d, model=str(mixed_dir), max_steps=steps, save_steps=2, eval_steps=2,
+                               learning_rate=3e-3, qlora_bnb=True, qlora_offload_experts=off)
+            r = sft(cfg, env)
+            assert ("offload to pinned_host: experts" in r.stderr) == off, r.stderr[-2000:]
+            assert ("resumed from" in r.stderr) == (off and steps == 4), r.stderr[-2000:]
+            if off:
+                assert "recompute auto: loop full" in r.stderr, r.stderr[-2000:]
         runs[off] = losses(d / "out")
         assert (d / "out" / "adapter" / "adapter_model.safetensors").is_file()
     assert sorted(runs[True]) == [1, 2, 3, 4]
