@@ -292,8 +292,7 @@ def check_offload_experts(cfg: SFTConfig, dcfg, qspec: QloraSpec | None) -> None
            "the base is not quantized (no qlora_* key, no pre-quantized checkpoint)")
     why = why or ("the backward must recompute each layer from its input (recompute: true or auto, got "
                   f"recompute: {r.recompute!r})" if r.recompute not in (True, "auto", "full") else
-                  "the layers must run in a loop (unroll_layers: false or auto)" if r.unroll_layers is True else
-                  f"ep_size={cfg.parallel.ep_size} with it is not built yet" if cfg.parallel.ep_size > 1 else "")
+                  "the layers must run in a loop (unroll_layers: false or auto)" if r.unroll_layers is True else "")
     if why:
         raise ConfigError(f"qlora_offload_experts: streams a QLoRA base's MoE experts from host memory; {why}")
 

@@ -253,13 +253,15 @@ def test_expert_parallel_needs_experts_it_divides_and_no_qlora(tmp_path, env, mo
 
 def test_expert_parallel_losses_equal_ep_size_1_on_four_devices(tmp_path, env, ep_dir):
     """4 CPU devices: ep_size 2 (2 data x 2 expert) and 4 train the same losses as plain data parallelism, for LoRA
-    on attention and every expert (and a trained router), for full fine-tuning and for LoRA over NF4 experts; the
-    experts' tensors are split over the expert axis (each device holds E / ep of them)."""
+    on attention and every expert (and a trained router), for full fine-tuning and for LoRA over NF4 experts (also
+    with the experts offloaded to host memory); the experts' tensors are split over the expert axis (each device
+    holds E / ep of them)."""
     four = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     runs = {}
-    for name, over in {"lora": dict(train_router=True), "full": dict(lora=False),
-                       "qlora": dict(qlora_bnb=True, qlora_bnb_double_quant=False)}.items():
-        for ep in (1, 2, 4) if name == "lora" else (1, 2):
+    qlora = dict(qlora_bnb=True, qlora_bnb_double_quant=False)
+    for name, over in {"lora": dict(train_router=True), "full": dict(lora=False), "qlora": qlora,
+                       "qlora offloaded": dict(qlora, qlora_offload_experts=True)}.items():
+        for ep in {"lora": (1, 2, 4), "qlora offloaded": (2,)}.get(name, (1, 2)):
             d = tmp_path / f"{name}{ep}"
             d.mkdir()
             cfg = write_config(d, model=str(ep_dir), max_steps=4, save_steps=4, eval_steps=0, learning_rate=3e-3,
@@ -269,7 +271,7 @@ def test_expert_parallel_losses_equal_ep_size_1_on_four_devices(tmp_path, env, e
             runs[name, ep] = losses(d / "out")
             assert max(runs[name, ep]) == 4, r.stderr[-2000:]
     for (name, ep), got in runs.items():
-        want = runs[name, 1]
+        want = runs[name.split()[0], 1]  # offloaded experts: against the same base kept on the device
         np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=2e-5,
                                    err_msg=f"{name} ep_size={ep}")
 
