@@ -286,13 +286,16 @@ def check_offload_experts(cfg: SFTConfig, dcfg, qspec: QloraSpec | None) -> None
     forward and again in the backward's recomputation (so: recompute true or auto, the layers in a loop)."""
     if not cfg.lora.qlora_offload_experts:
         return
-    r = cfg.run
-    why = ("" if qspec is not None and dcfg.num_experts else
-           f"model={cfg.model.model} is dense ({dcfg.model_type})" if not dcfg.num_experts else
-           "the base is not quantized (no qlora_* key, no pre-quantized checkpoint)")
-    why = why or ("the backward must recompute each layer from its input (recompute: true or auto, got "
-                  f"recompute: {r.recompute!r})" if r.recompute not in (True, "auto", "full") else
-                  "the layers must run in a loop (unroll_layers: false or auto)" if r.unroll_layers is True else "")
+    r, why = cfg.run, None
+    if not dcfg.num_experts:
+        why = f"model={cfg.model.model} is dense ({dcfg.model_type})"
+    elif qspec is None:
+        why = "the base is not quantized (no qlora_* key, no pre-quantized checkpoint)"
+    elif r.recompute not in (True, "auto", "full"):
+        why = ("the backward must recompute each layer from its input (recompute: true or auto, got "
+               f"recompute: {r.recompute!r})")
+    elif r.unroll_layers is True:
+        why = "the layers must run in a loop (unroll_layers: false or auto)"
     if why:
         raise ConfigError(f"qlora_offload_experts: streams a QLoRA base's MoE experts from host memory; {why}")
 
