@@ -21,6 +21,15 @@
 // offsets with a block-wide scan of the per-expert tile counts (no host round trip, no second
 // kernel). Weight gradient: a block owns one (expert, 128 x 128 tile of dw) and runs its k loop
 // over the expert's rows.
+//
+// FP8 (grouped_matmul_fp8): the forward kernel's pipeline and tiles over bytes: a stage is 128
+// rows x 128 bytes of each operand either way (64 bf16 or 128 fp8 values of k), and the same
+// ldmatrix addresses give m16n8k32 fp8 fragments (PTX ISA, "mma.m16n8k32" fragment layouts: a
+// thread holds 4 consecutive k bytes of a row, exactly what ldmatrix hands out for an 8 x 16-byte
+// matrix). FP8 mma exists only K-major ("row.col"), so the weight comes as [E, N, K] or [N, E, K]
+// (the byte transpose of a whole [E, K, N] cache, no per-expert copy). Floor at the shapes above:
+// 103 GFLOP at the 1979 TFLOP/s FP8 dense peak = 52 us; bytes halve (0.30 GB: 90 us at 3.35 TB/s),
+// so memory bound at the floor. The epilogue multiplies by x_inv * w_inv[e] (per-expert scales).
 #include "kernels/grouped_matmul.h"
 
 #include <algorithm>
@@ -38,6 +47,7 @@ constexpr int kColTile = kBK * (kBM + kPad);       // [64][136]: a k-major tile 
 constexpr int kChunks = kBM * kBK / 8 / kThreads;  // 16-byte copies per thread per tile
 constexpr int kTile = kRowTile > kColTile ? kRowTile : kColTile;
 constexpr size_t kSmem = size_t(kStages) * 2 * kTile * sizeof(bf16);
+constexpr int kRowBytes = (kBK + kPad) * int(sizeof(bf16));  // a row-major tile's smem row: 144 bytes
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -54,7 +64,7 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 template <bool kTrans>
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
   if constexpr (kTrans) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -75,16 +85,40 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// 128 rows x kBK of a row-major source (row stride ld) into [128][kBK + kPad]: rows at or past
-// `nrows` and k at or past `kmax` read as zeros.
-__device__ __forceinline__ void load_rows(bf16* s, const bf16* src, int64_t ld, int nrows, int k0,
+// m16n8k32 with fp8 operands (A e4m3 or e5m2, B e4m3), fp32 accumulators; SM89+.
+template <bool kE5M2>
+__device__ __forceinline__ void mma16832_fp8(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if constexpr (kE5M2) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e5m2.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#else
+  __trap();  // the launcher refuses GPUs below SM89
+#endif
+}
+
+// 128 rows x 128 bytes of a row-major source (T: bf16 or fp8 bytes; row stride ld elements) into
+// smem rows of kRowBytes: rows at or past `nrows` and k at or past `kmax` read as zeros.
+template <typename T>
+__device__ __forceinline__ void load_rows(T* s, const T* src, int64_t ld, int nrows, int k0,
                                           int kmax) {
-  constexpr int kPerRow = kBK / 8;
+  constexpr int kPer16 = 16 / sizeof(T), kPerRow = 128 / 16, kStride = kRowBytes / sizeof(T);
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) {
-    const int c = threadIdx.x + i * kThreads, r = c / kPerRow, kc = (c % kPerRow) * 8;
+    const int c = threadIdx.x + i * kThreads, r = c / kPerRow, kc = (c % kPerRow) * kPer16;
     const bool ok = r < nrows && k0 + kc < kmax;
-    cp_async16(s + r * (kBK + kPad) + kc, ok ? src + r * ld + k0 + kc : src, ok);
+    cp_async16(s + r * kStride + kc, ok ? src + r * ld + k0 + kc : src, ok);
   }
 }
 
@@ -138,10 +172,58 @@ __device__ __forceinline__ void mma_stage(float (&acc)[4][4][4], const bf16* As,
   }
 }
 
-// The pipelined k loop: `load(stage, kt)` stages k step kt, then every warp multiplies.
-template <bool kAKMajor, bool kBNK, typename Load>
-__device__ __forceinline__ void main_loop(float (&acc)[4][4][4], bf16* smem, int ktiles,
+// One 128-byte-deep step of fp8 data (128 values of k) staged as load_rows does, both operands
+// K-major: the bf16 kBNK path's ldmatrix addresses in bytes, 32 bytes of k per mma.
+template <bool kE5M2>
+__device__ __forceinline__ void mma_stage_fp8(float (&acc)[4][4][4], const uint8_t* As,
+                                              const uint8_t* Bs, int wm, int wn, int lane) {
+  const int j = lane >> 3, r8 = lane & 7;
+#pragma unroll
+  for (int ks = 0; ks < 128; ks += 32) {
+    uint32_t a[4][4], b[2][4];
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) {
+      ldmatrix_x4<false>(a[mi], As + (wm * 64 + mi * 16 + (lane & 15)) * kRowBytes + ks +
+                                    (lane >> 4) * 16);
+    }
+#pragma unroll
+    for (int nj = 0; nj < 2; ++nj) {
+      ldmatrix_x4<false>(b[nj], Bs + (wn * 32 + nj * 16 + r8 + (j >> 1) * 8) * kRowBytes + ks +
+                                    (j & 1) * 16);
+    }
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        mma16832_fp8<kE5M2>(acc[mi][ni], a[mi], b[ni >> 1][(ni & 1) * 2],
+                            b[ni >> 1][(ni & 1) * 2 + 1]);
+      }
+    }
+  }
+}
+
+template <bool kAKMajor, bool kBNK>
+struct Bf16Stage {
+  __device__ __forceinline__ void operator()(float (&acc)[4][4][4], const bf16* As, const bf16* Bs,
+                                             int wm, int wn, int lane) const {
+    mma_stage<kAKMajor, kBNK>(acc, As, Bs, wm, wn, lane);
+  }
+};
+
+template <bool kE5M2>
+struct Fp8Stage {
+  __device__ __forceinline__ void operator()(float (&acc)[4][4][4], const uint8_t* As,
+                                             const uint8_t* Bs, int wm, int wn, int lane) const {
+    mma_stage_fp8<kE5M2>(acc, As, Bs, wm, wn, lane);
+  }
+};
+
+// The pipelined k loop: `load(stage, kt)` stages k step kt, then every warp multiplies (`Stage`).
+// T: the staged element type (kTile bf16 slots = the same bytes for either type).
+template <typename Stage, typename T, typename Load>
+__device__ __forceinline__ void main_loop(float (&acc)[4][4][4], T* smem, int ktiles,
                                           Load&& load) {
+  constexpr int kT = kTile * int(sizeof(bf16) / sizeof(T));  // one operand's stage, in T
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
@@ -151,7 +233,7 @@ __device__ __forceinline__ void main_loop(float (&acc)[4][4][4], bf16* smem, int
       for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < ktiles) load(smem + s * 2 * kTile, smem + s * 2 * kTile + kTile, s);
+    if (s < ktiles) load(smem + s * 2 * kT, smem + s * 2 * kT + kT, s);
     cp_async_commit();
   }
   for (int kt = 0; kt < ktiles; ++kt) {
@@ -160,19 +242,19 @@ __device__ __forceinline__ void main_loop(float (&acc)[4][4][4], bf16* smem, int
     const int nk = kt + kStages - 1;
     if (nk < ktiles) {
       const int s = nk % kStages;
-      load(smem + s * 2 * kTile, smem + s * 2 * kTile + kTile, nk);
+      load(smem + s * 2 * kT, smem + s * 2 * kT + kT, nk);
     }
     cp_async_commit();
     const int s = kt % kStages;
-    mma_stage<kAKMajor, kBNK>(acc, smem + s * 2 * kTile, smem + s * 2 * kTile + kTile, wm, wn,
-                              lane);
+    Stage{}(acc, smem + s * 2 * kT, smem + s * 2 * kT + kT, wm, wn, lane);
   }
   cp_async_wait<0>();
 }
 
-// Writes the block's tile: rows [row0, row0 + 128) below `nrows` valid, columns below `ncols`.
+// Writes the block's tile times `mul`: rows [row0, row0 + 128) below `nrows` valid, columns below
+// `ncols`.
 __device__ __forceinline__ void store_tile(const float (&acc)[4][4][4], bf16* out, int64_t ld,
-                                           int nrows, int c0, int ncols) {
+                                           int nrows, int c0, int ncols, float mul = 1.f) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi) {
@@ -185,7 +267,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[4][4][4], bf16* ou
         const int c = c0 + wn * 32 + ni * 8 + (lane & 3) * 2;
         if (c >= ncols) continue;
         *reinterpret_cast<__nv_bfloat162*>(out + r * ld + c) =
-            __floats2bfloat162_rn(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+            __floats2bfloat162_rn(acc[mi][ni][2 * h] * mul, acc[mi][ni][2 * h + 1] * mul);
       }
     }
   }
@@ -250,7 +332,8 @@ __global__ void __launch_bounds__(kThreads)
   if (e >= 0) {
     const bf16* xr = x + int64_t(row0) * K;
     const bf16* we = w + int64_t(e) * K * N;
-    main_loop<false, kWNK>(acc, smem, (K + kBK - 1) / kBK, [&](bf16* As, bf16* Bs, int kt) {
+    main_loop<Bf16Stage<false, kWNK>>(acc, smem, (K + kBK - 1) / kBK, [&](bf16* As, bf16* Bs,
+                                                                          int kt) {
       load_rows(As, xr, K, nrows, kt * kBK, K);
       if constexpr (kWNK) {
         load_rows(Bs, we + int64_t(n0) * K, K, N - n0, kt * kBK, K);
@@ -273,12 +356,42 @@ __global__ void __launch_bounds__(kThreads)
   float acc[4][4][4];
   const bf16* xe = x + int64_t(start) * M;
   const bf16* de = dy + int64_t(start) * N;
-  main_loop<true, false>(acc, smem, (count + kBK - 1) / kBK, [&](bf16* As, bf16* Bs, int kt) {
+  main_loop<Bf16Stage<true, false>>(acc, smem, (count + kBK - 1) / kBK, [&](bf16* As, bf16* Bs,
+                                                                              int kt) {
     const int k0 = kt * kBK;
     load_cols(As, xe + int64_t(k0) * M, M, count - k0, m0, M);
     load_cols(Bs, de + int64_t(k0) * N, N, count - k0, n0, N);
   });
   store_tile(acc, dw + int64_t(e) * M * N + int64_t(m0) * N, N, M - m0, n0, N);
+}
+
+// y[r] = (xq[r] . wq[e][n, :]) * x_inv * w_inv[e]: the forward kernel over fp8 bytes. Expert e's
+// row n of w starts at w + e * w_e + n * w_n (w_e, w_n: strides in bytes).
+template <bool kE5M2>
+__global__ void __launch_bounds__(kThreads)
+    grouped_matmul_fp8_kernel(const uint8_t* __restrict__ x, const uint8_t* __restrict__ w,
+                              const int32_t* __restrict__ offsets, const float* __restrict__ x_inv,
+                              const float* __restrict__ w_inv, bf16* __restrict__ y, int rows,
+                              int K, int N, int E, int64_t w_e, int64_t w_n) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  int e = 0, row0 = 0;
+  find_tile(offsets, E, blockIdx.y, &e, &row0);
+  if (row0 >= rows) return;
+  const int end = e < 0 ? rows : offsets[e + 1];
+  const int nrows = min(kBM, end - row0), n0 = blockIdx.x * kBN;
+  float acc[4][4][4] = {};
+  float mul = 0.f;
+  if (e >= 0) {
+    const uint8_t* xr = x + int64_t(row0) * K;
+    const uint8_t* we = w + int64_t(e) * w_e + int64_t(n0) * w_n;
+    main_loop<Fp8Stage<kE5M2>>(acc, smem_raw, (K + 127) / 128,
+                               [&](uint8_t* As, uint8_t* Bs, int kt) {
+                                 load_rows(As, xr, K, nrows, kt * 128, K);
+                                 load_rows(Bs, we, w_n, N - n0, kt * 128, K);
+                               });
+    mul = *x_inv * w_inv[e];
+  }
+  store_tile(acc, y + int64_t(row0) * N, N, nrows, n0, N, mul);
 }
 
 // Every launch: the attribute belongs to the current device's context, so a process driving two
@@ -291,6 +404,31 @@ cudaError_t allow_smem() {
 }
 
 }  // namespace
+
+cudaError_t grouped_matmul_fp8(const uint8_t* x, bool x_e5m2, const uint8_t* w, bool w_nek,
+                               const int32_t* offsets, const float* x_inv, const float* w_inv,
+                               bf16* y, int64_t rows, int64_t K, int64_t N, int64_t E,
+                               cudaStream_t stream) {
+  if (rows == 0 || N == 0) return cudaSuccess;
+  if (K % 16 || N % 8 || E < 1) return cudaErrorInvalidValue;
+  int device = 0, major = 0, minor = 0;
+  SUROGATE_TRY(cudaGetDevice(&device));
+  SUROGATE_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  SUROGATE_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major * 10 + minor < 89) return cudaErrorNotSupported;  // no fp8 mma below SM89
+  const int64_t w_e = w_nek ? K : N * K, w_n = w_nek ? E * K : K;
+  const dim3 grid((N + kBN - 1) / kBN, (rows + kBM - 1) / kBM + E + 1);
+  if (x_e5m2) {
+    SUROGATE_TRY(allow_smem<grouped_matmul_fp8_kernel<true>>());
+    grouped_matmul_fp8_kernel<true><<<grid, kThreads, kSmem, stream>>>(
+        x, w, offsets, x_inv, w_inv, y, rows, K, N, E, w_e, w_n);
+  } else {
+    SUROGATE_TRY(allow_smem<grouped_matmul_fp8_kernel<false>>());
+    grouped_matmul_fp8_kernel<false><<<grid, kThreads, kSmem, stream>>>(
+        x, w, offsets, x_inv, w_inv, y, rows, K, N, E, w_e, w_n);
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t grouped_matmul(const bf16* x, const bf16* w, const int32_t* offsets, bf16* y,
                            int64_t rows, int64_t K, int64_t N, int64_t E, bool w_nk,

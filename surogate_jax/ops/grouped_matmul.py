@@ -19,6 +19,19 @@ that picks one (ops/_loader.py). Why a kernel: XLA lowers ragged_dot on the GPU 
 zero-padded dense dot, 83x slower than one GEMM of the same FLOPs at Qwen3-30B-A3B's shapes
 (benchmarks/bench_grouped_matmul.py). The op is row-local per group but not per row: callers that split rows over
 devices run it inside their own per-shard region (models/moe.py), so it takes no mesh.
+
+FP8 (the fp8-hybrid recipe on MoE experts), current scaling per tensor (s = fmt_max / max|t|; Q4 / Q5 saturating
+round-to-nearest-even casts to E4M3 / E5M2, ops/fp8_formats.quantize):
+  grouped_matmul_fp8_frozen(x [N, K], wq E4M3 [E, M, K], w_scale f32 [E], group_sizes) -> y [N, M] in x's dtype
+      a frozen weight already in E4M3 (wq = Q4(w s_w[e]), HF [out, in] layout): y = (Q4(x s_x) @ wq[e]^T) /
+      (s_x s_w[e]); backward dx = (Q5(dy s_g) @ wq[e]) / (s_g s_w[e]), no gradient for wq
+  grouped_matmul_fp8(x [N, K], w [E, K, M], group_sizes) -> y [N, M]
+      a trained weight, quantized per call with one scale per expert: the forward and dx as above; dw[e] =
+      x_e^T @ dy_e from the unquantized x and dy (the bf16 weight-gradient kernel: it has no FP8 form)
+Every product of two fp8 values is exact in fp32 and sums accumulate in fp32, so the reference (ragged_dot of the
+quantized values in fp32) and the kernel (`surogate_grouped_matmul_fp8`: fp8 mma.sync, SM89+, K a multiple of
+16) differ only in summation order. dx reads the weight K-major per row of dx: the kernel takes the byte transpose
+of the whole [E * M, K] weight ([K, E, M], ops/fp8_matmul's transpose kernel) rather than a per-expert copy.
 """
 
 from __future__ import annotations
@@ -29,11 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from surogate_jax.ops import fp8_formats
 from surogate_jax.ops._loader import pick, resolve_impl
 
 OP = "grouped_matmul"
 FWD_TARGET = "surogate_grouped_matmul"
 DW_TARGET = "surogate_grouped_matmul_dw"
+FP8_TARGET = "surogate_grouped_matmul_fp8"
 
 
 def grouped_matmul_ref(x: jax.Array, w: jax.Array, group_sizes: jax.Array, transpose_w: bool = False) -> jax.Array:
@@ -117,3 +132,148 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transp
                             f"x {x.shape}, w {w.shape}")
         impl = "ref"
     return _grouped_matmul(x.astype(dtype), w.astype(dtype), group_sizes, impl, transpose_w)
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8
+
+
+def _fp8_gemm_ref(xq, wq, group_sizes, x_inv, w_inv, w_nek=False):
+    """y [N, M] = (xq @ wq[e]^T) * x_inv * w_inv[e] in fp32, rounded to bf16; wq [E, M, K] (w_nek: [M, E, K])."""
+    w = jnp.transpose(wq, (1, 0, 2)) if w_nek else wq
+    y = jax.lax.ragged_dot(xq.astype(jnp.float32), jnp.swapaxes(w.astype(jnp.float32), 1, 2),
+                           group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
+    row_expert = jnp.repeat(jnp.arange(w.shape[0]), group_sizes, total_repeat_length=xq.shape[0])
+    return (y * (x_inv * w_inv[row_expert])[:, None]).astype(jnp.bfloat16)
+
+
+def _fp8_gemm_ffi(xq, wq, group_sizes, x_inv, w_inv, w_nek=False):
+    m = wq.shape[0] if w_nek else wq.shape[1]
+    call = jax.ffi.ffi_call(FP8_TARGET, jax.ShapeDtypeStruct((xq.shape[0], m), jnp.bfloat16),
+                            vmap_method="sequential")
+    return call(xq, wq, _offsets(group_sizes), jnp.asarray(x_inv, jnp.float32).reshape(()),
+                w_inv.astype(jnp.float32), w_nek=w_nek)
+
+
+def _transposed(wq, impl):
+    """wq [E, M, K] -> [K, E, M] (wq^T per expert, K-major for dx's GEMM)."""
+    E, M, K = wq.shape
+    if impl == "ref":
+        return jnp.transpose(wq, (2, 0, 1))
+    from surogate_jax.ops.fp8_matmul import _transpose_ffi
+
+    def ffi(w):
+        return _transpose_ffi(w.reshape(E * M, K)).reshape(K, E, M)
+
+    return pick(impl, ffi, lambda w: jnp.transpose(w, (2, 0, 1)), OP, "bwd")(wq)
+
+
+def _quantized(t, fmt):
+    """(Q(t s), 1 / s) with s = fmt_max / max|t| (1 for an all-zero or non-finite tensor)."""
+    am = fp8_formats.amax(t)
+    ok = (am > 0) & jnp.isfinite(am)
+    s = jnp.where(ok, fp8_formats.fp8_max(fmt) / jnp.where(ok, am, 1.0), 1.0)
+    return fp8_formats.quantize(t, s, fmt), 1.0 / s
+
+
+def fp8_forward(x, wq, w_scale, group_sizes, impl):
+    """y [N, M] (x's dtype) = x [N, K] times each row's frozen E4M3 wq [E, M, K] / w_scale (impl resolved)."""
+    xq, x_inv = _quantized(x, fp8_formats.E4M3)
+    gemm = pick(impl, _fp8_gemm_ffi, _fp8_gemm_ref, OP, "fwd")
+    return gemm(xq, wq, group_sizes, x_inv, 1.0 / w_scale).astype(x.dtype)
+
+
+def fp8_input_grad(dy, wq, w_scale, group_sizes, impl, dtype, *, wq_kn=None):
+    """dx [N, K] in dtype = Q5(dy) times each row's wq[e] / w_scale (wq [E, M, K]; wq_kn: the same values already
+    [E, K, M], read directly instead of transposing wq)."""
+    gq, g_inv = _quantized(dy, fp8_formats.E5M2)
+    nek = wq_kn is None
+    gemm = pick(impl, functools.partial(_fp8_gemm_ffi, w_nek=nek), functools.partial(_fp8_gemm_ref, w_nek=nek), OP,
+                "bwd")
+    w = _transposed(wq, impl) if nek else wq_kn
+    return gemm(gq, w, group_sizes, g_inv, 1.0 / w_scale).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_frozen(x, wq, w_scale, group_sizes, impl):
+    return fp8_forward(x, wq, w_scale, group_sizes, impl)
+
+
+def _fp8_frozen_fwd(x, wq, w_scale, group_sizes, impl):
+    return fp8_forward(x, wq, w_scale, group_sizes, impl), (wq, w_scale, group_sizes)
+
+
+def _fp8_frozen_bwd(impl, res, dy):
+    wq, w_scale, group_sizes = res
+    dx = fp8_input_grad(dy, wq, w_scale, group_sizes, impl, dy.dtype)  # y and so dy are in x's dtype
+    return dx, jnp.zeros_like(wq), jnp.zeros_like(w_scale), np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+_fp8_frozen.defvjp(_fp8_frozen_fwd, _fp8_frozen_bwd)
+
+
+def expert_scales(w: jax.Array, axes=(1, 2)) -> jax.Array:
+    """Per-expert E4M3 current scales [E] of a stacked weight w [E, ...] (448 / max|w_e|)."""
+    return fp8_formats.current_scale(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=axes))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp8_trained(x, w, group_sizes, impl):
+    s = expert_scales(w)
+    wq = fp8_formats.quantize(jnp.swapaxes(w, 1, 2), s[:, None, None], fp8_formats.E4M3)
+    return fp8_forward(x, wq, s, group_sizes, impl)
+
+
+def _fp8_trained_fwd(x, w, group_sizes, impl):
+    return _fp8_trained(x, w, group_sizes, impl), (x, w, group_sizes)
+
+
+def _fp8_trained_bwd(impl, res, dy):
+    x, w, group_sizes = res
+    s = expert_scales(w)
+    wq_kn = fp8_formats.quantize(w, s[:, None, None], fp8_formats.E4M3)  # [E, K, M]: dx's operand as it is
+    dx = fp8_input_grad(dy, None, s, group_sizes, impl, x.dtype, wq_kn=wq_kn)
+    dw_fn = pick(impl, lambda a, g, gs: _dw_ffi(a, g, gs, w.shape[0]),
+                 lambda a, g, gs: _bwd_ref(a, w, gs, g)[1], OP, "bwd")
+    dw = dw_fn(x, dy.astype(x.dtype), group_sizes)
+    return dx, dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+_fp8_trained.defvjp(_fp8_trained_fwd, _fp8_trained_bwd)
+
+
+def fp8_kernel_applies(x_shape, m: int) -> bool:
+    """Whether the FP8 kernel takes these operands (K a multiple of 16, M of 8)."""
+    return x_shape[1] % 16 == 0 and m % 8 == 0
+
+
+def _fp8_impl(impl, x, m):
+    impl = resolve_impl(impl, OP)
+    if impl != "ref" and not fp8_kernel_applies(x.shape, m):
+        if impl == "ffi":
+            raise TypeError(f"grouped_matmul_fp8: impl='ffi' needs K a multiple of 16 and M of 8; got x {x.shape}, "
+                            f"M {m}")
+        impl = "ref"
+    return impl
+
+
+def grouped_matmul_fp8_frozen(x: jax.Array, wq: jax.Array, w_scale: jax.Array, group_sizes: jax.Array, *,
+                              impl: str | None = None) -> jax.Array:
+    """y [N, M] = each row of x [N, K] times its group's frozen E4M3 weight wq [E, M, K] (HF layout, values w *
+    w_scale[e]), x quantized to E4M3 with current scaling; backward dx only (module docstring). impl as
+    `grouped_matmul`."""
+    if x.ndim != 2 or wq.ndim != 3 or x.shape[1] != wq.shape[2] or group_sizes.shape != wq.shape[:1] \
+            or w_scale.shape != wq.shape[:1] or wq.dtype != jnp.dtype(fp8_formats.E4M3):
+        raise ValueError(f"grouped_matmul_fp8_frozen: x {x.shape}, wq {wq.shape} {wq.dtype}, w_scale {w_scale.shape},"
+                         f" group_sizes {group_sizes.shape} do not agree (x [N, K], wq float8_e4m3fn [E, M, K], "
+                         "w_scale and group_sizes [E])")
+    return _fp8_frozen(x, wq, w_scale.astype(jnp.float32), group_sizes, _fp8_impl(impl, x, wq.shape[1]))
+
+
+def grouped_matmul_fp8(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: str | None = None) -> jax.Array:
+    """y [N, M] = each row of x [N, K] times its group's w [E, K, M], both quantized to E4M3 per call (per-expert
+    scales for w); dx in FP8 (dy to E5M2), dw from the unquantized x and dy (module docstring)."""
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != w.shape[:1]:
+        raise ValueError(f"grouped_matmul_fp8: x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape} do not "
+                         "agree (x [N, K], w [E, K, M], group_sizes [E])")
+    return _fp8_trained(x, w.astype(x.dtype), group_sizes, _fp8_impl(impl, x, w.shape[2]))
