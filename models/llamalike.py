@@ -19,6 +19,7 @@ document would alone. With `max_segments` set, cuDNN computes only each document
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -30,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AbstractMesh, Mesh
 
 from surogate_jax.names import EXPERT_PROJECTIONS, PROJECTIONS, REMAT_POLICIES
-from surogate_jax.ops import add_rms_norm, fp8_formats, rms_norm, rope_qk, swiglu, swiglu_lora
+from surogate_jax.ops import add_rms_norm, fp8_formats, grouped_matmul, rms_norm, rope_qk, swiglu, swiglu_lora
 from surogate_jax.ops import attention as attention_op
 from surogate_jax.ops._sharding import EXPERT_AXIS, data_axes, expert_parallel, on_shards
 from surogate_jax.precision import recipe as recipe_lib
@@ -179,8 +180,6 @@ class DecoderConfig:
             if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
                 raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
                                  f"{self.num_experts}] and moe_intermediate_size={self.moe_intermediate_size} >= 1")
-            if self.recipe is not None:
-                raise ValueError("mixture-of-experts layers do not take a precision recipe yet")
         elif self.lora is not None and self.lora.train_router:
             raise ValueError("train_router applies to mixture-of-experts models (num_experts > 0)")
         if self.recipe is not None:
@@ -530,7 +529,7 @@ class SparseMoeMLP(nn.Module):
         router_DE = _Router(cfg, name="gate")()
         experts, lora = _Experts(cfg, name="experts")()
         if cfg.qlora is None:
-            experts = tuple(w.astype(cfg.dtype) for w in experts)
+            experts = tuple(w if isinstance(w, dict) else w.astype(cfg.dtype) for w in experts)
         elif cfg.offload_experts:  # this layer's quantized experts, from pinned host memory
             experts = jax.device_put(experts, jax.memory.Space.Device)
         lora = {p: tuple(w.astype(cfg.dtype) for w in ab) for p, ab in lora.items()}
@@ -553,12 +552,17 @@ class SparseMoeMLP(nn.Module):
         if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):  # on_shards takes arrays: the key's raw words
             key = jax.random.key_data(key)
 
+        fp8 = cfg.recipe is not None and cfg.recipe.name == "fp8-hybrid"  # recipe.check_model refuses the others
+        fp8_impl = "ref" if fp8 and cfg.recipe.fp8_impl == "ref" else None
+
         def block(x_TD, router_ED, m_T, key, shard, *leaves):
             base = jax.tree.unflatten(base_def, leaves[:len(base_leaves)])
             if cfg.qlora is not None:  # each projection dequantized inside its grouped GEMM, forward and backward
                 base = tuple(qlora_base.frozen_grouped(cfg.qlora.experts(), q, shape=(local, *expert_shape(cfg, p)[1:]),
-                                                       dtype=cfg.dtype)
+                                                       dtype=cfg.dtype, fp8=fp8, fp8_impl=fp8_impl)
                              for p, q in zip(EXPERT_PROJECTIONS, base, strict=True))
+            elif fp8:  # the cached frozen E4M3 experts, or trained ones quantized per call
+                base = tuple(_fp8_experts(w, fp8_impl) for w in base)
             y_TD, st = moe.moe_mlp(x_TD, router_ED, *base, k=k, norm_topk_prob=cfg.norm_topk_prob, mask_T=m_T,
                                    swiglu_impl=cfg.impl("swiglu"),
                                    lora=jax.tree.unflatten(lora_def, leaves[len(base_leaves):]), lora_scale=scale,
@@ -575,6 +579,23 @@ class SparseMoeMLP(nn.Module):
                                  out_summed=(False, True, True, True, True),
                                  split_experts=(False,) * 5 + tuple(ep > 1 and jnp.ndim(a) > 0 for a in rest))
         return y_TD.reshape(x_BTD.shape), dict(zip(ROUTER_STATS, stats, strict=True))
+
+
+def _fp8_experts(w, impl):
+    """An expert stack's GEMM under fp8-hybrid as moe_mlp's callable (x, group_sizes) -> y: the frozen cache
+    {kernel_nk, kernel_scale} or a plain [E, in, out] stack quantized per call (ops.grouped_matmul)."""
+    if isinstance(w, dict):
+        return jax.tree_util.Partial(functools.partial(_fp8_frozen_apply, impl), w[recipe_lib.KERNEL_NK],
+                                     w[recipe_lib.KERNEL_SCALE])
+    return jax.tree_util.Partial(functools.partial(_fp8_trained_apply, impl), w)
+
+
+def _fp8_frozen_apply(impl, wq, scale, x, group_sizes):
+    return grouped_matmul.grouped_matmul_fp8_frozen(x, wq, scale, group_sizes, impl=impl)
+
+
+def _fp8_trained_apply(impl, w, x, group_sizes):
+    return grouped_matmul.grouped_matmul_fp8(x, w, group_sizes, impl=impl)
 
 
 class _Router(nn.Module):
@@ -605,7 +626,8 @@ class _Experts(nn.Module):
         init = nn.initializers.normal(cfg.initializer_range)
         shapes = {"gate_proj": (D, I), "up_proj": (D, I), "down_proj": (I, D)}
         if cfg.qlora is None:
-            weights = tuple(_param(self, p, init, (E, *shapes[p]), cfg.param_dtype) for p in EXPERT_PROJECTIONS)
+            weights = tuple(self._cached(p) or _param(self, p, init, (E, *shapes[p]), cfg.param_dtype)
+                            for p in EXPERT_PROJECTIONS)
         else:
             def quantized(key, p):  # a fresh init quantizes a normal(initializer_range) weight
                 E_, out, inp = expert_shape(cfg, p)
@@ -627,6 +649,13 @@ class _Experts(nn.Module):
             ab = self.variable("lora", p, fresh).value
             lora[p] = (ab["lora_a"], ab["lora_b"])
         return weights, lora
+
+    def _cached(self, p):
+        """fp8-hybrid's frozen cache of projection p ({kernel_nk, kernel_scale}: recipe.cache_experts), or None."""
+        if self.is_initializing() or not self.has_variable("params", p):
+            return None
+        v = self.get_variable("params", p)
+        return v if isinstance(v, dict) and recipe_lib.KERNEL_SCALE in v else None
 
 
 class DecoderLayer(nn.Module):

@@ -264,7 +264,7 @@ def check_qlora_device(spec: QloraSpec | None, device=None) -> None:
 
 def check_moe(cfg: SFTConfig, dcfg) -> None:
     """The mixture-of-experts keys against the model: router loss weights, train_router and ep_size only on an MoE
-    model, ep_size dividing its experts; on one, precision recipes are not built yet."""
+    model, ep_size dividing its experts; on one, only the fp8-hybrid recipe (without skipped layers)."""
     o, ep = cfg.optim, cfg.parallel.ep_size
     if not dcfg.num_experts:
         set_keys = [k for k in ("router_aux_loss_coef", "router_z_loss_coef") if getattr(o, k)]
@@ -275,8 +275,12 @@ def check_moe(cfg: SFTConfig, dcfg) -> None:
                               f"({dcfg.model_type}); remove the key")
         return
     what = f"model={cfg.model.model} is a mixture-of-experts model ({dcfg.model_type}, {dcfg.num_experts} experts)"
-    if quant_recipe(cfg) is not None:
-        raise ConfigError(f"{what}: precision recipes on experts are not built yet; use recipe: bf16")
+    recipe = quant_recipe(cfg)
+    if recipe is not None:
+        try:
+            recipe.check_model(dcfg)
+        except ValueError as e:
+            raise ConfigError(f"{what}: {e}") from None
     if dcfg.num_experts % ep:
         raise ConfigError(f"ep_size={ep}: must divide the {dcfg.num_experts} experts of model={cfg.model.model}")
 

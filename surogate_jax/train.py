@@ -327,8 +327,9 @@ def prepare_frozen(model: Decoder, params: Any) -> Any:
 
     def cache_one(proj, w):
         if proj not in jitted:
-            jitted[proj] = jax.jit(lambda w: recipe_lib.cache_kernel(cfg.recipe, proj, w, cfg.num_layers),
-                                   donate_argnums=(0,))
+            one = (recipe_lib.cache_experts if proj == recipe_lib.EXPERTS
+                   else lambda w: recipe_lib.cache_kernel(cfg.recipe, proj, w, cfg.num_layers))
+            jitted[proj] = jax.jit(one, donate_argnums=(0,))
         return jitted[proj](w)
 
     return recipe_lib.cache_frozen_weights(params, cfg.recipe, cfg.num_layers, cache_one)

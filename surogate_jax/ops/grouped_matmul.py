@@ -247,11 +247,12 @@ def fp8_kernel_applies(x_shape, m: int) -> bool:
     return x_shape[1] % 16 == 0 and m % 8 == 0
 
 
-def _fp8_impl(impl, x, m):
+def resolve_fp8_impl(impl: str | None, x_shape, m: int) -> str:
+    """The impl the FP8 forms trace for x [N, K] and M outputs ("ref" where the kernel does not apply)."""
     impl = resolve_impl(impl, OP)
-    if impl != "ref" and not fp8_kernel_applies(x.shape, m):
+    if impl != "ref" and not fp8_kernel_applies(x_shape, m):
         if impl == "ffi":
-            raise TypeError(f"grouped_matmul_fp8: impl='ffi' needs K a multiple of 16 and M of 8; got x {x.shape}, "
+            raise TypeError(f"grouped_matmul_fp8: impl='ffi' needs K a multiple of 16 and M of 8; got x {x_shape}, "
                             f"M {m}")
         impl = "ref"
     return impl
@@ -267,7 +268,7 @@ def grouped_matmul_fp8_frozen(x: jax.Array, wq: jax.Array, w_scale: jax.Array, g
         raise ValueError(f"grouped_matmul_fp8_frozen: x {x.shape}, wq {wq.shape} {wq.dtype}, w_scale {w_scale.shape},"
                          f" group_sizes {group_sizes.shape} do not agree (x [N, K], wq float8_e4m3fn [E, M, K], "
                          "w_scale and group_sizes [E])")
-    return _fp8_frozen(x, wq, w_scale.astype(jnp.float32), group_sizes, _fp8_impl(impl, x, wq.shape[1]))
+    return _fp8_frozen(x, wq, w_scale.astype(jnp.float32), group_sizes, resolve_fp8_impl(impl, x.shape, wq.shape[1]))
 
 
 def grouped_matmul_fp8(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: str | None = None) -> jax.Array:
@@ -276,4 +277,4 @@ def grouped_matmul_fp8(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, im
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != w.shape[:1]:
         raise ValueError(f"grouped_matmul_fp8: x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape} do not "
                          "agree (x [N, K], w [E, K, M], group_sizes [E])")
-    return _fp8_trained(x, w.astype(x.dtype), group_sizes, _fp8_impl(impl, x, w.shape[2]))
+    return _fp8_trained(x, w.astype(x.dtype), group_sizes, resolve_fp8_impl(impl, x.shape, w.shape[2]))

@@ -40,6 +40,13 @@ is built and adds a per-layer `kernel_scale` next to each kernel (its presence m
   * nvfp4: the 16x16-tile quantize-dequantized weights (`nvfp4_matmul.fake_quantize_weight`, bf16 values),
     used by `nvfp4_matmul.nvfp4_linear_frozen` (same forward and dX as quantizing every step).
 Full fine-tuning quantizes the master weights every step (delayed scaling for fp8).
+
+Mixture-of-experts layers (fp8-hybrid only): the experts' three grouped GEMMs run in FP8 with CURRENT scaling
+(ops/grouped_matmul.py: one scale per call for the sorted activations and dY, one per expert for the weights), so
+they carry no state in the "fp8" collection; the router stays in the model dtype. LoRA caches each frozen expert
+stack once as {kernel_nk: E4M3 [L, E, out, in], kernel_scale: [L, E]} under the projection's name
+(`cache_experts`); full fine-tuning quantizes the trained experts every call; a QLoRA base goes from its codes to
+E4M3 per layer (qlora.base). Layers kept plain by skip_quant_* are not supported there (refused).
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from surogate_jax.names import FP4_BACKENDS, PROJECTIONS, RECIPE_ALIASES, RECIPES
+from surogate_jax.names import EXPERT_PROJECTIONS, FP4_BACKENDS, PROJECTIONS, RECIPE_ALIASES, RECIPES, layer_stack_start
 from surogate_jax.ops import fp8_formats, nvfp4_matmul, nvfp4_quantize
 from surogate_jax.precision import fp8
 
@@ -65,6 +72,7 @@ IN_DIMS = {"o_proj": 2}  # trailing dims of x a projection contracts (1 for the 
 FP8_COLLECTION = "fp8"
 QUANT_RNG = "quant"
 KERNEL_SCALE = "kernel_scale"
+EXPERTS = "experts"  # the MoE module whose gate/up/down_proj stacks fp8-hybrid caches (cache_experts)
 FP8_IMPLS = (None, "auto", "ffi", "xla", "ref")
 MATMUL_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
@@ -155,7 +163,18 @@ class QuantRecipe:
         return (layer >= self.skip_first) & (layer < num_layers - self.skip_last)
 
     def check_model(self, cfg: Any) -> None:
-        """Shape requirements for the decoder config `cfg` (ValueError naming the dims)."""
+        """Shape requirements for the decoder config `cfg` (ValueError naming the dims); on a mixture-of-experts
+        model only fp8-hybrid, without skipped layers."""
+        if getattr(cfg, "num_experts", 0):
+            if self.name == "bf16":
+                raise ValueError("matmul_dtype / gradient_dtype on a mixture-of-experts model: its expert GEMMs run "
+                                 "in the model dtype only; leave them unset")
+            if self.name != "fp8-hybrid":
+                raise ValueError(f"recipe {self.name} on a mixture-of-experts model: only fp8-hybrid runs the "
+                                 "experts' grouped GEMMs quantized; use recipe: fp8-hybrid or bf16")
+            if self.skips:
+                raise ValueError("skip_quant_first_layers / skip_quant_last_layers on a mixture-of-experts model: "
+                                 "its expert GEMMs have no plain per-layer branch; leave them at 0")
         if self.name != "nvfp4":
             return
         dims = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -358,13 +377,25 @@ def cache_kernel(recipe: QuantRecipe, proj: str, w: jax.Array, num_layers: int):
     return jnp.where(layers_q.reshape(bshape), q, w), s_dec.astype(jnp.float32)
 
 
+def cache_experts(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """fp8-hybrid's frozen cache of one stacked expert projection w [L, E, in, out]: (E4M3 [L, E, out, in] (HF
+    layout, what the grouped FP8 GEMM reads), scales [L, E]: 448 / max|w_le|)."""
+    s = fp8_formats.current_scale(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(2, 3)))
+    return fp8_formats.quantize(jnp.swapaxes(w, 2, 3), s[:, :, None, None], fp8_formats.E4M3), s
+
+
+def _in_layer_stack(path) -> bool:
+    return any(layer_stack_start(p) is not None for p in path)
+
+
 def cache_frozen_weights(params: Any, recipe: QuantRecipe | None, num_layers: int,
                          cache_one: Callable | None = None) -> Any:
     """Frozen base params with the seven projections' kernels quantized once (see the module
     docstring); each cached kernel gets a sibling `kernel_scale` f32 [L]. Returns `params`
     unchanged for recipes without quantization or when already cached. cache_one(proj, w) ->
     (cached, scale) replaces the per-kernel quantization (train.prepare_frozen passes a jitted,
-    input-donating one, so only one kernel's two copies exist at a time)."""
+    input-donating one, so only one kernel's two copies exist at a time). Under fp8-hybrid the MoE
+    experts' stacks are cached too (`cache_experts`; cache_one gets proj `EXPERTS` for them)."""
     if recipe is None or not recipe.quantizes or is_cached(params):
         return params
 
@@ -373,7 +404,11 @@ def cache_frozen_weights(params: Any, recipe: QuantRecipe | None, num_layers: in
             return node
         out = {}
         for key, v in node.items():
-            if (key == "kernel" and path and path[-1] in PROJECTIONS and "layers" in path
+            if (recipe.name == "fp8-hybrid" and path and path[-1] == EXPERTS and key in EXPERT_PROJECTIONS
+                    and _in_layer_stack(path) and hasattr(v, "ndim")):
+                wq, scale = cache_one(EXPERTS, v) if cache_one is not None else cache_experts(v)
+                out[key] = {KERNEL_NK: wq, KERNEL_SCALE: scale}
+            elif (key == "kernel" and path and path[-1] in PROJECTIONS and _in_layer_stack(path)
                     and hasattr(v, "ndim")):
                 out[cached_kernel_name(recipe)], out[KERNEL_SCALE] = (
                     cache_one(path[-1], v) if cache_one is not None else cache_kernel(recipe, path[-1], v, num_layers))
@@ -392,6 +427,9 @@ def dequantize_cache(params: Any, recipe: QuantRecipe, num_layers: int, shapes: 
     def walk(node, like):
         if not isinstance(node, Mapping):
             return node
+        if KERNEL_SCALE in node and not isinstance(like, Mapping):  # an expert stack (cache_experts)
+            s = node[KERNEL_SCALE][:, :, None, None]
+            return (node[KERNEL_NK].astype(jnp.float32) / s).swapaxes(2, 3)
         if KERNEL_SCALE in node:
             name = KERNEL_NK if KERNEL_NK in node else "kernel"
             k, s = node[name], node[KERNEL_SCALE]

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from surogate_jax.names import FP8_BLOCK_SIZES, NF4_BLOCK_SIZES
+from surogate_jax.ops import grouped_matmul as gm
 from surogate_jax.ops.grouped_matmul import grouped_matmul
 
 FORMATS = ("nf4", "fp8", "fp4")
@@ -220,12 +221,52 @@ def frozen_grouped_matmul(spec: QloraSpec, x: jax.Array, params: Mapping[str, ja
     return _frozen_grouped(x.astype(dtype), dict(params), group_sizes, spec, tuple(shape), jnp.dtype(dtype))
 
 
+def expert_fp8_weights(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int, int],
+                       dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """(E4M3 [E, out, in], scales [E]) of a stacked MoE projection under fp8-hybrid: `frozen_fp8_weight` of the
+    [E * out, in] weight (one scale for the layer's experts, repeated per expert)."""
+    E, out, inp = shape
+    wq, scale = frozen_fp8_weight(spec, params, (E * out, inp), dtype)
+    return wq.reshape(E, out, inp), jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (E,))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _frozen_grouped_fp8(x, params, sizes, spec, shape, dtype, impl):
+    wq, scale = expert_fp8_weights(spec, params, shape, dtype)
+    return gm.fp8_forward(x, wq, scale, sizes, impl)
+
+
+def _frozen_grouped_fp8_fwd(x, params, sizes, spec, shape, dtype, impl):
+    return _frozen_grouped_fp8(x, params, sizes, spec, shape, dtype, impl), (params, sizes)
+
+
+def _frozen_grouped_fp8_bwd(spec, shape, dtype, impl, res, dy):
+    params, sizes = res
+    wq, scale = expert_fp8_weights(spec, params, shape, dtype)  # again, not saved
+    dx = gm.fp8_input_grad(dy, wq, scale, sizes, impl, dtype)
+    return dx, jax.tree.map(_zero_cotangent, params), _zero_cotangent(sizes)
+
+
+_frozen_grouped_fp8.defvjp(_frozen_grouped_fp8_fwd, _frozen_grouped_fp8_bwd)
+
+
 def frozen_grouped(spec: QloraSpec, params: Mapping[str, jax.Array], *, shape: tuple[int, int, int],
-                   dtype: Any) -> jax.tree_util.Partial:
+                   dtype: Any, fp8_impl: str | None = None, fp8: bool = False) -> jax.tree_util.Partial:
     """`frozen_grouped_matmul` bound to one projection's quantized parts: (x, group_sizes) -> y, a pytree whose leaves
-    are the parts (it passes through `jax.lax.cond` and `jax.custom_vjp` as operands, not as captured constants)."""
+    are the parts (it passes through `jax.lax.cond` and `jax.custom_vjp` as operands, not as captured constants).
+    fp8 (the fp8-hybrid recipe): the experts go from their codes to E4M3 (`expert_fp8_weights`) and the GEMMs run in
+    FP8 (ops.grouped_matmul.grouped_matmul_fp8_frozen's math), again dequantizing in the backward; fp8_impl: its
+    impl."""
+    if fp8:
+        return jax.tree_util.Partial(functools.partial(_apply_frozen_grouped_fp8, spec, tuple(shape),
+                                                       jnp.dtype(dtype), fp8_impl), dict(params))
     return jax.tree_util.Partial(functools.partial(_apply_frozen_grouped, spec, tuple(shape), jnp.dtype(dtype)),
                                  dict(params))
+
+
+def _apply_frozen_grouped_fp8(spec, shape, dtype, impl, params, x, group_sizes):
+    impl = gm.resolve_fp8_impl(impl, x.shape, shape[1])
+    return _frozen_grouped_fp8(x.astype(dtype), dict(params), group_sizes, spec, shape, dtype, impl)
 
 
 def _apply_frozen_grouped(spec, shape, dtype, params, x, group_sizes):

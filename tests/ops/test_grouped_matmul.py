@@ -98,3 +98,44 @@ def test_kernel_applies_only_to_bf16_multiples_of_8():
 def test_shape_mismatch_is_a_clear_error(xs, ws, gs):
     with pytest.raises(ValueError, match="grouped_matmul"):
         grouped_matmul(jnp.ones(xs), jnp.ones(ws), jnp.ones(gs, jnp.int32))
+
+
+def test_fp8_reference_is_the_quantized_products_per_group(assert_close):
+    """grouped_matmul_fp8 (reference): y equals a float64 loop over the groups of the E4M3 values of x (one scale)
+    and w (one scale per expert), rescaled; dx the E5M2 dy against the same weight; dw the plain x^T dy; the frozen
+    form with the weight quantized beforehand gives the same y and dx."""
+    from surogate_jax.ops import fp8_formats as f
+    from surogate_jax.ops.grouped_matmul import expert_scales, grouped_matmul_fp8, grouped_matmul_fp8_frozen
+
+    rng = np.random.default_rng(31)
+    E, K, M, rows = 5, 48, 40, 33
+    sizes = np.array([7, 0, 13, 1, 9], np.int32)
+    x, dy = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((rows, K), (rows, M)))
+    w = jnp.asarray(rng.standard_normal((E, K, M)) * 0.1, jnp.bfloat16)
+    y, vjp = jax.vjp(lambda a, b: grouped_matmul_fp8(a, b, jnp.asarray(sizes), impl="ref"), x, w)
+    dx, dw = vjp(dy)
+
+    def q(t, fmt, axis=None):
+        t = np.asarray(jnp.asarray(t, jnp.float32), np.float64)
+        am = np.max(np.abs(t), axis=axis, keepdims=axis is not None)
+        s = f.fp8_max(fmt) / am
+        return np.asarray(jnp.asarray(np.clip(t * s, -f.fp8_max(fmt), f.fp8_max(fmt)), jnp.float32).astype(fmt),
+                          np.float64) / s
+
+    xh, gh, wh = q(x, f.E4M3), q(dy, f.E5M2), q(w, f.E4M3, axis=(1, 2))
+    want_y, want_dx, want_dw, s0 = np.zeros((rows, M)), np.zeros((rows, K)), np.zeros((E, K, M)), 0
+    xf, df = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (x, dy))
+    for e, n in enumerate(sizes):
+        want_y[s0:s0 + n] = xh[s0:s0 + n] @ wh[e]
+        want_dx[s0:s0 + n] = gh[s0:s0 + n] @ wh[e].T
+        want_dw[e] = xf[s0:s0 + n].T @ df[s0:s0 + n]
+        s0 += n
+    assert_close(y, want_y, jnp.bfloat16, "y")
+    assert not np.any(np.asarray(y[s0:], np.float32))
+    assert_close(dx, want_dx, jnp.bfloat16, "dx")
+    assert_close(dw, want_dw, jnp.bfloat16, "dw")
+    s = expert_scales(w)
+    wq = f.quantize(jnp.swapaxes(w, 1, 2), s[:, None, None], f.E4M3)
+    yf, vjpf = jax.vjp(lambda a: grouped_matmul_fp8_frozen(a, wq, s, jnp.asarray(sizes), impl="ref"), x)
+    np.testing.assert_array_equal(np.asarray(yf, np.float32), np.asarray(y, np.float32))
+    np.testing.assert_array_equal(np.asarray(vjpf(dy)[0], np.float32), np.asarray(dx, np.float32))

@@ -146,6 +146,27 @@ def test_moe_qlora_trains_over_quantized_experts(tmp_path, env, moe_dir):
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")  # the bf16 base re-read, merged
 
 
+@pytest.mark.parametrize("mode", ["lora", "qlora", "full"])
+def test_fp8_hybrid_runs_the_expert_gemms_in_fp8(tmp_path, env, mixed_dir, mode):
+    """recipe fp8-hybrid on an MoE model (dense layers among the sparse ones): LoRA over the experts cached in E4M3,
+    QLoRA with the NF4 experts going to E4M3 per layer, full fine-tuning quantizing the trained experts per call. The
+    losses follow the bf16 run's within FP8's error and are not the bf16 losses (the experts' GEMMs did change)."""
+    over = {"lora": {}, "qlora": {"qlora_bnb": True}, "full": {"lora": False}}[mode]
+    runs = {}
+    for recipe in ("bf16", "fp8-hybrid"):
+        d = tmp_path / recipe
+        d.mkdir()
+        cfg = write_config(d, model=str(mixed_dir), max_steps=4, save_steps=4, eval_steps=0, learning_rate=3e-3,
+                           recipe=recipe, **over)
+        r = sft(cfg, env)
+        assert ("precision: fp8-hybrid" in r.stderr) == (recipe == "fp8-hybrid"), r.stderr[-2000:]
+        runs[recipe] = losses(d / "out")
+    bf16, fp8 = (np.array([runs[r][s] for s in range(1, 5)]) for r in ("bf16", "fp8-hybrid"))
+    np.testing.assert_allclose(fp8, bf16, rtol=0.05)
+    assert np.abs(fp8 - bf16).max() > 1e-5, (fp8, bf16)
+    assert fp8[-1] < fp8[0]
+
+
 def test_offloaded_experts_train_the_same_losses(tmp_path, env, mixed_dir):
     """qlora_offload_experts: the quantized experts live in pinned host memory and each MoE layer copies its own in
     (forward and the backward's recomputation): the same losses as keeping them on the device, also across a resume,
@@ -300,7 +321,10 @@ def test_expert_parallel_run_resumes_exactly_and_under_another_ep_size(tmp_path,
 
 
 @pytest.mark.parametrize(("over", "message"), [
-    ({"recipe": "fp8-hybrid"}, "precision recipes on experts are not built yet"),
+    ({"recipe": "nvfp4"}, "recipe nvfp4 on a mixture-of-experts model: only fp8-hybrid"),
+    ({"recipe": "fp8-hybrid", "skip_quant_first_layers": 1}, "skip_quant_first_layers / skip_quant_last_layers on a "
+                                                             "mixture-of-experts model"),
+    ({"matmul_dtype": "bf16"}, "matmul_dtype / gradient_dtype on a mixture-of-experts model"),
     ({"router_aux_loss_coef": -0.5}, "router_aux_loss_coef=-0.5: must be a number >= 0"),
     ({"router_z_loss_coef": -1}, "router_z_loss_coef=-1.0: must be a number >= 0"),
     ({"ep_size": 2}, "ep_size=2: must divide the run's 1 device(s)"),
