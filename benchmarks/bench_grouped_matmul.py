@@ -13,7 +13,10 @@ Variants: `ours` (kernels/grouped_matmul.cu: forward, d_lhs = the same kernel re
 weight-gradient kernel), `ragged_dot` (jax.lax.ragged_dot; XLA lowers it to cuDNN's grouped GEMM where its version
 has that path, else to a zero-padded dense dot), `tokamax <impl>` (tokamax.ragged_dot, Google's Pallas kernel
 library, when it is installed: its Mosaic GPU (wgmma) and Triton implementations, gradients through its own VJP),
-`dense` (one [N, D] x [D, I] GEMM: the GEMM ceiling). Each line
+`dense` (one [N, D] x [D, I] GEMM: the GEMM ceiling), and our FP8 forms (fp8-hybrid's expert GEMMs:
+`ours fp8 fwd` = E4M3 amax + cast of x and the fp8 kernel against the cached E4M3 experts, `ours fp8 d_lhs` =
+E5M2 amax + cast of dy, the byte transpose of the cached experts and the kernel; `gemm only` the kernel alone on
+operands already in fp8). Each line
 also says whether the compiled program calls cuDNN. Timing: benchmarks/_opbench.py (chained steps, difference of two
 chain lengths).
 """
@@ -26,8 +29,8 @@ import _opbench
 import jax
 import jax.numpy as jnp
 
-from surogate_jax.ops import ffi_available
-from surogate_jax.ops.grouped_matmul import _dw_ffi, _fwd_ffi
+from surogate_jax.ops import ffi_available, fp8_formats
+from surogate_jax.ops.grouped_matmul import _dw_ffi, _fp8_gemm_ffi, _fwd_ffi, expert_scales, fp8_forward, fp8_input_grad
 
 T, K, E, D, I = 4096, 8, 128, 2048, 768
 
@@ -89,6 +92,9 @@ def main() -> None:
     w = (jax.random.normal(kw, (E, D, I), jnp.float32) * 0.02).astype(jnp.bfloat16)
     dy = jax.random.normal(kd, (N, I), jnp.bfloat16)
     w2 = w[0]
+    s_w = expert_scales(w)
+    wq = fp8_formats.quantize(jnp.swapaxes(w, 1, 2), s_w[:, None, None], fp8_formats.E4M3)  # the cache [E, I, D]
+    xq = x.astype(fp8_formats.E4M3)
     rows = []
     for skew in (False, True):
         gs = group_sizes(kg, skew)
@@ -110,6 +116,13 @@ def main() -> None:
             ("ragged_dot d_lhs", dlhs, (x, w, gs, dy), lambda: uses_cudnn(lambda *a: dlhs(*a)[3], x, w, gs, dy)),
             ("ragged_dot d_rhs", drhs, (x, w, gs, dy), lambda: uses_cudnn(lambda *a: drhs(*a)[1], x, w, gs, dy)),
             ("dense fwd (floor)", dense, (x, w2), lambda: False),
+            ("ours fp8 fwd", lambda a, b, s, g: (fp8_forward(a, b, s, g, "ffi")[:, :1] + a, b, s, g),
+             (x, wq, s_w, gs), lambda: False),
+            ("ours fp8 d_lhs", lambda a, b, s, g: (fp8_input_grad(a, b, s, g, "ffi", a.dtype)[:, :I] + a, b, s, g),
+             (dy, wq, s_w, gs), lambda: False),
+            # the chain's dependency through the scalar scale: no pass over the operands besides the GEMM
+            ("ours fp8 fwd gemm only", lambda a, b, s, g, xi: (a, b, s, g, xi + 1e-30 * _fp8_gemm_ffi(
+                a, b, g, xi, s)[0, 0].astype(jnp.float32)), (xq, wq, s_w, gs, jnp.float32(1.0)), lambda: False),
         ]
         for name, step, carry, cudnn in cases:
             try:
