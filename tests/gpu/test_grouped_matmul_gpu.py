@@ -169,7 +169,7 @@ def test_fp8_ops_kernel_equals_reference(trained, assert_close):
     from surogate_jax.ops.grouped_matmul import expert_scales, grouped_matmul_fp8, grouped_matmul_fp8_frozen
 
     rng = np.random.default_rng(next(_seed))
-    rows, K, M, E = 1500, 272, 136, 9
+    rows, K, M, E = 1500, 272, 144, 9
     sizes = jnp.asarray(_sizes(rng, rows, E, True))
     x, dy = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((rows, K), (rows, M)))
     w = jnp.asarray(rng.standard_normal((E, K, M)) / np.sqrt(K), jnp.bfloat16)
