@@ -132,12 +132,64 @@ def test_moe_config_is_checked():
         cfg.replace(num_experts_per_tok=5)
     from surogate_jax.precision.recipe import QuantRecipe
 
-    with pytest.raises(ValueError, match="do not take a precision recipe"):
-        cfg.replace(recipe=QuantRecipe("fp8-hybrid"))
+    with pytest.raises(ValueError, match="recipe nvfp4 on a mixture-of-experts model: only fp8-hybrid"):
+        cfg.replace(recipe=QuantRecipe("nvfp4"))
+    with pytest.raises(ValueError, match="skip_quant_first_layers / skip_quant_last_layers on a mixture-of-experts"):
+        cfg.replace(recipe=QuantRecipe("fp8-hybrid", skip_first=1))
+    assert cfg.replace(recipe=QuantRecipe("fp8-hybrid")).recipe.name == "fp8-hybrid"
     with pytest.raises(ValueError, match="decoder_sparse_step=0 must be >= 1"):
         cfg.replace(decoder_sparse_step=0)
     with pytest.raises(ValueError, match="mlp_only_layers=\\[2\\] layer indices in \\[0, 2\\)"):
         cfg.replace(mlp_only_layers=(2,))
+
+
+@pytest.mark.parametrize("layout", [{}, {"decoder_sparse_step": 2, "num_hidden_layers": 4}], ids=["moe", "mixed"])
+def test_fp8_hybrid_expert_cache_equals_quantizing_every_call(layout):
+    """LoRA under fp8-hybrid: the frozen experts cached once in E4M3 (recipe.cache_experts, [L, E, out, in] with a
+    scale per layer and expert, in every layer stack) give the very forward and LoRA gradients of quantizing the bf16
+    experts at each call; the cache dequantizes back to each stack's [L, E, in, out] within E4M3's half step; and the
+    experts' GEMMs did change against the bf16 recipe."""
+    from surogate_jax.models import Decoder, LoraSpec  # noqa: PLC0415
+    from surogate_jax.precision import recipe as R  # noqa: PLC0415
+
+    r = R.QuantRecipe("fp8-hybrid", fp8_impl="ref")
+    cfg = config_from_hf(_cfg(**layout)).replace(lora=LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "up_proj")),
+                                                 dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)  # a bf16 base
+    model = Decoder(cfg.replace(recipe=r))
+    ids = jnp.asarray(_ids(4)[:, :16])
+    v = model.init({"params": jax.random.key(0), "lora": jax.random.key(1)}, ids)
+    params, quant = v["params"], R.init_quant_state(model, ids)
+    lora = jax.tree.map(lambda a: a + 0.05, v["lora"])
+    cached = R.cache_frozen_weights(params, r, cfg.num_layers)
+    stacks = [name for name, _, _, sparse in cfg.layer_stacks() if sparse]
+    for name in stacks:
+        c = cached[name]["mlp"]["experts"]["up_proj"]
+        n = params[name]["mlp"]["experts"]["up_proj"].shape[0]
+        assert c[R.KERNEL_NK].dtype == jnp.float8_e4m3fn
+        assert c[R.KERNEL_NK].shape == (n, 4, 40, 64) and c[R.KERNEL_SCALE].shape == (n, 4)
+
+    def loss(p, a):
+        out = model.apply({"params": p, "lora": a, "fp8": quant}, ids)
+        return jnp.sum(jnp.square(out.astype(jnp.float32))), out
+
+    # the dense projections cached in both (their uncached form scales by the delayed state), the experts not here
+    per_call = {k: jax.tree.map(lambda a: a, v) for k, v in cached.items()}
+    for name in stacks:
+        per_call[name] = {**cached[name], "mlp": {**cached[name]["mlp"], "experts": params[name]["mlp"]["experts"]}}
+    (_, y1), g1 = jax.value_and_grad(loss, argnums=1, has_aux=True)(cached, lora)
+    (_, y2), g2 = jax.value_and_grad(loss, argnums=1, has_aux=True)(per_call, lora)
+    np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y2, np.float32))
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    plain = Decoder(cfg).apply({"params": params, "lora": lora}, ids)
+    assert float(jnp.abs(plain.astype(jnp.float32) - y2.astype(jnp.float32)).max()) > 1e-3
+    back = R.dequantize_cache(cached, r, cfg.num_layers, params)
+    for name in stacks:
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            w = np.asarray(params[name]["mlp"]["experts"][p], np.float32)
+            got = np.asarray(back[name]["mlp"]["experts"][p], np.float32)
+            assert got.shape == w.shape
+            np.testing.assert_allclose(got, w, rtol=2**-4, atol=np.abs(w).max() * 2**-9)
 
 
 def test_an_moe_config_whose_layers_are_all_dense_trains_without_router_terms():
