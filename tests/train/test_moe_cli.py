@@ -297,6 +297,25 @@ def test_expert_parallel_losses_equal_ep_size_1_on_four_devices(tmp_path, env, e
                                    err_msg=f"{name} ep_size={ep}")
 
 
+def test_fp8_hybrid_under_expert_parallelism_follows_ep_size_1(tmp_path, env, ep_dir):
+    """fp8-hybrid with ep_size 2 on 4 CPU devices: each device holds its experts' E4M3 cache (LoRA) or quantizes its
+    own trained experts (full fine-tuning) and trains the losses of ep_size 1 within the activations' scales (a
+    device quantizes its group's gathered tokens with one scale, ep_size 1 its own shard's)."""
+    four = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    for name, over in {"lora": {}, "full": dict(lora=False)}.items():
+        runs = {}
+        for ep in (1, 2):
+            d = tmp_path / f"{name}{ep}"
+            d.mkdir()
+            cfg = write_config(d, model=str(ep_dir), max_steps=3, save_steps=3, eval_steps=0, learning_rate=3e-3,
+                               gpus=0, ep_size=ep, per_device_train_batch_size=1, recipe="fp8-hybrid", **over)
+            r = sft(cfg, four)
+            assert "precision: fp8-hybrid" in r.stderr, r.stderr[-2000:]
+            runs[ep] = losses(d / "out")
+        np.testing.assert_allclose([runs[2][s] for s in (1, 2, 3)], [runs[1][s] for s in (1, 2, 3)], rtol=1e-2,
+                                   err_msg=name)
+
+
 def test_expert_parallel_run_resumes_exactly_and_under_another_ep_size(tmp_path, env, ep_dir):
     """4 CPU devices, ep_size 2: a run resumed from its step-2 checkpoint continues bit for bit; resumed under
     ep_size 1 instead (the experts' shards gathered back by the restore) it continues with the same losses."""
