@@ -13,7 +13,8 @@ ops/tile_dequantize.py) and multiplies; its backward gives dX only (the
 base is frozen) and dequantizes again instead of saving W, so no layer's dequantized copy outlives its GEMM: the
 activations saved for the backward are those of a plain LoRA step, the base costs its quantized bytes. Under
 fp8-hybrid, `frozen_fp8_weight` turns the base straight into the E4M3 weight [out, in] of the frozen FP8 GEMM in
-one kernel pass from its codes.
+one kernel pass from its codes. The MoE experts' grouped GEMM (`frozen_grouped`) may dequantize selectively
+(qlora_selective_expert_dequant): only the experts that received tokens, forward and backward.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from surogate_jax.names import FP8_BLOCK_SIZES, NF4_BLOCK_SIZES
-from surogate_jax.ops.grouped_matmul import grouped_matmul
+from surogate_jax.ops._loader import traced_impl
+from surogate_jax.ops.grouped_matmul import forward_impl, grouped_matmul
+from surogate_jax.ops.nf4_dequantize import OP as NF4_DEQUANTIZE_OP
+from surogate_jax.ops.tile_dequantize import OP as TILE_DEQUANTIZE_OP
 
 FORMATS = ("nf4", "fp8", "fp4")
 FP4_BLOCK = 16
@@ -95,6 +99,7 @@ class QloraSpec:
 
 
 _MODULES = {"nf4": "nf4", "fp8": "fp8_block", "fp4": "fp4"}
+_DEQUANTIZE_OPS = {"nf4": NF4_DEQUANTIZE_OP, "fp8": TILE_DEQUANTIZE_OP, "fp4": TILE_DEQUANTIZE_OP}  # each format's op
 
 
 def format_module(fmt: str):
@@ -128,9 +133,12 @@ def quantize(spec: QloraSpec, w: jax.Array) -> dict[str, jax.Array]:
 
 
 def dequantize(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int], dtype: Any, *,
-               mesh=None) -> jax.Array:
-    """The weight [out, in] in `dtype` (fp32 math, one rounding). mesh: the devices NF4's kernel runs on."""
-    return format_module(spec.format).dequantize(params, tuple(shape), dtype=dtype, mesh=mesh, **_kw(spec))
+               mesh=None, group_sizes=None) -> jax.Array:
+    """The weight [out, in] in `dtype` (fp32 math, one rounding). mesh: the devices NF4's kernel runs on.
+    group_sizes int32 [E]: the weight is E stacked experts and those without rows may be left unspecified (see
+    `expert_weights`)."""
+    return format_module(spec.format).dequantize(params, tuple(shape), dtype=dtype, mesh=mesh,
+                                                 group_sizes=group_sizes, **_kw(spec))
 
 
 def _zero_cotangent(a: jax.Array):
@@ -176,11 +184,23 @@ def frozen_matmul(spec: QloraSpec, x: jax.Array, params: Mapping[str, jax.Array]
 
 
 def expert_weights(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int, int], dtype: Any, *,
-                   mesh=None) -> jax.Array:
+                   mesh=None, group_sizes=None) -> jax.Array:
     """A stacked MoE projection [E, out, in] (HF layout per expert) in `dtype`: the experts are quantized as one
-    [E * out, in] weight (blocks and tiles never straddle two experts: `in` and `out` are multiples of them)."""
+    [E * out, in] weight (blocks and tiles never straddle two experts: `in` and `out` are multiples of them).
+    group_sizes int32 [E] (the experts' token rows, on the device): a selective dequantization, experts without rows
+    zeros from the reference ops and left UNSPECIFIED by the kernels (only for a consumer that never reads them:
+    `selective_applies`)."""
     E, out, inp = shape
-    return dequantize(spec, params, (E * out, inp), dtype, mesh=mesh).reshape(E, out, inp)
+    return dequantize(spec, params, (E * out, inp), dtype, mesh=mesh, group_sizes=group_sizes).reshape(E, out, inp)
+
+
+def selective_applies(spec: QloraSpec, x_shape: tuple[int, int], shape: tuple[int, int, int], dtype: Any) -> bool:
+    """Whether the grouped GEMM of rows x [N, K] with the experts [E, out, in] may take a selective dequantization:
+    our GEMM kernel never reads an expert without rows and the reference dequantization zeroes them; only the
+    reference GEMM (ragged_dot, which may read every expert) after the dequantization kernel may not."""
+    if forward_impl(x_shape, shape, dtype) != "ref":
+        return True
+    return traced_impl(None, _DEQUANTIZE_OPS[spec.format]) == "ref"
 
 
 def splits_by_expert(spec: QloraSpec, shape: tuple[int, int, int]) -> bool:
@@ -193,18 +213,28 @@ def splits_by_expert(spec: QloraSpec, shape: tuple[int, int, int]) -> bool:
                for k, w in whole.items())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _frozen_grouped(x, params, sizes, spec, shape, dtype):
-    return grouped_matmul(x, expert_weights(spec, params, shape, dtype), sizes, transpose_w=True)
+def _grouped_weights(x_shape, params, sizes, spec, shape, dtype, selective):
+    """The experts [E, out, in] a grouped GEMM over rows x_shape reads: when selective (and `selective_applies`)
+    only those with rows, else all."""
+    use = selective and selective_applies(spec, x_shape, shape, dtype)
+    return expert_weights(spec, params, shape, dtype, group_sizes=sizes.astype(jnp.int32) if use else None)
 
 
-def _frozen_grouped_fwd(x, params, sizes, spec, shape, dtype):
-    return _frozen_grouped(x, params, sizes, spec, shape, dtype), (params, sizes)  # the experts are not saved
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _frozen_grouped(x, params, sizes, spec, shape, dtype, selective):
+    w = _grouped_weights(x.shape, params, sizes, spec, shape, dtype, selective)
+    return grouped_matmul(x, w, sizes, transpose_w=True)
 
 
-def _frozen_grouped_bwd(spec, shape, dtype, res, dy):
+def _frozen_grouped_fwd(x, params, sizes, spec, shape, dtype, selective):
+    y = _frozen_grouped(x, params, sizes, spec, shape, dtype, selective)
+    return y, (params, sizes)  # the experts are not saved
+
+
+def _frozen_grouped_bwd(spec, shape, dtype, selective, res, dy):
     params, sizes = res
-    dx = grouped_matmul(dy.astype(dtype), expert_weights(spec, params, shape, dtype), sizes)
+    dy = dy.astype(dtype)
+    dx = grouped_matmul(dy, _grouped_weights(dy.shape, params, sizes, spec, shape, dtype, selective), sizes)
     return dx, jax.tree.map(_zero_cotangent, params), _zero_cotangent(sizes)
 
 
@@ -212,24 +242,26 @@ _frozen_grouped.defvjp(_frozen_grouped_fwd, _frozen_grouped_bwd)
 
 
 def frozen_grouped_matmul(spec: QloraSpec, x: jax.Array, params: Mapping[str, jax.Array], group_sizes: jax.Array, *,
-                          shape: tuple[int, int, int], dtype: Any) -> jax.Array:
+                          shape: tuple[int, int, int], dtype: Any, selective: bool = False) -> jax.Array:
     """The MoE experts' frozen projection through a quantized base: rows of x [N, in] sorted by expert (group_sizes
     [E]) times their expert's dequantized W_e^T, W [E, out, in] = `expert_weights`; y [N, out] in `dtype`. As
     `frozen_matmul`, the backward dequantizes again (a layer's bf16 experts never outlive their GEMM) and gives dX
-    only."""
-    return _frozen_grouped(x.astype(dtype), dict(params), group_sizes, spec, tuple(shape), jnp.dtype(dtype))
+    only. selective (qlora_selective_expert_dequant): forward and backward dequantize only the experts with rows
+    (group_sizes > 0) where `selective_applies`, else every expert; the result is the same."""
+    return _frozen_grouped(x.astype(dtype), dict(params), group_sizes, spec, tuple(shape), jnp.dtype(dtype),
+                           bool(selective))
 
 
 def frozen_grouped(spec: QloraSpec, params: Mapping[str, jax.Array], *, shape: tuple[int, int, int],
-                   dtype: Any) -> jax.tree_util.Partial:
+                   dtype: Any, selective: bool = False) -> jax.tree_util.Partial:
     """`frozen_grouped_matmul` bound to one projection's quantized parts: (x, group_sizes) -> y, a pytree whose leaves
     are the parts (it passes through `jax.lax.cond` and `jax.custom_vjp` as operands, not as captured constants)."""
-    return jax.tree_util.Partial(functools.partial(_apply_frozen_grouped, spec, tuple(shape), jnp.dtype(dtype)),
-                                 dict(params))
+    fn = functools.partial(_apply_frozen_grouped, spec, tuple(shape), jnp.dtype(dtype), bool(selective))
+    return jax.tree_util.Partial(fn, dict(params))
 
 
-def _apply_frozen_grouped(spec, shape, dtype, params, x, group_sizes):
-    return frozen_grouped_matmul(spec, x, params, group_sizes, shape=shape, dtype=dtype)
+def _apply_frozen_grouped(spec, shape, dtype, selective, params, x, group_sizes):
+    return frozen_grouped_matmul(spec, x, params, group_sizes, shape=shape, dtype=dtype, selective=selective)
 
 
 def frozen_fp8_weight(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int], dtype: Any, *,

@@ -79,11 +79,13 @@ def to_tensor(params: Mapping, shape) -> nvfp4.NVFP4Tensor:
     return nvfp4.NVFP4Tensor(params[CODES], params[SCALES], params[GLOBAL_SCALE], shape, True)
 
 
-def dequantize(params: Mapping, shape, *, dtype=jnp.bfloat16, mesh=None) -> jax.Array:
+def dequantize(params: Mapping, shape, *, dtype=jnp.bfloat16, mesh=None, group_sizes=None) -> jax.Array:
     """[out, in] in `dtype`: the op's dequantize (float32 math, one cast at the end), through ops.tile_dequantize
-    (our CUDA kernel on a GPU). mesh: the devices it runs on (the op's `mesh`)."""
+    (our CUDA kernel on a GPU). mesh: the devices it runs on, group_sizes: stacked MoE experts' token counts for a
+    selective dequantization (the op's)."""
     t = to_tensor(params, shape)
-    return tile_dequantize(t.codes, t.scales, t.global_scale, fmt="nvfp4", shape=t.shape, out_dtype=dtype, mesh=mesh)
+    return tile_dequantize(t.codes, t.scales, t.global_scale, fmt="nvfp4", shape=t.shape, out_dtype=dtype,
+                           group_sizes=group_sizes, mesh=mesh)
 
 
 def fp8_weight(params: Mapping, shape, *, dtype=jnp.bfloat16, mesh=None) -> tuple[jax.Array, jax.Array]:

@@ -152,15 +152,16 @@ def _check_params(params: Mapping, shape, block_size: int, fn: str) -> None:
                              f"{tuple(a.shape)}")
 
 
-def dequantize(params: Mapping, shape, *, block_size: int = 128, dtype=jnp.bfloat16, mesh=None) -> jax.Array:
+def dequantize(params: Mapping, shape, *, block_size: int = 128, dtype=jnp.bfloat16, mesh=None,
+               group_sizes=None) -> jax.Array:
     """float(fp8_weight) * fp8_scale_inv broadcast over the b x b tiles: [out, in] in `dtype` (float32 math, one
     rounding to dtype at the end), through ops.tile_dequantize (our CUDA kernel on a GPU). mesh: the devices it
-    runs on (the op's `mesh`)."""
+    runs on, group_sizes: stacked MoE experts' token counts for a selective dequantization (the op's)."""
     b = _check_block(block_size)
     shape = _check_shape(shape)
     _check_params(params, shape, b, "dequantize")
     return tile_dequantize(params[WEIGHT], params[SCALE_INV], fmt="fp8", shape=shape, tile=b, out_dtype=dtype,
-                           mesh=mesh)
+                           group_sizes=group_sizes, mesh=mesh)
 
 
 def fp8_weight(params: Mapping, shape, *, block_size: int = 128, dtype=jnp.bfloat16,
