@@ -12,7 +12,8 @@
 #     compilation, one core per worker, and the machine has 16).
 #   benches (default: none; benchmarks/README.md says what each measures):
 #     op benchmarks: rms_norm, add_rms_norm, rope, swiglu, swiglu_lora, lm_head_ce, fp8_matmul,
-#       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon, nf4_dequantize, tile_dequantize, grouped_matmul
+#       nvfp4_quantize, nvfp4_matmul, adamw_8bit, normuon, nf4_dequantize, tile_dequantize, grouped_matmul,
+#       selective_dequant
 #     model: forward, sft:<size>[,<size>...] (one fresh process per size; SFT_ARGS="--qlora bnb ..." adds flags;
 #       SFT_VARIANTS="--max-segments 0|--max-segments -1" runs each size once per '|'-separated flag set: an A/B),
 #       peer:<size>[,<size>...] (the HF transformers + PEFT peer, without then with gradient checkpointing),
@@ -28,7 +29,8 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 B=benchmarks; P=benchmarks/profile
 SUITE="${SUITE:-quick}"; WORKERS="${WORKERS:-$([[ $SUITE == full* ]] && echo 14 || echo 8)}"
 benches=("$@")
-part1=(rope rope_qk rms_norm add_rms_norm swiglu swiglu_lora adamw_8bit normuon nf4_dequantize tile_dequantize)
+part1=(rope rope_qk rms_norm add_rms_norm swiglu swiglu_lora adamw_8bit normuon nf4_dequantize tile_dequantize
+       selective_dequant)
 part2=(fp8_matmul nvfp4_matmul nvfp4_quantize lm_head_ce grouped_matmul)
 part3=(models parallel qlora recipe attention)
 files() { for n in "$@"; do echo "tests/gpu/test_${n}_gpu.py"; done; }
@@ -90,6 +92,7 @@ for b in "${benches[@]}"; do
     nf4_dequantize) op_bench nf4_dequantize 20 ;;
     tile_dequantize) op_bench tile_dequantize 30 ;;
     grouped_matmul) op_bench grouped_matmul 24 ;;
+    selective_dequant) op_bench selective_dequant 40 ;;
     ncu_rope) for c in "0.6b q|bwd|positions" "0.6b q|bwd|table" "0.6b k|bwd|positions" "8b k|bwd|table" \
                        "0.6b q|fwd|positions"; do
                 IFS='|' read -r shp pas src <<< "$c"   # kernel-only durations, DRAM throughput, stall reasons

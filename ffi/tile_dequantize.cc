@@ -2,15 +2,20 @@
 // sizes/dtypes, pick the output type, call the launcher in kernels/tile_dequantize.h on XLA's
 // stream. Python side: surogate_jax/ops/tile_dequantize.py.
 //
-//   surogate_tile_dequantize(codes, tile_scales, global_scale f32 [], scale f32 [];
+//   surogate_tile_dequantize(codes, tile_scales, global_scale f32 [], scale f32 [],
+//                            group_sizes s32 [E];
 //                            format: i32 (0 fp8, 1 nvfp4), tile: i64, has_scale: i32,
+//                            has_groups: i32,
 //                            via: i32 (0 none, 1 bf16, 2 f16: each value rounded to it first))
 //       -> out [rows, cols] (f32, bf16, f16 or f8e4m3fn)
 //   fp8:   codes f8e4m3fn [rows, cols], tile_scales f32 [ceil(rows/tile), ceil(cols/tile)]
 //   nvfp4: codes u8 [rows, cols/2], tile_scales f8e4m3fn [ceil(rows/16), cols/16], tile == 16
 // global_scale is read for nvfp4 only; has_scale == 0: the scale operand is ignored (neither read
-// nor checked). The Python wrapper uses vmap_method="sequential". The handler is command-buffer
-// compatible (SUROGATE_GRAPH_SAFE, ffi_common.h): the launcher only enqueues a kernel.
+// nor checked). has_groups == 0: group_sizes is ignored; else out's rows are E stacked experts of
+// rows / E rows each (E must divide rows) and the rows of an expert whose group size is <= 0 are
+// left unwritten (selective MoE dequantization). The Python wrapper uses
+// vmap_method="sequential". The handler is command-buffer compatible (SUROGATE_GRAPH_SAFE,
+// ffi_common.h): the launcher only enqueues a kernel.
 #include <string>
 #include <string_view>
 
@@ -25,8 +30,9 @@ constexpr std::string_view kOp = "surogate_tile_dequantize";
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 ffi::Error TileDequantize(cudaStream_t stream, int32_t format, int64_t tile, int32_t has_scale,
-                          int32_t via, ffi::AnyBuffer codes, ffi::AnyBuffer tile_scales,
-                          ffi::AnyBuffer global_scale, ffi::AnyBuffer scale,
+                          int32_t has_groups, int32_t via, ffi::AnyBuffer codes,
+                          ffi::AnyBuffer tile_scales, ffi::AnyBuffer global_scale,
+                          ffi::AnyBuffer scale, ffi::AnyBuffer group_sizes,
                           ffi::Result<ffi::AnyBuffer> out) {
   if (format != 0 && format != 1) {
     return InvalidArg(kOp, "format must be 0 (fp8) or 1 (nvfp4), got " + std::to_string(format));
@@ -82,6 +88,20 @@ ffi::Error TileDequantize(cudaStream_t stream, int32_t format, int64_t tile, int
     if (auto e = ExpectDtype(kOp, "scale", scale, ffi::DataType::F32); e.failure()) return e;
     if (auto e = ExpectCount(kOp, "scale", scale, 1, "a scalar"); e.failure()) return e;
   }
+  const int32_t* groups = nullptr;
+  int64_t rows_per_group = 0;
+  if (has_groups) {
+    if (auto e = ExpectDtype(kOp, "group_sizes", group_sizes, ffi::DataType::S32); e.failure()) {
+      return e;
+    }
+    const int64_t num_groups = static_cast<int64_t>(group_sizes.element_count());
+    if (num_groups < 1 || rows % num_groups != 0) {
+      return InvalidArg(kOp, "group_sizes has " + std::to_string(num_groups) +
+                                 " experts, which must divide the rows of out " + ShapeStr(*out));
+    }
+    groups = In<int32_t>(group_sizes);
+    rows_per_group = rows / num_groups;
+  }
   const auto* sc = has_scale ? static_cast<const float*>(scale.untyped_data()) : nullptr;
   const auto* gs = nvfp4 ? static_cast<const float*>(global_scale.untyped_data()) : nullptr;
   return DispatchFloatOrE4m3(kOp, out->element_type(), [&](auto tag) -> ffi::Error {
@@ -89,7 +109,8 @@ ffi::Error TileDequantize(cudaStream_t stream, int32_t format, int64_t tile, int
     return CudaError(
         kOp, tile_dequantize<OutT>(static_cast<TileFormat>(format), In<uint8_t>(codes),
                                    tile_scales.untyped_data(), gs, sc, Out<OutT>(out), rows, cols,
-                                   static_cast<int>(tile), static_cast<DequantVia>(via), stream));
+                                   static_cast<int>(tile), static_cast<DequantVia>(via), groups,
+                                   rows_per_group, stream));
   });
 }
 
@@ -101,11 +122,13 @@ SUROGATE_DEFINE_HANDLER(kTileDequantizeHandler, TileDequantize,
                             .Attr<int32_t>("format")
                             .Attr<int64_t>("tile")
                             .Attr<int32_t>("has_scale")
+                            .Attr<int32_t>("has_groups")
                             .Attr<int32_t>("via")
                             .Arg<ffi::AnyBuffer>()    // codes
                             .Arg<ffi::AnyBuffer>()    // tile_scales
                             .Arg<ffi::AnyBuffer>()    // global_scale
                             .Arg<ffi::AnyBuffer>()    // scale
+                            .Arg<ffi::AnyBuffer>()    // group_sizes
                             .Ret<ffi::AnyBuffer>());  // out
 
 Targets TileDequantizeTargets() { return {SUROGATE_TARGET(kOp.data(), kTileDequantizeHandler)}; }

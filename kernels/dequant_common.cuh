@@ -1,7 +1,8 @@
 // Shared by the dequantization kernels (nf4_dequantize.cu, tile_dequantize.cu): their launch shape
 // (256-thread blocks, 4 chunks a thread, a grid-stride loop past kMaxBlocks), the optional rounding
-// to the model dtype and the 16-byte stores of fp32 values to any output type, float8_e4m3fn
-// included (saturating, as jnp.clip(v, -448, 448).astype(float8_e4m3fn)).
+// to the model dtype, the 16-byte stores of fp32 values to any output type, float8_e4m3fn
+// included (saturating, as jnp.clip(v, -448, 448).astype(float8_e4m3fn)), and the groups of a
+// selective MoE dequantization (which output ranges belong to experts that received no tokens).
 #pragma once
 
 #include <algorithm>
@@ -60,6 +61,24 @@ __device__ __forceinline__ uint4 pack16(const float* v) {
     return vec::pack<OutT, kElems<OutT>>(in).u;
   }
 }
+
+// Stacked MoE experts dequantized selectively: group g (expert g) owns `units` consecutive units
+// of the output (weights for NF4's flat layout, rows for the tile layout); a group whose size is
+// <= 0 received no tokens, so its outputs are left unwritten (the grouped GEMM never reads them).
+// sizes == nullptr: one group, always active.
+struct Groups {
+  const int32_t* sizes;  // device [num groups], or nullptr
+  int64_t units;         // units per group (> 0 when sizes != nullptr)
+
+  // Whether any group overlapping units [first, last] has rows (a handful of cached loads).
+  __device__ __forceinline__ bool any_active(int64_t first, int64_t last) const {
+    if (sizes == nullptr) return true;
+    for (int64_t g = first / units; g <= last / units; ++g) {
+      if (__ldg(sizes + g) > 0) return true;
+    }
+    return false;
+  }
+};
 
 template <typename OutT>
 __device__ __forceinline__ void store_one(OutT* out, int64_t i, float v) {

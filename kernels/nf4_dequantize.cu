@@ -27,6 +27,10 @@
 //    the last chunk (an odd n's last one included) are done by threads of the last block.
 //  * Scalar kernel, one weight per thread, when codes or out is not aligned for the vector path
 //    (XLA's buffers always are; a sliced view from another caller may not be).
+//  * Selective MoE dequantization (groups.sizes != nullptr): a tile whose weights all belong to
+//    experts without tokens is skipped, and a block with no other tile returns before loading
+//    anything; that saves the output write (2 B a weight in bf16) and the code reads. The check is
+//    block-uniform, so the early return cannot split a __syncthreads.
 #include "kernels/nf4_dequantize.h"
 
 #include "kernels/dequant_common.cuh"
@@ -81,15 +85,27 @@ __global__ void __launch_bounds__(kThreads)
     nf4_dequant_vec_kernel(const uint8_t* __restrict__ codes, const float* __restrict__ absmax,
                            const float* __restrict__ code_table, const float* __restrict__ scale,
                            OutT* __restrict__ out, int64_t n, int64_t nchunks, int log2_block,
-                           DequantVia via) {
+                           DequantVia via, Groups groups) {
   constexpr int E = kElems<OutT>, B = E / 2, W = (B + 3) / 4, U = kChunksPerThread;
+  const int64_t tile = int64_t{kThreads} * U;
+  // the weights of the tile at chunk `base` (the last tile may be short)
+  auto tile_active = [&](int64_t base) {
+    return groups.any_active(base * E, std::min(base + tile, nchunks) * E - 1);
+  };
+  const bool has_tail = blockIdx.x == gridDim.x - 1 && nchunks * E < n;
+  bool work = has_tail && groups.any_active(nchunks * E, n - 1);
+  for (int64_t base = int64_t{blockIdx.x} * tile; base < nchunks && !work;
+       base += int64_t{gridDim.x} * tile) {
+    work = tile_active(base);
+  }
+  if (!work) return;  // every weight of this block is an empty expert's: nothing read or written
   __shared__ float table[16];
   load_table(code_table, table);
   const bool has_scale = scale != nullptr;
   const float s = has_scale ? __ldg(scale) : 1.f;
-  const int64_t tile = int64_t{kThreads} * U;
   for (int64_t base = int64_t{blockIdx.x} * tile; base < nchunks;
        base += int64_t{gridDim.x} * tile) {
+    if (!tile_active(base)) continue;
     uint32_t w[U][W] = {};
     float a[U] = {};
 #pragma unroll
@@ -113,9 +129,11 @@ __global__ void __launch_bounds__(kThreads)
       *reinterpret_cast<uint4*>(out + c * E) = pack16<OutT>(v);
     }
   }
-  if (blockIdx.x == gridDim.x - 1) {  // the < E weights past the last whole chunk
+  if (has_tail) {  // the < E weights past the last whole chunk
     const int64_t i = nchunks * E + threadIdx.x;
-    if (i < n) dequant_one(codes, absmax, table, scale, out, i, log2_block, via);
+    if (i < n && groups.any_active(i, i)) {
+      dequant_one(codes, absmax, table, scale, out, i, log2_block, via);
+    }
   }
 }
 
@@ -123,12 +141,13 @@ template <typename OutT>
 __global__ void __launch_bounds__(kThreads)
     nf4_dequant_scalar_kernel(const uint8_t* __restrict__ codes, const float* __restrict__ absmax,
                               const float* __restrict__ code_table, const float* __restrict__ scale,
-                              OutT* __restrict__ out, int64_t n, int log2_block, DequantVia via) {
+                              OutT* __restrict__ out, int64_t n, int log2_block, DequantVia via,
+                              Groups groups) {
   __shared__ float table[16];
   load_table(code_table, table);
   const int64_t step = int64_t{gridDim.x} * kThreads;
   for (int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x; i < n; i += step) {
-    dequant_one(codes, absmax, table, scale, out, i, log2_block, via);
+    if (groups.any_active(i, i)) dequant_one(codes, absmax, table, scale, out, i, log2_block, via);
   }
 }
 
@@ -152,11 +171,16 @@ int log2_block_size(int block_size) {
 template <typename OutT>
 cudaError_t nf4_dequantize(const uint8_t* codes, const float* absmax, const float* code_table,
                            const float* scale, OutT* out, int64_t n, int block_size, DequantVia via,
+                           const int32_t* group_sizes, int64_t weights_per_group,
                            cudaStream_t stream) {
   const int log2_block = log2_block_size(block_size);
   const int v = static_cast<int>(via);
   if (n < 0 || log2_block < 0 || v < 0 || v > 2) return cudaErrorInvalidValue;
+  if (group_sizes != nullptr && (weights_per_group <= 0 || n % weights_per_group != 0)) {
+    return cudaErrorInvalidValue;
+  }
   if (n == 0) return cudaSuccess;
+  const Groups groups{group_sizes, weights_per_group};
   constexpr int E = kElems<OutT>;
   const bool aligned = reinterpret_cast<uintptr_t>(codes) % (E / 2) == 0 &&
                        reinterpret_cast<uintptr_t>(out) % 16 == 0;
@@ -164,10 +188,10 @@ cudaError_t nf4_dequantize(const uint8_t* codes, const float* absmax, const floa
     const int64_t nchunks = n / E;
     nf4_dequant_vec_kernel<OutT>
         <<<grid_for(nchunks, int64_t{kThreads} * kChunksPerThread), kThreads, 0, stream>>>(
-            codes, absmax, code_table, scale, out, n, nchunks, log2_block, via);
+            codes, absmax, code_table, scale, out, n, nchunks, log2_block, via, groups);
   } else {
     nf4_dequant_scalar_kernel<OutT><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
-        codes, absmax, code_table, scale, out, n, log2_block, via);
+        codes, absmax, code_table, scale, out, n, log2_block, via, groups);
   }
   return cudaGetLastError();
 }
@@ -175,7 +199,7 @@ cudaError_t nf4_dequantize(const uint8_t* codes, const float* absmax, const floa
 #define SUROGATE_NF4_DEQUANTIZE_INSTANTIATE(OutT)                                          \
   template cudaError_t nf4_dequantize<OutT>(const uint8_t*, const float*, const float*,    \
                                             const float*, OutT*, int64_t, int, DequantVia, \
-                                            cudaStream_t);
+                                            const int32_t*, int64_t, cudaStream_t);
 
 SUROGATE_NF4_DEQUANTIZE_INSTANTIATE(float)
 SUROGATE_NF4_DEQUANTIZE_INSTANTIATE(__nv_bfloat16)

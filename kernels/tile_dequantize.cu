@@ -23,6 +23,10 @@
 //  * Products are __fmul_rn: never contracted into an FMA, bit-equal to XLA's fp32 multiplies.
 //  * Scalar kernel, one weight per thread, when cols % E != 0 (FP8 only) or a pointer is not
 //    aligned for the vector path (XLA's buffers always are; a sliced view may not be).
+//  * Selective MoE dequantization (groups.sizes != nullptr): a tile whose rows all belong to
+//    experts without tokens is skipped, and a block with no other tile returns before loading
+//    anything (the NVFP4 table included); that saves the output write and the code reads. The
+//    check is block-uniform, so the early return cannot split a __syncthreads.
 #include "kernels/tile_dequantize.h"
 
 #include "kernels/dequant_common.cuh"
@@ -107,16 +111,28 @@ __global__ void __launch_bounds__(kThreads)
     tile_dequant_vec_kernel(const uint8_t* __restrict__ codes, const void* __restrict__ tile_scales,
                             const float* __restrict__ global_scale, const float* __restrict__ scale,
                             OutT* __restrict__ out, int64_t nchunks, int64_t chunks_per_row,
-                            int64_t scale_cols, int log2_tile, DequantVia via) {
+                            int64_t scale_cols, int log2_tile, DequantVia via, Groups groups) {
   constexpr int U = kChunksPerThread, CB = kCodeBytes<F, OutT>, E = kElems<OutT>;
+  const int64_t span = int64_t{kThreads} * U;
+  // the rows of the span at chunk `base` (the last span may be short)
+  auto span_active = [&](int64_t base) {
+    return groups.any_active(base / chunks_per_row,
+                             (std::min(base + span, nchunks) - 1) / chunks_per_row);
+  };
+  bool work = false;
+  for (int64_t base = int64_t{blockIdx.x} * span; base < nchunks && !work;
+       base += int64_t{gridDim.x} * span) {
+    work = span_active(base);
+  }
+  if (!work) return;  // every row of this block is an empty expert's: nothing read or written
   __shared__ float table_smem[16];
   const float* table = load_table<F>(table_smem);
   const float g = F == TileFormat::kNvfp4 ? __ldg(global_scale) : 1.f;
   const bool has_scale = scale != nullptr;
   const float s = has_scale ? __ldg(scale) : 1.f;
-  const int64_t span = int64_t{kThreads} * U;
   for (int64_t base = int64_t{blockIdx.x} * span; base < nchunks;
        base += int64_t{gridDim.x} * span) {
+    if (!span_active(base)) continue;
     uint4 w[U];
     float ts[U];
 #pragma unroll
@@ -153,13 +169,14 @@ __global__ void __launch_bounds__(kThreads)
                                const float* __restrict__ global_scale,
                                const float* __restrict__ scale, OutT* __restrict__ out,
                                int64_t rows, int64_t cols, int64_t scale_cols, int log2_tile,
-                               DequantVia via) {
+                               DequantVia via, Groups groups) {
   __shared__ float table_smem[16];
   const float* table = load_table<F>(table_smem);
   const float g = F == TileFormat::kNvfp4 ? __ldg(global_scale) : 1.f;
   const int64_t n = rows * cols, step = int64_t{gridDim.x} * kThreads;
   for (int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x; i < n; i += step) {
     const int64_t r = i / cols, col = i - r * cols;
+    if (!groups.any_active(r, r)) continue;
     uint32_t code;
     if constexpr (F == TileFormat::kFp8) {
       code = __ldg(codes + i);
@@ -184,7 +201,7 @@ int log2_exact(int x) {
 template <TileFormat F, typename OutT>
 cudaError_t launch(const uint8_t* codes, const void* tile_scales, const float* global_scale,
                    const float* scale, OutT* out, int64_t rows, int64_t cols, int log2_tile,
-                   DequantVia via, cudaStream_t stream) {
+                   DequantVia via, Groups groups, cudaStream_t stream) {
   const int64_t scale_cols = (cols + (int64_t{1} << log2_tile) - 1) >> log2_tile;
   constexpr int E = kElems<OutT>;
   const bool aligned = cols % E == 0 &&
@@ -195,10 +212,11 @@ cudaError_t launch(const uint8_t* codes, const void* tile_scales, const float* g
     tile_dequant_vec_kernel<F, OutT>
         <<<grid_for(nchunks, int64_t{kThreads} * kChunksPerThread), kThreads, 0, stream>>>(
             codes, tile_scales, global_scale, scale, out, nchunks, cols / E, scale_cols, log2_tile,
-            via);
+            via, groups);
   } else {
     tile_dequant_scalar_kernel<F, OutT><<<grid_for(rows * cols, kThreads), kThreads, 0, stream>>>(
-        codes, tile_scales, global_scale, scale, out, rows, cols, scale_cols, log2_tile, via);
+        codes, tile_scales, global_scale, scale, out, rows, cols, scale_cols, log2_tile, via,
+        groups);
   }
   return cudaGetLastError();
 }
@@ -208,29 +226,34 @@ cudaError_t launch(const uint8_t* codes, const void* tile_scales, const float* g
 template <typename OutT>
 cudaError_t tile_dequantize(TileFormat format, const uint8_t* codes, const void* tile_scales,
                             const float* global_scale, const float* scale, OutT* out, int64_t rows,
-                            int64_t cols, int tile, DequantVia via, cudaStream_t stream) {
+                            int64_t cols, int tile, DequantVia via, const int32_t* group_sizes,
+                            int64_t rows_per_group, cudaStream_t stream) {
   const int log2_tile = log2_exact(tile);
   const int v = static_cast<int>(via);
   if (rows < 0 || cols < 0 || log2_tile < 4 || log2_tile > 9 || v < 0 || v > 2) {
     return cudaErrorInvalidValue;
   }
   if (format == TileFormat::kNvfp4 && (tile != 16 || cols % 16 != 0)) return cudaErrorInvalidValue;
+  if (group_sizes != nullptr && (rows_per_group <= 0 || rows % rows_per_group != 0)) {
+    return cudaErrorInvalidValue;
+  }
   if (rows == 0 || cols == 0) return cudaSuccess;
+  const Groups groups{group_sizes, rows_per_group};
   switch (format) {
     case TileFormat::kFp8:
       return launch<TileFormat::kFp8>(codes, tile_scales, global_scale, scale, out, rows, cols,
-                                      log2_tile, via, stream);
+                                      log2_tile, via, groups, stream);
     case TileFormat::kNvfp4:
       return launch<TileFormat::kNvfp4>(codes, tile_scales, global_scale, scale, out, rows, cols,
-                                        log2_tile, via, stream);
+                                        log2_tile, via, groups, stream);
   }
   return cudaErrorInvalidValue;
 }
 
-#define SUROGATE_TILE_DEQUANTIZE_INSTANTIATE(OutT)                                                \
-  template cudaError_t tile_dequantize<OutT>(TileFormat, const uint8_t*, const void*,             \
-                                             const float*, const float*, OutT*, int64_t, int64_t, \
-                                             int, DequantVia, cudaStream_t);
+#define SUROGATE_TILE_DEQUANTIZE_INSTANTIATE(OutT)                                         \
+  template cudaError_t tile_dequantize<OutT>(                                              \
+      TileFormat, const uint8_t*, const void*, const float*, const float*, OutT*, int64_t, \
+      int64_t, int, DequantVia, const int32_t*, int64_t, cudaStream_t);
 
 SUROGATE_TILE_DEQUANTIZE_INSTANTIATE(float)
 SUROGATE_TILE_DEQUANTIZE_INSTANTIATE(__nv_bfloat16)

@@ -17,8 +17,14 @@
 //   first
 //           (cvt .satfinite), as jnp.clip(v, -448, 448).astype(float8_e4m3fn) does.
 //
-// OutT is float, __nv_bfloat16, __half or __nv_fp8_e4m3. A bad format, tile or shape returns
-// cudaErrorInvalidValue; an empty weight launches nothing. `scale` is a device pointer to one
+// Selective MoE dequantization: with group_sizes (device int32 [rows / rows_per_group], one per
+// expert of a stacked [E * out, in] weight, rows_per_group = out), the rows of an expert whose
+// size is <= 0 are neither computed nor written: those outputs are left unspecified (the grouped
+// GEMM never reads an expert without rows). group_sizes == nullptr: every row is written.
+//
+// OutT is float, __nv_bfloat16, __half or __nv_fp8_e4m3. A bad format, tile or shape, or
+// group_sizes with rows_per_group <= 0 or not dividing rows, returns cudaErrorInvalidValue; an
+// empty weight launches nothing. `scale` is a device pointer to one
 // float, or nullptr; `global_scale` is read for kNvfp4 only. Enqueues on `stream`, never
 // synchronizes, and returns the first CUDA error it sees (cudaSuccess otherwise).
 #pragma once
@@ -39,6 +45,7 @@ enum class TileFormat : int { kFp8 = 0, kNvfp4 = 1 };
 template <typename OutT>
 cudaError_t tile_dequantize(TileFormat format, const uint8_t* codes, const void* tile_scales,
                             const float* global_scale, const float* scale, OutT* out, int64_t rows,
-                            int64_t cols, int tile, DequantVia via, cudaStream_t stream);
+                            int64_t cols, int tile, DequantVia via, const int32_t* group_sizes,
+                            int64_t rows_per_group, cudaStream_t stream);
 
 }  // namespace surogate

@@ -153,6 +153,9 @@ class DecoderConfig:
     # to the device where it uses them (forward, and the backward's recomputation: needs remat "full" in a loop);
     # without qlora it does nothing (a config with qlora replaced by None stays valid)
     offload_experts: bool = False
+    # qlora_selective_expert_dequant: each MoE layer dequantizes only the experts that received tokens (forward and
+    # backward; qlora.base.frozen_grouped); without qlora it does nothing
+    selective_expert_dequant: bool = False
     # Precision recipe of the seven projections (precision/recipe.py); None = plain model dtype (bf16).
     recipe: QuantRecipe | None = None
     # The device mesh the ops split rows over (ops/_sharding.py); set when the train/eval step is built.
@@ -559,7 +562,8 @@ class SparseMoeMLP(nn.Module):
             base = jax.tree.unflatten(base_def, leaves[:len(base_leaves)])
             if cfg.qlora is not None:  # each projection dequantized inside its grouped GEMM, forward and backward
                 base = tuple(qlora_base.frozen_grouped(cfg.qlora.experts(), q, shape=(local, *expert_shape(cfg, p)[1:]),
-                                                       dtype=cfg.dtype, fp8=fp8, fp8_impl=fp8_impl)
+                                                       dtype=cfg.dtype, fp8=fp8, fp8_impl=fp8_impl,
+                                                       selective=cfg.selective_expert_dequant)
                              for p, q in zip(EXPERT_PROJECTIONS, base, strict=True))
             elif fp8:  # the cached frozen E4M3 experts, or trained ones quantized per call
                 base = tuple(_fp8_experts(w, fp8_impl) for w in base)

@@ -212,6 +212,8 @@ class LoraConfig:
     qlora_four_over_six: bool = True
     # MoE under QLoRA: the quantized experts stay in pinned host memory, each layer's copied in where it is used
     qlora_offload_experts: bool = False
+    # MoE under QLoRA: each layer dequantizes only the experts that received tokens, forward and backward
+    qlora_selective_expert_dequant: bool = False
 
     def __post_init__(self):
         _check(self.lora_rank >= 1, f"lora_rank={self.lora_rank}: must be >= 1")
@@ -429,8 +431,7 @@ ALIASES = {"torch_dtype": "model_dtype"}
 
 # Surogate keys we recognize but whose feature is another issue's work.
 NOT_YET = frozenset(
-    """use_fused_rope qlora_selective_expert_dequant adapter_path
-    adapter_init_mode
+    """use_fused_rope adapter_path adapter_init_mode
     offload_saved_tensors offload_quants persistent_quants cpu_training
     use_zero_copy use_write_combined parallelism sequence_chunks
     long_context lmhead_chunks auto_lmhead_chunks lmhead_drop_ignored_rows attn_bwd_chunks

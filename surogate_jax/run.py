@@ -209,14 +209,17 @@ def _build_model(cfg: SFTConfig, model_dir: Path, mode: str, layout: par.Layout 
                                         shardings=_weight_shardings(model_dir, model_dtype, layout, trainable=False,
                                                                     qlora=qspec))
         if qspec is not None:
-            log.info("qlora: %s, quantized %s", qspec.describe(),
-                     "in the checkpoint" if is_prequantized(read_hf_config(model_dir)) else "while loading")
+            log.info("qlora: %s, quantized %s%s", qspec.describe(),
+                     "in the checkpoint" if is_prequantized(read_hf_config(model_dir)) else "while loading",
+                     "; each MoE layer dequantizes only the experts that got tokens"
+                     if cfg.lora.qlora_selective_expert_dequant else "")
     else:
         model, params = load_pretrained(model_dir, dtype=master, compute_dtype=model_dtype, remat_policy=remat,
                                         shardings=_weight_shardings(model_dir, master, layout, trainable=True))
     if spec is None:
         return model, {}, params
-    model = Decoder(model.config.replace(lora=spec, offload_experts=cfg.lora.qlora_offload_experts))
+    model = Decoder(model.config.replace(lora=spec, offload_experts=cfg.lora.qlora_offload_experts,
+                                         selective_expert_dequant=cfg.lora.qlora_selective_expert_dequant))
     trainable = init_adapters(model, jax.random.key(cfg.run.train_seed + 1), jnp.zeros((1, 1), jnp.int32))
     if spec.train_router:  # the loaded router joins the trained tree (lora.merge / save_peft put it back out)
         params, trainable = take_router(params, trainable, spec.dtype)
@@ -304,6 +307,21 @@ def check_offload_experts(cfg: SFTConfig, dcfg, qspec: QloraSpec | None) -> None
         raise ConfigError(f"qlora_offload_experts: streams a QLoRA base's MoE experts from host memory; {why}")
 
 
+def check_selective_expert_dequant(cfg: SFTConfig, dcfg, qspec: QloraSpec | None) -> None:
+    """qlora_selective_expert_dequant: each MoE layer dequantizes only the experts that received tokens, so it needs
+    MoE layers and a quantized base."""
+    if not cfg.lora.qlora_selective_expert_dequant:
+        return
+    why = None
+    if not dcfg.num_experts:
+        why = f"model={cfg.model.model} is dense ({dcfg.model_type})"
+    elif qspec is None:
+        why = "the base is not quantized (no qlora_* key, no pre-quantized checkpoint)"
+    if why:
+        raise ConfigError(f"qlora_selective_expert_dequant: dequantizes a QLoRA base's MoE experts that got tokens; "
+                          f"{why}")
+
+
 def with_router_weights(cfg: SFTConfig, dcfg):
     """The decoder config with the run's router loss weights (an MoE model; the model's aux weight by default)."""
     if not dcfg.num_experts:
@@ -326,6 +344,7 @@ def run_meta(cfg: SFTConfig, model_dir: Path, mode: str) -> dict:
             "sequence_len": cfg.model.sequence_len, "optimizer": cfg.optim.optimizer}
     qspec = qlora_spec(cfg, model_dir)
     check_offload_experts(cfg, dcfg, qspec)
+    check_selective_expert_dequant(cfg, dcfg, qspec)
     if qspec is not None:  # the quantized base is not in the checkpoint, but the adapters were trained over it
         meta["qlora"] = qspec.describe()
         ep = cfg.parallel.ep_size

@@ -46,7 +46,7 @@ def test_validation_datasets_turn_the_split_off():
     ({"unroll_layers": "some"}, "unroll_layers='some': use true, false or auto"),
     ({"cpu_training": True}, "cpu_training: not supported yet"),
     ({"qlora_fp8": True, "qlora_fp4": True}, "qlora_fp8 and qlora_fp4: pick one QLoRA base format"),
-    ({"qlora_selective_expert_dequant": True}, "qlora_selective_expert_dequant: not supported yet"),
+    ({"use_fused_rope": True}, "use_fused_rope: not supported yet"),
     ({"recipe": "fp4"}, "recipe='fp4': use bf16, fp8-hybrid (alias fp8_hybrid) or nvfp4"),
     ({"optimizer": "sgd"}, "use one of adamw, adamw_8bit, normuon"),
     ({"adamw_beta2": 1.0}, "adamw_beta2=1.0: must be in [0, 1)"),

@@ -153,6 +153,14 @@ def resolve_impl(impl: str | None, op: str | None = None) -> str:
     return "ref"
 
 
+def traced_impl(impl: str | None, op: str, phase: str = "fwd") -> str:
+    """What `pick` will trace for one pass of `op`: resolve_impl's answer, or "ref" where
+    SUROGATE_JAX_OPS=ref:<op>.<phase> swaps in the reference for that pass (for callers whose
+    choice depends on another op's: "auto" is the kernel on CUDA, the reference elsewhere)."""
+    impl = resolve_impl(impl, op)
+    return "ref" if forced_ref(op, phase) else impl
+
+
 def pick(impl: str, ffi, ref, op: str | None = None, phase: str | None = None):
     """The function to trace for one pass ("fwd"/"bwd") of `op`, given resolve_impl's answer:
     `ref`, `ffi`, or both behind `jax.lax.platform_dependent` (kernel on CUDA, reference elsewhere).

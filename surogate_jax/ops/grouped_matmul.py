@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from surogate_jax.ops import fp8_formats
-from surogate_jax.ops._loader import pick, resolve_impl
+from surogate_jax.ops._loader import pick, resolve_impl, traced_impl
 
 OP = "grouped_matmul"
 FWD_TARGET = "surogate_grouped_matmul"
@@ -113,6 +113,14 @@ _grouped_matmul.defvjp(_vjp_fwd, _vjp_bwd)
 def kernel_applies(x_shape, w_shape, dtype) -> bool:
     """Whether the CUDA kernel takes these operands (bf16; K and M multiples of 8; w [E, K, M] or [E, M, K])."""
     return jnp.dtype(dtype) == jnp.bfloat16 and all(d % 8 == 0 for d in (x_shape[1], w_shape[1], w_shape[2]))
+
+
+def forward_impl(x_shape, w_shape, dtype) -> str:
+    """What `grouped_matmul(impl=None)` traces for these operands' forward: "ref" (ragged_dot, which XLA may lower to a
+    dense dot reading every group's weights), or "auto" / "ffi" (the kernel on CUDA: it reads only the weights of
+    groups that have rows)."""
+    impl = traced_impl(None, OP, "fwd")
+    return impl if impl != "ref" and kernel_applies(x_shape, w_shape, dtype) else "ref"
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transpose_w: bool = False,

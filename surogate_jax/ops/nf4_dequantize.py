@@ -18,6 +18,12 @@ Math (fp32, each step one correctly rounded operation, in this order):
 Under double quantization the caller dequantizes absmax first (surogate_jax.qlora.nf4) and passes it in fp32.
 The CUDA kernel (kernels/nf4_dequantize.cu via ffi/nf4_dequantize.cc) and `nf4_dequantize_ref` agree bit for bit.
 
+Selective MoE dequantization: group_sizes int32 [E] (on the device; E divides rows) says the weight is E stacked
+experts of rows / E rows each, and how many token rows each expert received. Expert e's rows come out as above when
+group_sizes[e] > 0. Otherwise the reference gives zeros there, and the kernel leaves them UNSPECIFIED (never written,
+nor are their codes read: the saving): only a consumer that never reads an expert without rows may take the kernel's
+output, as our grouped GEMM (ops/grouped_matmul.py) is; jax.lax.ragged_dot may read every expert.
+
 No backward: the inputs are a frozen quantized weight. Every operand goes through `lax.stop_gradient`, so a
 function that calls this can be differentiated with respect to its other inputs (its output has a zero tangent).
 
@@ -48,8 +54,10 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 VIA = {None: 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}  # the kernel's `via` attribute
 
 
-def nf4_dequantize_ref(codes, absmax, code_table, scale=None, *, shape, block_size: int, out_dtype, via_dtype=None):
-    """Reference: the module docstring's math in jnp (no argument checks; `nf4_dequantize` does them)."""
+def nf4_dequantize_ref(codes, absmax, code_table, scale=None, *, shape, block_size: int, out_dtype, via_dtype=None,
+                       group_sizes=None):
+    """Reference: the module docstring's math in jnp, experts without rows as zeros (no argument checks;
+    `nf4_dequantize` does them)."""
     n = math.prod(shape)
     nblocks = -(-n // block_size)
     codes = jnp.asarray(codes)
@@ -66,24 +74,33 @@ def nf4_dequantize_ref(codes, absmax, code_table, scale=None, *, shape, block_si
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype == jnp.float8_e4m3fn:
         v = jnp.clip(v, -FP8_MAX, FP8_MAX)
-    return v.reshape(shape).astype(out_dtype)
+    out = v.reshape(shape).astype(out_dtype)
+    if group_sizes is None:
+        return out
+    experts = jnp.asarray(group_sizes).shape[0]
+    active = (jnp.asarray(group_sizes) > 0)[:, None, None]
+    per_expert = (experts, shape[0] // experts, shape[1])
+    return jnp.where(active, out.reshape(per_expert), jnp.zeros((), out_dtype)).reshape(shape)
 
 
-def _ffi(codes, absmax, code_table, scale, *, shape, block_size, out_dtype, has_scale, via_dtype):
-    # "sequential": a vmapped call is one weight per call, each with its own absmax and scale.
+def _ffi(codes, absmax, code_table, scale, group_sizes=None, *, shape, block_size, out_dtype, has_scale, via_dtype):
+    # "sequential": a vmapped call is one weight per call, each with its own absmax, scale and group sizes.
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(shape, out_dtype), vmap_method="sequential")
+    has_groups = group_sizes is not None
     return call(
         codes,
         absmax,
         code_table,
         scale,
+        group_sizes if has_groups else jnp.zeros((1,), jnp.int32),  # ignored by the handler
         block_size=np.int64(block_size),
         has_scale=np.int32(has_scale),
+        has_groups=np.int32(has_groups),
         via=np.int32(VIA[via_dtype]),
     )
 
 
-def _ref(codes, absmax, code_table, scale, *, shape, block_size, out_dtype, has_scale, via_dtype):
+def _ref(codes, absmax, code_table, scale, group_sizes=None, *, shape, block_size, out_dtype, has_scale, via_dtype):
     return nf4_dequantize_ref(
         codes,
         absmax,
@@ -93,6 +110,7 @@ def _ref(codes, absmax, code_table, scale, *, shape, block_size, out_dtype, has_
         block_size=block_size,
         out_dtype=out_dtype,
         via_dtype=via_dtype,
+        group_sizes=group_sizes,
     )
 
 
@@ -115,6 +133,19 @@ def _check_operand(name: str, x, dtype, size: int, why: str):
         raise TypeError(f"nf4_dequantize: {name} must be {jnp.dtype(dtype).name}, got {jnp.dtype(x.dtype).name}")
     if tuple(x.shape) != (size,):
         raise ValueError(f"nf4_dequantize: {name} must have shape ({size},) ({why}), got {tuple(x.shape)}")
+
+
+def _check_groups(group_sizes, rows: int):
+    """group_sizes as int32 [E] with E dividing rows (None stays None)."""
+    if group_sizes is None:
+        return None
+    if not hasattr(group_sizes, "dtype") or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"nf4_dequantize: group_sizes must be an integer array, got "
+                        f"{getattr(group_sizes, 'dtype', type(group_sizes).__name__)}")
+    if group_sizes.ndim != 1 or group_sizes.shape[0] < 1 or rows % group_sizes.shape[0]:
+        raise ValueError(f"nf4_dequantize: group_sizes must have shape (E,) with E dividing the {rows} rows, got "
+                         f"{tuple(group_sizes.shape)}")
+    return jnp.asarray(group_sizes).astype(jnp.int32)
 
 
 def _check_scale(scale):
@@ -142,6 +173,7 @@ def nf4_dequantize(
     block_size: int,
     out_dtype=jnp.bfloat16,
     via_dtype=None,
+    group_sizes: jax.Array | None = None,
     impl: str | None = None,
     mesh: Mesh | AbstractMesh | None = None,
 ) -> jax.Array:
@@ -150,10 +182,12 @@ def nf4_dequantize(
     codes uint8 [ceil(n/2)], absmax float32 [ceil(n/block_size)], code_table float32 [16] (NF4_CODE), scale a
     float32 scalar (or a Python number) or None; block_size 64, 128, 256 or 512; out_dtype float32, bfloat16,
     float16 or float8_e4m3fn (saturated to +-448); via_dtype None, float32 (the same), bfloat16 or float16: round
-    each product to it before the scale. impl: None/"auto" (CUDA kernel on GPU, reference elsewhere),
-    "ffi" or "ref"; SUROGATE_JAX_OPS=ref forces the reference. mesh: with data axes, every device dequantizes the
-    whole weight from replicated operands (ops/_sharding.py; None: one call). No gradient flows to the operands.
-    Tagged `checkpoint_name(out, "nf4_dequantize")`.
+    each product to it before the scale. group_sizes: None, or int [E] on the device (E divides rows) for selective
+    MoE dequantization: the rows of an expert whose size is 0 are zeros from the reference and left unspecified by
+    the kernel (never read by our grouped GEMM; see the module docstring). impl: None/"auto" (CUDA kernel on GPU,
+    reference elsewhere), "ffi" or "ref"; SUROGATE_JAX_OPS=ref forces the reference. mesh: with data axes, every
+    device dequantizes the whole weight from replicated operands (ops/_sharding.py; None: one call). No gradient
+    flows to the operands. Tagged `checkpoint_name(out, "nf4_dequantize")`.
     """
     shape = _check_shape(shape)
     if isinstance(block_size, bool) or block_size not in NF4_BLOCK_SIZES:
@@ -172,6 +206,7 @@ def nf4_dequantize(
     _check_operand("absmax", absmax, jnp.float32, -(-n // block_size), f"ceil(n / {block_size}) for shape {shape}")
     _check_operand("code_table", code_table, jnp.float32, 16, "one value per 4-bit code")
     scale = _check_scale(scale)
+    group_sizes = _check_groups(group_sizes, shape[0])
     via_dtype = None if via_dtype is None or jnp.dtype(via_dtype) == jnp.float32 else jnp.dtype(via_dtype)
     if via_dtype not in VIA:
         raise TypeError(f"nf4_dequantize: via_dtype must be None, float32, bfloat16 or float16, got {via_dtype.name}")
@@ -180,11 +215,14 @@ def nf4_dequantize(
     has_scale = scale is not None
     args = [jax.lax.stop_gradient(a) for a in (codes, absmax, code_table)]
     args.append(jax.lax.stop_gradient(scale) if has_scale else jnp.zeros((), jnp.float32))
+    if group_sizes is not None:
+        args.append(group_sizes)
     static = dict(shape=shape, block_size=block_size, out_dtype=out_dtype, has_scale=has_scale, via_dtype=via_dtype)
     ref = functools.partial(_ref, **static)
     if n == 0:
         out = ref(*args)
     else:
         fn = pick(impl, functools.partial(_ffi, **static), ref, OP, "fwd")
-        (out,) = on_shards(lambda *a: (fn(*a),), *args, mesh=mesh, batched=(False,) * 4, out_batched=(False,))
+        (out,) = on_shards(lambda *a: (fn(*a),), *args, mesh=mesh, batched=(False,) * len(args),
+                           out_batched=(False,))
     return checkpoint_name(out, "nf4_dequantize")

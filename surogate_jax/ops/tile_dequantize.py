@@ -18,6 +18,12 @@ Then, each step one correctly rounded fp32 operation, in this order:
 Without via_dtype and scale this is bit for bit `qlora.fp8_block.dequantize` and `nvfp4_quantize.dequantize`.
 The CUDA kernel (kernels/tile_dequantize.cu via ffi/tile_dequantize.cc) and `tile_dequantize_ref` agree bit for bit.
 
+Selective MoE dequantization: group_sizes int32 [E] (on the device; E divides rows) says the weight is E stacked
+experts of rows / E rows each, and how many token rows each expert received. Expert e's rows come out as above when
+group_sizes[e] > 0. Otherwise the reference gives zeros there, and the kernel leaves them UNSPECIFIED (never written,
+nor are their codes read: the saving): only a consumer that never reads an expert without rows may take the kernel's
+output, as our grouped GEMM (ops/grouped_matmul.py) is; jax.lax.ragged_dot may read every expert.
+
 `tile_amax` gives max|W| as via_dtype holds it without dequantizing: each tile's largest code magnitude times its
 scale (rounding is monotonic, so this is exactly the max of the dequantized weight), reading only the codes.
 
@@ -81,15 +87,23 @@ def _round_via(v, via_dtype):
 
 
 def tile_dequantize_ref(codes, tile_scales, global_scale=None, scale=None, *, fmt: str, shape, tile: int, out_dtype,
-                        via_dtype=None):
-    """Reference: the module docstring's math in jnp (no argument checks; `tile_dequantize` does them)."""
-    v = _round_via(_values(codes, tile_scales, global_scale, fmt=fmt, shape=tuple(shape), tile=tile), via_dtype)
+                        via_dtype=None, group_sizes=None):
+    """Reference: the module docstring's math in jnp, experts without rows as zeros (no argument checks;
+    `tile_dequantize` does them)."""
+    shape = tuple(shape)
+    v = _round_via(_values(codes, tile_scales, global_scale, fmt=fmt, shape=shape, tile=tile), via_dtype)
     if scale is not None:
         v = v * jnp.asarray(scale, jnp.float32)
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype == jnp.float8_e4m3fn:
         v = jnp.clip(v, -FP8_MAX, FP8_MAX)
-    return v.astype(out_dtype)
+    out = v.astype(out_dtype)
+    if group_sizes is None:
+        return out
+    experts = jnp.asarray(group_sizes).shape[0]
+    active = (jnp.asarray(group_sizes) > 0)[:, None, None]
+    per_expert = (experts, shape[0] // experts, shape[1])
+    return jnp.where(active, out.reshape(per_expert), jnp.zeros((), out_dtype)).reshape(shape)
 
 
 def _tile_max_code(codes, *, fmt, shape, tile):
@@ -125,16 +139,20 @@ def tile_amax(codes, tile_scales, global_scale=None, *, fmt: str, shape, tile: i
     return jnp.max(_round_via(top, _check_via(via_dtype)))
 
 
-def _ffi(codes, tile_scales, global_scale, scale, *, fmt, shape, tile, out_dtype, has_scale, via_dtype):
-    # "sequential": a vmapped call is one weight per call, each with its own scales.
+def _ffi(codes, tile_scales, global_scale, scale, group_sizes=None, *, fmt, shape, tile, out_dtype, has_scale,
+         via_dtype):
+    # "sequential": a vmapped call is one weight per call, each with its own scales and group sizes.
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(shape, out_dtype), vmap_method="sequential")
-    return call(codes, tile_scales, global_scale, scale, format=np.int32(FORMATS[fmt]), tile=np.int64(tile),
-                has_scale=np.int32(has_scale), via=np.int32(VIA[via_dtype]))
+    has_groups = group_sizes is not None
+    groups = group_sizes if has_groups else jnp.zeros((1,), jnp.int32)  # ignored by the handler
+    return call(codes, tile_scales, global_scale, scale, groups, format=np.int32(FORMATS[fmt]), tile=np.int64(tile),
+                has_scale=np.int32(has_scale), has_groups=np.int32(has_groups), via=np.int32(VIA[via_dtype]))
 
 
-def _ref(codes, tile_scales, global_scale, scale, *, fmt, shape, tile, out_dtype, has_scale, via_dtype):
+def _ref(codes, tile_scales, global_scale, scale, group_sizes=None, *, fmt, shape, tile, out_dtype, has_scale,
+         via_dtype):
     return tile_dequantize_ref(codes, tile_scales, global_scale, scale if has_scale else None, fmt=fmt, shape=shape,
-                               tile=tile, out_dtype=out_dtype, via_dtype=via_dtype)
+                               tile=tile, out_dtype=out_dtype, via_dtype=via_dtype, group_sizes=group_sizes)
 
 
 def _check_shape(shape) -> tuple[int, int]:
@@ -178,6 +196,19 @@ def _check_operand(name: str, x, dtype, shape: tuple[int, ...], why: str):
         raise ValueError(f"tile_dequantize: {name} must have shape {shape} ({why}), got {tuple(x.shape)}")
 
 
+def _check_groups(group_sizes, rows: int):
+    """group_sizes as int32 [E] with E dividing rows (None stays None)."""
+    if group_sizes is None:
+        return None
+    if not hasattr(group_sizes, "dtype") or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"tile_dequantize: group_sizes must be an integer array, got "
+                        f"{getattr(group_sizes, 'dtype', type(group_sizes).__name__)}")
+    if group_sizes.ndim != 1 or group_sizes.shape[0] < 1 or rows % group_sizes.shape[0]:
+        raise ValueError(f"tile_dequantize: group_sizes must have shape (E,) with E dividing the {rows} rows, got "
+                         f"{tuple(group_sizes.shape)}")
+    return jnp.asarray(group_sizes).astype(jnp.int32)
+
+
 def _check_scalar(name: str, x):
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return jnp.float32(x)
@@ -196,6 +227,7 @@ def tile_dequantize(
     tile: int | None = None,
     out_dtype=jnp.bfloat16,
     via_dtype=None,
+    group_sizes: jax.Array | None = None,
     impl: str | None = None,
     mesh: Mesh | AbstractMesh | None = None,
 ) -> jax.Array:
@@ -205,10 +237,13 @@ def tile_dequantize(
     power of two in [16, 512], no global_scale. fmt "nvfp4": codes uint8 [rows, cols/2], tile_scales float8_e4m3fn
     [ceil(rows/16), cols/16], global_scale a float32 scalar, tile 16 (or None). scale: a float32 scalar (or a
     Python number) or None. out_dtype float32, bfloat16, float16 or float8_e4m3fn (saturated to +-448); via_dtype
-    None, float32 (the same), bfloat16 or float16: round each value to it before the scale. impl: None/"auto"
-    (CUDA kernel on GPU, reference elsewhere), "ffi" or "ref"; SUROGATE_JAX_OPS=ref forces the reference. mesh:
-    with data axes, every device dequantizes the whole weight from replicated operands (ops/_sharding.py; None:
-    one call). No gradient flows to the operands. Tagged `checkpoint_name(out, "tile_dequantize")`.
+    None, float32 (the same), bfloat16 or float16: round each value to it before the scale. group_sizes: None, or
+    int [E] on the device (E divides rows) for selective MoE dequantization: the rows of an expert whose size is 0
+    are zeros from the reference and left unspecified by the kernel (never read by our grouped GEMM; see the module
+    docstring). impl: None/"auto" (CUDA kernel on GPU, reference elsewhere), "ffi" or "ref"; SUROGATE_JAX_OPS=ref
+    forces the reference. mesh: with data axes, every device dequantizes the whole weight from replicated operands
+    (ops/_sharding.py; None: one call). No gradient flows to the operands. Tagged
+    `checkpoint_name(out, "tile_dequantize")`.
     """
     shape = _check_shape(shape)
     tile = _check_tile(fmt, tile)
@@ -238,14 +273,18 @@ def tile_dequantize(
     has_scale = scale is not None
     scale = _check_scalar("scale", scale) if has_scale else jnp.zeros((), jnp.float32)
     via_dtype = _check_via(via_dtype)
+    group_sizes = _check_groups(group_sizes, rows)
     impl = resolve_impl(impl, OP)
 
     args = [jax.lax.stop_gradient(a) for a in (codes, tile_scales, global_scale, scale)]
+    if group_sizes is not None:
+        args.append(group_sizes)
     static = dict(fmt=fmt, shape=shape, tile=tile, out_dtype=out_dtype, has_scale=has_scale, via_dtype=via_dtype)
     ref = functools.partial(_ref, **static)
     if rows * cols == 0:
         out = ref(*args)
     else:
         fn = pick(impl, functools.partial(_ffi, **static), ref, OP, "fwd")
-        (out,) = on_shards(lambda *a: (fn(*a),), *args, mesh=mesh, batched=(False,) * 4, out_batched=(False,))
+        (out,) = on_shards(lambda *a: (fn(*a),), *args, mesh=mesh, batched=(False,) * len(args),
+                           out_batched=(False,))
     return checkpoint_name(out, "tile_dequantize")

@@ -13,7 +13,8 @@ ops/tile_dequantize.py) and multiplies; its backward gives dX only (the
 base is frozen) and dequantizes again instead of saving W, so no layer's dequantized copy outlives its GEMM: the
 activations saved for the backward are those of a plain LoRA step, the base costs its quantized bytes. Under
 fp8-hybrid, `frozen_fp8_weight` turns the base straight into the E4M3 weight [out, in] of the frozen FP8 GEMM in
-one kernel pass from its codes.
+one kernel pass from its codes. The MoE experts' grouped GEMM (`frozen_grouped`) may dequantize selectively
+(qlora_selective_expert_dequant): only the experts that received tokens, forward and backward.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ import numpy as np
 
 from surogate_jax.names import FP8_BLOCK_SIZES, NF4_BLOCK_SIZES
 from surogate_jax.ops import grouped_matmul as gm
-from surogate_jax.ops.grouped_matmul import grouped_matmul
+from surogate_jax.ops._loader import traced_impl
+from surogate_jax.ops.grouped_matmul import forward_impl, grouped_matmul
+from surogate_jax.ops.nf4_dequantize import OP as NF4_DEQUANTIZE_OP
+from surogate_jax.ops.tile_dequantize import OP as TILE_DEQUANTIZE_OP
 
 FORMATS = ("nf4", "fp8", "fp4")
 FP4_BLOCK = 16
@@ -96,6 +100,7 @@ class QloraSpec:
 
 
 _MODULES = {"nf4": "nf4", "fp8": "fp8_block", "fp4": "fp4"}
+_DEQUANTIZE_OPS = {"nf4": NF4_DEQUANTIZE_OP, "fp8": TILE_DEQUANTIZE_OP, "fp4": TILE_DEQUANTIZE_OP}  # each format's op
 
 
 def format_module(fmt: str):
@@ -129,9 +134,12 @@ def quantize(spec: QloraSpec, w: jax.Array) -> dict[str, jax.Array]:
 
 
 def dequantize(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int], dtype: Any, *,
-               mesh=None) -> jax.Array:
-    """The weight [out, in] in `dtype` (fp32 math, one rounding). mesh: the devices NF4's kernel runs on."""
-    return format_module(spec.format).dequantize(params, tuple(shape), dtype=dtype, mesh=mesh, **_kw(spec))
+               mesh=None, group_sizes=None) -> jax.Array:
+    """The weight [out, in] in `dtype` (fp32 math, one rounding). mesh: the devices NF4's kernel runs on.
+    group_sizes int32 [E]: the weight is E stacked experts and those without rows may be left unspecified (see
+    `expert_weights`)."""
+    return format_module(spec.format).dequantize(params, tuple(shape), dtype=dtype, mesh=mesh,
+                                                 group_sizes=group_sizes, **_kw(spec))
 
 
 def _zero_cotangent(a: jax.Array):
@@ -177,11 +185,23 @@ def frozen_matmul(spec: QloraSpec, x: jax.Array, params: Mapping[str, jax.Array]
 
 
 def expert_weights(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int, int], dtype: Any, *,
-                   mesh=None) -> jax.Array:
+                   mesh=None, group_sizes=None) -> jax.Array:
     """A stacked MoE projection [E, out, in] (HF layout per expert) in `dtype`: the experts are quantized as one
-    [E * out, in] weight (blocks and tiles never straddle two experts: `in` and `out` are multiples of them)."""
+    [E * out, in] weight (blocks and tiles never straddle two experts: `in` and `out` are multiples of them).
+    group_sizes int32 [E] (the experts' token rows, on the device): a selective dequantization, experts without rows
+    zeros from the reference ops and left UNSPECIFIED by the kernels (only for a consumer that never reads them:
+    `selective_applies`)."""
     E, out, inp = shape
-    return dequantize(spec, params, (E * out, inp), dtype, mesh=mesh).reshape(E, out, inp)
+    return dequantize(spec, params, (E * out, inp), dtype, mesh=mesh, group_sizes=group_sizes).reshape(E, out, inp)
+
+
+def selective_applies(spec: QloraSpec, x_shape: tuple[int, int], shape: tuple[int, int, int], dtype: Any) -> bool:
+    """Whether the grouped GEMM of rows x [N, K] with the experts [E, out, in] may take a selective dequantization:
+    our GEMM kernel never reads an expert without rows and the reference dequantization zeroes them; only the
+    reference GEMM (ragged_dot, which may read every expert) after the dequantization kernel may not."""
+    if forward_impl(x_shape, shape, dtype) != "ref":
+        return True
+    return traced_impl(None, _DEQUANTIZE_OPS[spec.format]) == "ref"
 
 
 def splits_by_expert(spec: QloraSpec, shape: tuple[int, int, int]) -> bool:
@@ -194,18 +214,28 @@ def splits_by_expert(spec: QloraSpec, shape: tuple[int, int, int]) -> bool:
                for k, w in whole.items())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _frozen_grouped(x, params, sizes, spec, shape, dtype):
-    return grouped_matmul(x, expert_weights(spec, params, shape, dtype), sizes, transpose_w=True)
+def _grouped_weights(x_shape, params, sizes, spec, shape, dtype, selective):
+    """The experts [E, out, in] a grouped GEMM over rows x_shape reads: when selective (and `selective_applies`)
+    only those with rows, else all."""
+    use = selective and selective_applies(spec, x_shape, shape, dtype)
+    return expert_weights(spec, params, shape, dtype, group_sizes=sizes.astype(jnp.int32) if use else None)
 
 
-def _frozen_grouped_fwd(x, params, sizes, spec, shape, dtype):
-    return _frozen_grouped(x, params, sizes, spec, shape, dtype), (params, sizes)  # the experts are not saved
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _frozen_grouped(x, params, sizes, spec, shape, dtype, selective):
+    w = _grouped_weights(x.shape, params, sizes, spec, shape, dtype, selective)
+    return grouped_matmul(x, w, sizes, transpose_w=True)
 
 
-def _frozen_grouped_bwd(spec, shape, dtype, res, dy):
+def _frozen_grouped_fwd(x, params, sizes, spec, shape, dtype, selective):
+    y = _frozen_grouped(x, params, sizes, spec, shape, dtype, selective)
+    return y, (params, sizes)  # the experts are not saved
+
+
+def _frozen_grouped_bwd(spec, shape, dtype, selective, res, dy):
     params, sizes = res
-    dx = grouped_matmul(dy.astype(dtype), expert_weights(spec, params, shape, dtype), sizes)
+    dy = dy.astype(dtype)
+    dx = grouped_matmul(dy, _grouped_weights(dy.shape, params, sizes, spec, shape, dtype, selective), sizes)
     return dx, jax.tree.map(_zero_cotangent, params), _zero_cotangent(sizes)
 
 
@@ -213,36 +243,46 @@ _frozen_grouped.defvjp(_frozen_grouped_fwd, _frozen_grouped_bwd)
 
 
 def frozen_grouped_matmul(spec: QloraSpec, x: jax.Array, params: Mapping[str, jax.Array], group_sizes: jax.Array, *,
-                          shape: tuple[int, int, int], dtype: Any) -> jax.Array:
+                          shape: tuple[int, int, int], dtype: Any, selective: bool = False) -> jax.Array:
     """The MoE experts' frozen projection through a quantized base: rows of x [N, in] sorted by expert (group_sizes
     [E]) times their expert's dequantized W_e^T, W [E, out, in] = `expert_weights`; y [N, out] in `dtype`. As
     `frozen_matmul`, the backward dequantizes again (a layer's bf16 experts never outlive their GEMM) and gives dX
-    only."""
-    return _frozen_grouped(x.astype(dtype), dict(params), group_sizes, spec, tuple(shape), jnp.dtype(dtype))
+    only. selective (qlora_selective_expert_dequant): forward and backward dequantize only the experts with rows
+    (group_sizes > 0) where `selective_applies`, else every expert; the result is the same."""
+    return _frozen_grouped(x.astype(dtype), dict(params), group_sizes, spec, tuple(shape), jnp.dtype(dtype),
+                           bool(selective))
 
 
 def expert_fp8_weights(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int, int],
-                       dtype: Any) -> tuple[jax.Array, jax.Array]:
+                       dtype: Any, group_sizes=None) -> tuple[jax.Array, jax.Array]:
     """(E4M3 [E, out, in], scales [E]) of a stacked MoE projection under fp8-hybrid: `frozen_fp8_weight` of the
-    [E * out, in] weight (one scale for the layer's experts, repeated per expert)."""
+    [E * out, in] weight (one scale for the layer's experts, repeated per expert); group_sizes: a selective
+    dequantization, as `expert_weights`."""
     E, out, inp = shape
-    wq, scale = frozen_fp8_weight(spec, params, (E * out, inp), dtype)
+    wq, scale = frozen_fp8_weight(spec, params, (E * out, inp), dtype, group_sizes=group_sizes)
     return wq.reshape(E, out, inp), jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (E,))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _frozen_grouped_fp8(x, params, sizes, spec, shape, dtype, impl):
-    wq, scale = expert_fp8_weights(spec, params, shape, dtype)
+def _fp8_grouped_weights(params, sizes, spec, shape, dtype, impl, selective):
+    """`expert_fp8_weights` for the FP8 grouped GEMM of impl: selective where that GEMM is our kernel (it never
+    reads an expert without rows) or the dequantization is the reference (zeros there)."""
+    use = selective and (impl != "ref" or traced_impl(None, _DEQUANTIZE_OPS[spec.format]) == "ref")
+    return expert_fp8_weights(spec, params, shape, dtype, group_sizes=sizes.astype(jnp.int32) if use else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _frozen_grouped_fp8(x, params, sizes, spec, shape, dtype, impl, selective):
+    wq, scale = _fp8_grouped_weights(params, sizes, spec, shape, dtype, impl, selective)
     return gm.fp8_forward(x, wq, scale, sizes, impl)
 
 
-def _frozen_grouped_fp8_fwd(x, params, sizes, spec, shape, dtype, impl):
-    return _frozen_grouped_fp8(x, params, sizes, spec, shape, dtype, impl), (params, sizes)
+def _frozen_grouped_fp8_fwd(x, params, sizes, spec, shape, dtype, impl, selective):
+    return _frozen_grouped_fp8(x, params, sizes, spec, shape, dtype, impl, selective), (params, sizes)
 
 
-def _frozen_grouped_fp8_bwd(spec, shape, dtype, impl, res, dy):
+def _frozen_grouped_fp8_bwd(spec, shape, dtype, impl, selective, res, dy):
     params, sizes = res
-    wq, scale = expert_fp8_weights(spec, params, shape, dtype)  # again, not saved
+    wq, scale = _fp8_grouped_weights(params, sizes, spec, shape, dtype, impl, selective)  # again, not saved
     dx = gm.fp8_input_grad(dy, wq, scale, sizes, impl, dtype)
     return dx, jax.tree.map(_zero_cotangent, params), _zero_cotangent(sizes)
 
@@ -251,7 +291,8 @@ _frozen_grouped_fp8.defvjp(_frozen_grouped_fp8_fwd, _frozen_grouped_fp8_bwd)
 
 
 def frozen_grouped(spec: QloraSpec, params: Mapping[str, jax.Array], *, shape: tuple[int, int, int],
-                   dtype: Any, fp8_impl: str | None = None, fp8: bool = False) -> jax.tree_util.Partial:
+                   dtype: Any, selective: bool = False, fp8: bool = False,
+                   fp8_impl: str | None = None) -> jax.tree_util.Partial:
     """`frozen_grouped_matmul` bound to one projection's quantized parts: (x, group_sizes) -> y, a pytree whose leaves
     are the parts (it passes through `jax.lax.cond` and `jax.custom_vjp` as operands, not as captured constants).
     fp8 (the fp8-hybrid recipe): the experts go from their codes to E4M3 (`expert_fp8_weights`) and the GEMMs run in
@@ -259,28 +300,29 @@ def frozen_grouped(spec: QloraSpec, params: Mapping[str, jax.Array], *, shape: t
     impl."""
     if fp8:
         return jax.tree_util.Partial(functools.partial(_apply_frozen_grouped_fp8, spec, tuple(shape),
-                                                       jnp.dtype(dtype), fp8_impl), dict(params))
-    return jax.tree_util.Partial(functools.partial(_apply_frozen_grouped, spec, tuple(shape), jnp.dtype(dtype)),
-                                 dict(params))
+                                                       jnp.dtype(dtype), fp8_impl, bool(selective)), dict(params))
+    fn = functools.partial(_apply_frozen_grouped, spec, tuple(shape), jnp.dtype(dtype), bool(selective))
+    return jax.tree_util.Partial(fn, dict(params))
 
 
-def _apply_frozen_grouped_fp8(spec, shape, dtype, impl, params, x, group_sizes):
+def _apply_frozen_grouped_fp8(spec, shape, dtype, impl, selective, params, x, group_sizes):
     impl = gm.resolve_fp8_impl(impl, x.shape, shape[1])
-    return _frozen_grouped_fp8(x.astype(dtype), dict(params), group_sizes, spec, shape, dtype, impl)
+    return _frozen_grouped_fp8(x.astype(dtype), dict(params), group_sizes, spec, shape, dtype, impl, selective)
 
 
-def _apply_frozen_grouped(spec, shape, dtype, params, x, group_sizes):
-    return frozen_grouped_matmul(spec, x, params, group_sizes, shape=shape, dtype=dtype)
+def _apply_frozen_grouped(spec, shape, dtype, selective, params, x, group_sizes):
+    return frozen_grouped_matmul(spec, x, params, group_sizes, shape=shape, dtype=dtype, selective=selective)
 
 
 def frozen_fp8_weight(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tuple[int, int], dtype: Any, *,
-                      mesh=None) -> tuple[jax.Array, jax.Array]:
+                      mesh=None, group_sizes=None) -> tuple[jax.Array, jax.Array]:
     """(wq float8_e4m3fn [out, in], scale f32 []): what fp8-hybrid's frozen cache makes of the weight dequantized in
     `dtype` (precision.recipe.cache_kernel: current scaling, scale = 448 / max|W|), in the HF layout its forward GEMM
     reads. Every format goes from its codes to E4M3 in one kernel pass (ops.nf4_dequantize, ops.tile_dequantize)
     and takes max|W| from its block absmaxes (NF4) or each tile's largest code (FP8, NVFP4), bit for bit the
-    quantization of the dequantized weight."""
-    return format_module(spec.format).fp8_weight(params, tuple(shape), dtype=dtype, mesh=mesh, **_kw(spec))
+    quantization of the dequantized weight. group_sizes: stacked experts' rows, as `expert_weights`."""
+    return format_module(spec.format).fp8_weight(params, tuple(shape), dtype=dtype, mesh=mesh,
+                                                 group_sizes=group_sizes, **_kw(spec))
 
 
 def base_kernel(spec: QloraSpec, params: Mapping[str, jax.Array], in_shape: tuple[int, ...],

@@ -79,19 +79,23 @@ def to_tensor(params: Mapping, shape) -> nvfp4.NVFP4Tensor:
     return nvfp4.NVFP4Tensor(params[CODES], params[SCALES], params[GLOBAL_SCALE], shape, True)
 
 
-def dequantize(params: Mapping, shape, *, dtype=jnp.bfloat16, mesh=None) -> jax.Array:
+def dequantize(params: Mapping, shape, *, dtype=jnp.bfloat16, mesh=None, group_sizes=None) -> jax.Array:
     """[out, in] in `dtype`: the op's dequantize (float32 math, one cast at the end), through ops.tile_dequantize
-    (our CUDA kernel on a GPU). mesh: the devices it runs on (the op's `mesh`)."""
+    (our CUDA kernel on a GPU). mesh: the devices it runs on, group_sizes: stacked MoE experts' token counts for a
+    selective dequantization (the op's)."""
     t = to_tensor(params, shape)
-    return tile_dequantize(t.codes, t.scales, t.global_scale, fmt="nvfp4", shape=t.shape, out_dtype=dtype, mesh=mesh)
+    return tile_dequantize(t.codes, t.scales, t.global_scale, fmt="nvfp4", shape=t.shape, out_dtype=dtype,
+                           group_sizes=group_sizes, mesh=mesh)
 
 
-def fp8_weight(params: Mapping, shape, *, dtype=jnp.bfloat16, mesh=None) -> tuple[jax.Array, jax.Array]:
+def fp8_weight(params: Mapping, shape, *, dtype=jnp.bfloat16, mesh=None,
+               group_sizes=None) -> tuple[jax.Array, jax.Array]:
     """(wq float8_e4m3fn [out, in], scale f32 []) = fp8-hybrid's frozen cache of the weight dequantized in `dtype`:
     scale = 448 / max|W| (current scaling; max|W| from each tile's largest code, ops.tile_amax), wq =
     E4M3(clip(W * scale)), one kernel pass from the 4-bit codes (no `dtype` copy of the weight is written)."""
     t = to_tensor(params, shape)
     args = (t.codes, t.scales, t.global_scale)
     scale = current_scale(tile_amax(*args, fmt="nvfp4", shape=t.shape, via_dtype=dtype))
-    wq = tile_dequantize(*args, scale, fmt="nvfp4", shape=t.shape, out_dtype=E4M3, via_dtype=dtype, mesh=mesh)
+    wq = tile_dequantize(*args, scale, fmt="nvfp4", shape=t.shape, out_dtype=E4M3, via_dtype=dtype,
+                         group_sizes=group_sizes, mesh=mesh)
     return wq, scale

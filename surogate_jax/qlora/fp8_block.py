@@ -152,19 +152,20 @@ def _check_params(params: Mapping, shape, block_size: int, fn: str) -> None:
                              f"{tuple(a.shape)}")
 
 
-def dequantize(params: Mapping, shape, *, block_size: int = 128, dtype=jnp.bfloat16, mesh=None) -> jax.Array:
+def dequantize(params: Mapping, shape, *, block_size: int = 128, dtype=jnp.bfloat16, mesh=None,
+               group_sizes=None) -> jax.Array:
     """float(fp8_weight) * fp8_scale_inv broadcast over the b x b tiles: [out, in] in `dtype` (float32 math, one
     rounding to dtype at the end), through ops.tile_dequantize (our CUDA kernel on a GPU). mesh: the devices it
-    runs on (the op's `mesh`)."""
+    runs on, group_sizes: stacked MoE experts' token counts for a selective dequantization (the op's)."""
     b = _check_block(block_size)
     shape = _check_shape(shape)
     _check_params(params, shape, b, "dequantize")
     return tile_dequantize(params[WEIGHT], params[SCALE_INV], fmt="fp8", shape=shape, tile=b, out_dtype=dtype,
-                           mesh=mesh)
+                           group_sizes=group_sizes, mesh=mesh)
 
 
 def fp8_weight(params: Mapping, shape, *, block_size: int = 128, dtype=jnp.bfloat16,
-               mesh=None) -> tuple[jax.Array, jax.Array]:
+               mesh=None, group_sizes=None) -> tuple[jax.Array, jax.Array]:
     """(wq float8_e4m3fn [out, in], scale f32 []) = fp8-hybrid's frozen cache of the weight dequantized in `dtype`:
     scale = 448 / max|W| (current scaling; max|W| from each tile's largest code, ops.tile_amax), wq =
     E4M3(clip(W * scale)), one kernel pass from the block-scaled codes (no `dtype` copy of the weight is written)."""
@@ -174,7 +175,7 @@ def fp8_weight(params: Mapping, shape, *, block_size: int = 128, dtype=jnp.bfloa
     q, s = params[WEIGHT], params[SCALE_INV]
     scale = current_scale(tile_amax(q, s, fmt="fp8", shape=shape, tile=b, via_dtype=dtype))
     wq = tile_dequantize(q, s, None, scale, fmt="fp8", shape=shape, tile=b, out_dtype=E4M3, via_dtype=dtype,
-                         mesh=mesh)
+                         group_sizes=group_sizes, mesh=mesh)
     return wq, scale
 
 

@@ -483,21 +483,23 @@ def _absmax_f32(params, double_quant: bool):
 
 
 @partial(jax.jit, static_argnames=("shape", "block_size", "double_quant", "dtype", "mesh"))
-def _dequantize(params, *, shape, block_size: int, double_quant: bool, dtype, mesh):
+def _dequantize(params, group_sizes, *, shape, block_size: int, double_quant: bool, dtype, mesh):
     return nf4_dequantize(params["nf4_codes"], _absmax_f32(params, double_quant), NF4_CODE, shape=shape,
-                          block_size=block_size, out_dtype=dtype, mesh=mesh)
+                          block_size=block_size, out_dtype=dtype, group_sizes=group_sizes, mesh=mesh)
 
 
 def dequantize(params, shape, *, block_size: int = 64, double_quant: bool = True, dtype=jnp.bfloat16,
-               mesh=None) -> jax.Array:
+               mesh=None, group_sizes=None) -> jax.Array:
     """w [out, in] = NF4_CODE[q] * absmax (absmax = DYNAMIC_MAP[q2] * absmax2 + offset under double quantization),
     computed in fp32 and cast once to `dtype`; in fp32 it equals bitsandbytes' `dequantize_4bit` bit for bit.
-    The unpacking is ops.nf4_dequantize (our kernel on a GPU); mesh: the devices it runs on (see that op)."""
+    The unpacking is ops.nf4_dequantize (our kernel on a GPU); mesh: the devices it runs on, group_sizes: stacked
+    MoE experts' token counts for a selective dequantization (see that op)."""
     block_size = _check_block_size(block_size)
     shape = _check_shape(shape)
     _check_params(params, shape, block_size, bool(double_quant))
     return _dequantize(
         {k: params[k] for k in param_shapes(shape, block_size=block_size, double_quant=double_quant)},
+        group_sizes,
         shape=shape,
         block_size=block_size,
         double_quant=bool(double_quant),
@@ -507,7 +509,7 @@ def dequantize(params, shape, *, block_size: int = 64, double_quant: bool = True
 
 
 def fp8_weight(params, shape, *, block_size: int = 64, double_quant: bool = True, dtype=jnp.bfloat16,
-               mesh=None) -> tuple[jax.Array, jax.Array]:
+               mesh=None, group_sizes=None) -> tuple[jax.Array, jax.Array]:
     """(wq float8_e4m3fn [out, in], scale f32 []) = fp8-hybrid's frozen cache of the weight dequantized in `dtype`:
     W = dtype(NF4_CODE[q] * absmax), scale = 448 / max|W|, wq = E4M3(clip(W * scale)), in one kernel pass.
     max|W| comes from the absmaxes alone: each block's largest |value| is stored as code +-1, so it dequantizes to
@@ -521,7 +523,7 @@ def fp8_weight(params, shape, *, block_size: int = 64, double_quant: bool = True
     am = jnp.max(jnp.abs(absmax)).astype(dtype).astype(jnp.float32) if absmax.size else jnp.float32(0)
     scale = current_scale(am)
     wq = nf4_dequantize(params["nf4_codes"], absmax, NF4_CODE, scale, shape=shape, block_size=block_size,
-                        out_dtype=E4M3, via_dtype=dtype, mesh=mesh)
+                        out_dtype=E4M3, via_dtype=dtype, group_sizes=group_sizes, mesh=mesh)
     return wq, scale
 
 

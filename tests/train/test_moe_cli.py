@@ -44,6 +44,12 @@ def ep_dir(tmp_path_factory, env):
 
 
 @pytest.fixture(scope="module")
+def sparse_dir(tmp_path_factory, env):
+    """32 experts, top 2: a row of 8 tokens reaches at most 16 of them, so every MoE layer has experts without rows."""
+    return _tiny_moe(tmp_path_factory.mktemp("tiny_sparse"), env, num_hidden_layers=2, num_experts=32)
+
+
+@pytest.fixture(scope="module")
 def mixed_dir(tmp_path_factory, env):
     """Like moe_dir with dense layers among the sparse ones: layers 0 and 2 dense, 1 and 3 MoE."""
     return _tiny_moe(tmp_path_factory.mktemp("tiny_mixed"), env, num_hidden_layers=4, decoder_sparse_step=2)
@@ -201,6 +207,60 @@ def test_offloaded_experts_refused_where_they_cannot_stream(tmp_path, env, moe_d
     cfg = write_config(tmp_path, model=str(moe_dir), qlora_offload_experts=True, **over)
     r = sft(cfg, env, check=False)
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("error:") == 1, r.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def _short_rows(tmp_path, **over) -> dict:
+    """Rows of 8 text tokens, one a micro-batch: top-2 routing reaches at most 16 experts a layer."""
+    text = tmp_path / "words.txt"
+    words = np.random.default_rng(0).choice(["red", "green", "blue", "one", "two", "three", "cat", "dog"], (200, 12))
+    text.write_text("\n".join(" ".join(w) for w in words) + "\n")
+    return dict(datasets=[{"path": str(text), "type": "text"}], validation_split_ratio=0.0, sequence_len=8,
+                per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=3, save_steps=3,
+                eval_steps=0, learning_rate=3e-3, qlora_bnb=True, **over)
+
+
+def test_selective_expert_dequant_trains_the_same_losses(tmp_path, env, sparse_dir):
+    """qlora_selective_expert_dequant: each MoE layer dequantizes only the experts that got tokens (here at most 16
+    of 32), forward and backward: the same losses as dequantizing all of them."""
+    runs = {}
+    for on in (False, True):
+        d = tmp_path / str(on)
+        d.mkdir()
+        r = sft(write_config(d, model=str(sparse_dir), **_short_rows(d, qlora_selective_expert_dequant=on)), env)
+        assert ("dequantizes only the experts that got tokens" in r.stderr) == on, r.stderr[-2000:]
+        runs[on] = losses(d / "out")
+        assert sorted(runs[on]) == [1, 2, 3], r.stderr[-2000:]
+    np.testing.assert_allclose([runs[True][s] for s in (1, 2, 3)], [runs[False][s] for s in (1, 2, 3)], rtol=1e-6)
+
+
+def test_selective_expert_dequant_with_expert_parallelism_and_offloaded_experts(tmp_path, env, sparse_dir):
+    """4 CPU devices, ep_size 2 (each device its 16 experts and their token counts) with the experts in host memory:
+    the same losses as ep_size 1 dequantizing every expert."""
+    four = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    runs = {}
+    for ep, on in ((1, False), (2, True)):
+        d = tmp_path / f"ep{ep}"
+        d.mkdir()
+        over = _short_rows(d, qlora_bnb_double_quant=False, gpus=0, ep_size=ep, qlora_selective_expert_dequant=on,
+                           qlora_offload_experts=on)
+        r = sft(write_config(d, model=str(sparse_dir), **over), four)
+        assert ("expert parallel: 2 group(s) of 2" in r.stderr) == on, r.stderr[-2000:]
+        runs[ep] = losses(d / "out")
+        assert sorted(runs[ep]) == [1, 2, 3], r.stderr[-2000:]
+    np.testing.assert_allclose([runs[2][s] for s in (1, 2, 3)], [runs[1][s] for s in (1, 2, 3)], rtol=2e-5)
+
+
+@pytest.mark.parametrize(("dense", "over", "message"), [
+    (True, {"qlora_bnb": True}, "model=builtin:tiny-qwen3 is dense"),
+    (False, {}, "the base is not quantized"),
+])
+def test_selective_expert_dequant_refused_without_quantized_experts(tmp_path, env, moe_dir, dense, over, message):
+    cfg = write_config(tmp_path, **({} if dense else {"model": str(moe_dir)}), qlora_selective_expert_dequant=True,
+                       **over)
+    r = sft(cfg, env, check=False)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("error:") == 1, r.stderr[-2000:]
+    assert "qlora_selective_expert_dequant:" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
 
 
