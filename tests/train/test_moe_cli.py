@@ -220,14 +220,16 @@ def _short_rows(tmp_path, **over) -> dict:
                 eval_steps=0, learning_rate=3e-3, qlora_bnb=True, **over)
 
 
-def test_selective_expert_dequant_trains_the_same_losses(tmp_path, env, sparse_dir):
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-hybrid"])
+def test_selective_expert_dequant_trains_the_same_losses(tmp_path, env, sparse_dir, recipe):
     """qlora_selective_expert_dequant: each MoE layer dequantizes only the experts that got tokens (here at most 16
-    of 32), forward and backward: the same losses as dequantizing all of them."""
+    of 32), forward and backward (under fp8-hybrid straight to E4M3): the same losses as dequantizing all of them."""
     runs = {}
     for on in (False, True):
         d = tmp_path / str(on)
         d.mkdir()
-        r = sft(write_config(d, model=str(sparse_dir), **_short_rows(d, qlora_selective_expert_dequant=on)), env)
+        over = _short_rows(d, qlora_selective_expert_dequant=on, recipe=recipe)
+        r = sft(write_config(d, model=str(sparse_dir), **over), env)
         assert ("dequantizes only the experts that got tokens" in r.stderr) == on, r.stderr[-2000:]
         runs[on] = losses(d / "out")
         assert sorted(runs[on]) == [1, 2, 3], r.stderr[-2000:]
