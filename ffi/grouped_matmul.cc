@@ -6,8 +6,8 @@
 //   surogate_grouped_matmul_dw(x [rows, M], dy [rows, N], offsets [E + 1] int32) -> dw [E, M, N]
 //   surogate_grouped_matmul_fp8(xq [rows, K] f8e4m3fn | f8e5m2, wq f8e4m3fn [E, N, K] | [N, E, K]
 //       (w_nek), offsets [E + 1] int32, x_inv f32 [], w_inv f32 [E]) -> y [rows, N] bf16
-// bf16 operands; K, M, N multiples of 8 (the fp8 K of 16). Graph-safe: the launchers only enqueue kernels (the
-// dynamic shared-memory attribute is set once per process, outside any stream).
+// bf16 operands; K, M, N multiples of 8 (the fp8 K of 16). Graph-safe: the launchers only enqueue
+// kernels (the dynamic shared-memory attribute is set once per process, outside any stream).
 #include <initializer_list>
 #include <string>
 #include <string_view>
@@ -113,19 +113,19 @@ ffi::Error GroupedMatmulFp8(cudaStream_t stream, bool w_nek, ffi::AnyBuffer x, f
                                 std::to_string(w_nek) + "), y " + ShapeStr(*y) + " do not agree");
   }
   if (auto e = Offsets(kFp8, offsets, E); e.failure()) return e;
-  for (auto [name, buf, count] : {std::tuple<const char*, const ffi::AnyBuffer*, int64_t>{
-                                      "x_inv", &x_inv, 1},
-                                  {"w_inv", &w_inv, E}}) {
+  for (auto [name, buf, count] :
+       {std::tuple<const char*, const ffi::AnyBuffer*, int64_t>{"x_inv", &x_inv, 1},
+        {"w_inv", &w_inv, E}}) {
     if (auto e = ExpectDtype(kFp8, name, *buf, ffi::DataType::F32); e.failure()) return e;
     if (auto e = ExpectCount(kFp8, name, *buf, count, "scales"); e.failure()) return e;
   }
   if (K % 16) return InvalidArg(kFp8, "K must be a multiple of 16, got " + std::to_string(K));
   if (auto e = Mult8(kFp8, "N", N); e.failure()) return e;
-  return CudaError(kFp8, grouped_matmul_fp8(static_cast<const uint8_t*>(x.untyped_data()), x_e5m2,
-                                            static_cast<const uint8_t*>(w.untyped_data()), w_nek,
-                                            In<int32_t>(offsets), In<float>(x_inv),
-                                            In<float>(w_inv), Out<__nv_bfloat16>(y), rows, K, N,
-                                            E, stream));
+  return CudaError(kFp8,
+                   grouped_matmul_fp8(static_cast<const uint8_t*>(x.untyped_data()), x_e5m2,
+                                      static_cast<const uint8_t*>(w.untyped_data()), w_nek,
+                                      In<int32_t>(offsets), In<float>(x_inv), In<float>(w_inv),
+                                      Out<__nv_bfloat16>(y), rows, K, N, E, stream));
 }
 
 }  // namespace

@@ -47,7 +47,8 @@ constexpr int kColTile = kBK * (kBM + kPad);       // [64][136]: a k-major tile 
 constexpr int kChunks = kBM * kBK / 8 / kThreads;  // 16-byte copies per thread per tile
 constexpr int kTile = kRowTile > kColTile ? kRowTile : kColTile;
 constexpr size_t kSmem = size_t(kStages) * 2 * kTile * sizeof(bf16);
-constexpr int kRowBytes = (kBK + kPad) * int(sizeof(bf16));  // a row-major tile's smem row: 144 bytes
+constexpr int kRowBytes =
+    (kBK + kPad) * int(sizeof(bf16));  // a row-major tile's smem row: 144 bytes
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -183,13 +184,13 @@ __device__ __forceinline__ void mma_stage_fp8(float (&acc)[4][4][4], const uint8
     uint32_t a[4][4], b[2][4];
 #pragma unroll
     for (int mi = 0; mi < 4; ++mi) {
-      ldmatrix_x4<false>(a[mi], As + (wm * 64 + mi * 16 + (lane & 15)) * kRowBytes + ks +
-                                    (lane >> 4) * 16);
+      ldmatrix_x4<false>(
+          a[mi], As + (wm * 64 + mi * 16 + (lane & 15)) * kRowBytes + ks + (lane >> 4) * 16);
     }
 #pragma unroll
     for (int nj = 0; nj < 2; ++nj) {
-      ldmatrix_x4<false>(b[nj], Bs + (wn * 32 + nj * 16 + r8 + (j >> 1) * 8) * kRowBytes + ks +
-                                    (j & 1) * 16);
+      ldmatrix_x4<false>(
+          b[nj], Bs + (wn * 32 + nj * 16 + r8 + (j >> 1) * 8) * kRowBytes + ks + (j & 1) * 16);
     }
 #pragma unroll
     for (int mi = 0; mi < 4; ++mi) {
@@ -221,8 +222,7 @@ struct Fp8Stage {
 // The pipelined k loop: `load(stage, kt)` stages k step kt, then every warp multiplies (`Stage`).
 // T: the staged element type (kTile bf16 slots = the same bytes for either type).
 template <typename Stage, typename T, typename Load>
-__device__ __forceinline__ void main_loop(float (&acc)[4][4][4], T* smem, int ktiles,
-                                          Load&& load) {
+__device__ __forceinline__ void main_loop(float (&acc)[4][4][4], T* smem, int ktiles, Load&& load) {
   constexpr int kT = kTile * int(sizeof(bf16) / sizeof(T));  // one operand's stage, in T
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
 #pragma unroll
@@ -332,15 +332,15 @@ __global__ void __launch_bounds__(kThreads)
   if (e >= 0) {
     const bf16* xr = x + int64_t(row0) * K;
     const bf16* we = w + int64_t(e) * K * N;
-    main_loop<Bf16Stage<false, kWNK>>(acc, smem, (K + kBK - 1) / kBK, [&](bf16* As, bf16* Bs,
-                                                                          int kt) {
-      load_rows(As, xr, K, nrows, kt * kBK, K);
-      if constexpr (kWNK) {
-        load_rows(Bs, we + int64_t(n0) * K, K, N - n0, kt * kBK, K);
-      } else {
-        load_cols(Bs, we + int64_t(kt) * kBK * N, N, K - kt * kBK, n0, N);
-      }
-    });
+    main_loop<Bf16Stage<false, kWNK>>(
+        acc, smem, (K + kBK - 1) / kBK, [&](bf16* As, bf16* Bs, int kt) {
+          load_rows(As, xr, K, nrows, kt * kBK, K);
+          if constexpr (kWNK) {
+            load_rows(Bs, we + int64_t(n0) * K, K, N - n0, kt * kBK, K);
+          } else {
+            load_cols(Bs, we + int64_t(kt) * kBK * N, N, K - kt * kBK, n0, N);
+          }
+        });
   }
   store_tile(acc, y + int64_t(row0) * N, N, nrows, n0, N);
 }
@@ -356,12 +356,12 @@ __global__ void __launch_bounds__(kThreads)
   float acc[4][4][4];
   const bf16* xe = x + int64_t(start) * M;
   const bf16* de = dy + int64_t(start) * N;
-  main_loop<Bf16Stage<true, false>>(acc, smem, (count + kBK - 1) / kBK, [&](bf16* As, bf16* Bs,
-                                                                              int kt) {
-    const int k0 = kt * kBK;
-    load_cols(As, xe + int64_t(k0) * M, M, count - k0, m0, M);
-    load_cols(Bs, de + int64_t(k0) * N, N, count - k0, n0, N);
-  });
+  main_loop<Bf16Stage<true, false>>(acc, smem, (count + kBK - 1) / kBK,
+                                    [&](bf16* As, bf16* Bs, int kt) {
+                                      const int k0 = kt * kBK;
+                                      load_cols(As, xe + int64_t(k0) * M, M, count - k0, m0, M);
+                                      load_cols(Bs, de + int64_t(k0) * N, N, count - k0, n0, N);
+                                    });
   store_tile(acc, dw + int64_t(e) * M * N + int64_t(m0) * N, N, M - m0, n0, N);
 }
 
@@ -420,12 +420,12 @@ cudaError_t grouped_matmul_fp8(const uint8_t* x, bool x_e5m2, const uint8_t* w, 
   const dim3 grid((N + kBN - 1) / kBN, (rows + kBM - 1) / kBM + E + 1);
   if (x_e5m2) {
     SUROGATE_TRY(allow_smem<grouped_matmul_fp8_kernel<true>>());
-    grouped_matmul_fp8_kernel<true><<<grid, kThreads, kSmem, stream>>>(
-        x, w, offsets, x_inv, w_inv, y, rows, K, N, E, w_e, w_n);
+    grouped_matmul_fp8_kernel<true><<<grid, kThreads, kSmem, stream>>>(x, w, offsets, x_inv, w_inv,
+                                                                       y, rows, K, N, E, w_e, w_n);
   } else {
     SUROGATE_TRY(allow_smem<grouped_matmul_fp8_kernel<false>>());
-    grouped_matmul_fp8_kernel<false><<<grid, kThreads, kSmem, stream>>>(
-        x, w, offsets, x_inv, w_inv, y, rows, K, N, E, w_e, w_n);
+    grouped_matmul_fp8_kernel<false><<<grid, kThreads, kSmem, stream>>>(x, w, offsets, x_inv, w_inv,
+                                                                        y, rows, K, N, E, w_e, w_n);
   }
   return cudaGetLastError();
 }
