@@ -65,30 +65,16 @@ __device__ __forceinline__ uint4 pack16(const float* v) {
 // Stacked MoE experts dequantized selectively: group g (expert g) owns `units` consecutive units
 // of the output (weights for NF4's flat layout, rows for the tile layout); a group whose size is
 // <= 0 received no tokens, so its outputs are left unwritten (the grouped GEMM never reads them).
-// sizes == nullptr: one group, always active. Kernels `stage` the sizes into shared memory first:
-// read from global memory, each check was a dependent load ahead of its span's loads, and with
-// every expert active the tile kernels ran 1.04-1.16x slower than without sizes (H200).
-constexpr int kMaxStagedGroups = 1024;
-
+// sizes == nullptr: one group, always active.
 struct Groups {
-  const int32_t* sizes;  // [count] in global (as launched) or shared memory (staged), or nullptr
+  const int32_t* sizes;  // device [num groups], or nullptr
   int64_t units;         // units per group (> 0 when sizes != nullptr)
-  int64_t count;         // groups
 
-  // This block's copy with the sizes in `smem` (kMaxStagedGroups ints) when they fit. Every
-  // thread of the block must call it (it synchronizes).
-  __device__ __forceinline__ Groups stage(int32_t* smem) const {
-    if (sizes == nullptr || count > kMaxStagedGroups) return *this;
-    for (int64_t g = threadIdx.x; g < count; g += blockDim.x) smem[g] = __ldg(sizes + g);
-    __syncthreads();
-    return Groups{smem, units, count};
-  }
-
-  // Whether any group overlapping units [first, last] has rows.
+  // Whether any group overlapping units [first, last] has rows (a handful of cached loads).
   __device__ __forceinline__ bool any_active(int64_t first, int64_t last) const {
     if (sizes == nullptr) return true;
     for (int64_t g = first / units; g <= last / units; ++g) {
-      if (sizes[g] > 0) return true;
+      if (__ldg(sizes + g) > 0) return true;
     }
     return false;
   }

@@ -87,8 +87,6 @@ __global__ void __launch_bounds__(kThreads)
                            OutT* __restrict__ out, int64_t n, int64_t nchunks, int log2_block,
                            DequantVia via, Groups groups) {
   constexpr int E = kElems<OutT>, B = E / 2, W = (B + 3) / 4, U = kChunksPerThread;
-  __shared__ int32_t staged[kMaxStagedGroups];
-  groups = groups.stage(staged);
   const int64_t tile = int64_t{kThreads} * U;
   // the weights of the tile at chunk `base` (the last tile may be short)
   auto tile_active = [&](int64_t base) {
@@ -145,8 +143,6 @@ __global__ void __launch_bounds__(kThreads)
                               const float* __restrict__ code_table, const float* __restrict__ scale,
                               OutT* __restrict__ out, int64_t n, int log2_block, DequantVia via,
                               Groups groups) {
-  __shared__ int32_t staged[kMaxStagedGroups];
-  groups = groups.stage(staged);
   __shared__ float table[16];
   load_table(code_table, table);
   const int64_t step = int64_t{gridDim.x} * kThreads;
@@ -184,8 +180,7 @@ cudaError_t nf4_dequantize(const uint8_t* codes, const float* absmax, const floa
     return cudaErrorInvalidValue;
   }
   if (n == 0) return cudaSuccess;
-  const Groups groups{group_sizes, weights_per_group,
-                      group_sizes != nullptr ? n / weights_per_group : 0};
+  const Groups groups{group_sizes, weights_per_group};
   constexpr int E = kElems<OutT>;
   const bool aligned = reinterpret_cast<uintptr_t>(codes) % (E / 2) == 0 &&
                        reinterpret_cast<uintptr_t>(out) % 16 == 0;

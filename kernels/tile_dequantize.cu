@@ -113,8 +113,6 @@ __global__ void __launch_bounds__(kThreads)
                             OutT* __restrict__ out, int64_t nchunks, int64_t chunks_per_row,
                             int64_t scale_cols, int log2_tile, DequantVia via, Groups groups) {
   constexpr int U = kChunksPerThread, CB = kCodeBytes<F, OutT>, E = kElems<OutT>;
-  __shared__ int32_t staged[kMaxStagedGroups];
-  groups = groups.stage(staged);
   const int64_t span = int64_t{kThreads} * U;
   // the rows of the span at chunk `base` (the last span may be short)
   auto span_active = [&](int64_t base) {
@@ -172,8 +170,6 @@ __global__ void __launch_bounds__(kThreads)
                                const float* __restrict__ scale, OutT* __restrict__ out,
                                int64_t rows, int64_t cols, int64_t scale_cols, int log2_tile,
                                DequantVia via, Groups groups) {
-  __shared__ int32_t staged[kMaxStagedGroups];
-  groups = groups.stage(staged);
   __shared__ float table_smem[16];
   const float* table = load_table<F>(table_smem);
   const float g = F == TileFormat::kNvfp4 ? __ldg(global_scale) : 1.f;
@@ -242,8 +238,7 @@ cudaError_t tile_dequantize(TileFormat format, const uint8_t* codes, const void*
     return cudaErrorInvalidValue;
   }
   if (rows == 0 || cols == 0) return cudaSuccess;
-  const Groups groups{group_sizes, rows_per_group,
-                      group_sizes != nullptr ? rows / rows_per_group : 0};
+  const Groups groups{group_sizes, rows_per_group};
   switch (format) {
     case TileFormat::kFp8:
       return launch<TileFormat::kFp8>(codes, tile_scales, global_scale, scale, out, rows, cols,
