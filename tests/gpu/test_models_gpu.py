@@ -113,11 +113,12 @@ def test_moe_decoder_grouped_kernels_match_the_reference(force_ref):
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["per-call", "lora-cache"])
-def test_moe_decoder_fp8_experts_match_the_reference(cached):
+def test_moe_decoder_fp8_experts_match_the_reference(cached, force_ref):
     """fp8-hybrid on a bf16 Qwen3-MoE decoder: the experts' FP8 grouped GEMMs on our kernel (their custom call is in
-    the program) against the same recipe with fp8_impl="ref" (the quantized values through ragged_dot in fp32):
-    loss and gradients, with the experts quantized per call (full fine-tuning) or cached in E4M3 (LoRA's frozen
-    base, gradients of the adapters)."""
+    the program) against the same model with only those GEMMs forced to their reference (the quantized values
+    through ragged_dot in fp32; the dense projections' FP8 GEMMs the same cuBLASLt ones on both sides, so the routing
+    is the same): loss and gradients, with the experts quantized per call (full fine-tuning) or cached in E4M3
+    (LoRA's frozen base, gradients of the adapters)."""
     from surogate_jax.models import LoraSpec  # noqa: PLC0415
     from surogate_jax.precision import recipe as R  # noqa: PLC0415
 
@@ -128,8 +129,10 @@ def test_moe_decoder_fp8_experts_match_the_reference(cached):
     ids, _ = _setup(5, B=2, T=200)
     import flax.linen as nn  # noqa: PLC0415
 
-    def run(impl):
-        r = R.QuantRecipe("fp8-hybrid", fp8_impl=impl)
+    def run(expert_ref):
+        if expert_ref:
+            force_ref("ref:grouped_matmul")
+        r = R.QuantRecipe("fp8-hybrid")
         model = Decoder(base.replace(recipe=r))
         v = nn.meta.unbox(model.init({"params": jax.random.key(3), "lora": jax.random.key(4)}, ids[:, :4]))
         params, quant = v["params"], R.init_quant_state(model, ids[:, :4])
@@ -142,10 +145,11 @@ def test_moe_decoder_fp8_experts_match_the_reference(cached):
             return jnp.mean(jnp.square(out.astype(jnp.float32)))
 
         text = jax.jit(loss).lower(params, lora).as_text()
-        assert ("surogate_grouped_matmul_fp8" in text) == (impl is None)
+        assert ("surogate_grouped_matmul_fp8" in text) != expert_ref
+        assert "__cublas$lt$matmul$f8" in text or "surogate_fp8_matmul" in text  # the dense FP8 GEMMs, both sides
         return jax.value_and_grad(loss, argnums=1 if cached else 0)(params, lora)
 
-    (l, g), (l_ref, g_ref) = run(None), run("ref")
+    (l, g), (l_ref, g_ref) = run(False), run(True)
     assert abs(float(l) - float(l_ref)) < 1e-2 * abs(float(l_ref))
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g_ref), strict=True):
         if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize > 1:
