@@ -30,6 +30,7 @@
 // (the byte transpose of a whole [E, K, N] cache, no per-expert copy). Floor at the shapes above:
 // 103 GFLOP at the 1979 TFLOP/s FP8 dense peak = 52 us; bytes halve (0.30 GB: 90 us at 3.35 TB/s),
 // so memory bound at the floor. The epilogue multiplies by x_inv * w_inv[e] (per-expert scales).
+// Measured (H200): 0.435 ms, 0.85x the bf16 kernel's 0.370 ms: mma.sync fp8 is no faster on Hopper.
 #include "kernels/grouped_matmul.h"
 
 #include <algorithm>

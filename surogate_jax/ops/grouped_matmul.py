@@ -32,10 +32,10 @@ Every product of two fp8 values is exact in fp32 and sums accumulate in fp32, so
 quantized values in fp32) and the kernel (`surogate_grouped_matmul_fp8`: fp8 mma.sync, SM89+, K and M multiples
 of 16) differ only in summation order. dx reads the weight K-major per row of dx: the kernel takes the byte
 transpose of the whole [E * M, K] weight ([K, E, M], ops/fp8_matmul's transpose kernel) rather than a per-expert copy.
-Speed (H200, 30B-A3B's up-projection, benchmarks/bench_grouped_matmul.py): the fp8 kernel alone is 1.16x the bf16
-one (0.41 vs 0.47 ms: Hopper's fp8 mma.sync runs barely faster than its bf16 mma.sync; wgmma would be needed), and
-the per-call amax and cast of x (dy) make the forward (dx) 0.73x (0.67x) of it: FP8 here buys the recipe's numerics
-and the halved frozen experts, not speed.
+Speed (H200, 30B-A3B's up-projection, benchmarks/bench_grouped_matmul.py, commit 4d05255): the fp8 kernel alone
+runs 0.85-0.92x the bf16 one (0.435 vs 0.370 ms: Hopper's fp8 mma.sync is no faster than its bf16 mma.sync; wgmma
+would be needed), and with the per-call amax and cast of x (dy) the forward (dx) is 0.74x (0.61x) of the bf16 op:
+FP8 here buys the recipe's numerics and the halved frozen experts, not speed.
 """
 
 from __future__ import annotations
