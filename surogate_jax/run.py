@@ -293,18 +293,23 @@ def check_offload_experts(cfg: SFTConfig, dcfg, qspec: QloraSpec | None) -> None
     forward and again in the backward's recomputation (so: recompute true or auto, the layers in a loop)."""
     if not cfg.lora.qlora_offload_experts:
         return
-    r, why = cfg.run, None
-    if not dcfg.num_experts:
-        why = f"model={cfg.model.model} is dense ({dcfg.model_type})"
-    elif qspec is None:
-        why = "the base is not quantized (no qlora_* key, no pre-quantized checkpoint)"
-    elif r.recompute not in (True, "auto", "full"):
+    r, why = cfg.run, _no_quantized_experts(cfg, dcfg, qspec)
+    if why is None and r.recompute not in (True, "auto", "full"):
         why = ("the backward must recompute each layer from its input (recompute: true or auto, got "
                f"recompute: {r.recompute!r})")
-    elif r.unroll_layers is True:
+    if why is None and r.unroll_layers is True:
         why = "the layers must run in a loop (unroll_layers: false or auto)"
     if why:
         raise ConfigError(f"qlora_offload_experts: streams a QLoRA base's MoE experts from host memory; {why}")
+
+
+def _no_quantized_experts(cfg: SFTConfig, dcfg, qspec: QloraSpec | None) -> str | None:
+    """Why the run has no quantized MoE experts (a dense model, an unquantized base), or None."""
+    if not dcfg.num_experts:
+        return f"model={cfg.model.model} is dense ({dcfg.model_type})"
+    if qspec is None:
+        return "the base is not quantized (no qlora_* key, no pre-quantized checkpoint)"
+    return None
 
 
 def check_selective_expert_dequant(cfg: SFTConfig, dcfg, qspec: QloraSpec | None) -> None:
@@ -312,11 +317,7 @@ def check_selective_expert_dequant(cfg: SFTConfig, dcfg, qspec: QloraSpec | None
     MoE layers and a quantized base."""
     if not cfg.lora.qlora_selective_expert_dequant:
         return
-    why = None
-    if not dcfg.num_experts:
-        why = f"model={cfg.model.model} is dense ({dcfg.model_type})"
-    elif qspec is None:
-        why = "the base is not quantized (no qlora_* key, no pre-quantized checkpoint)"
+    why = _no_quantized_experts(cfg, dcfg, qspec)
     if why:
         raise ConfigError(f"qlora_selective_expert_dequant: dequantizes a QLoRA base's MoE experts that got tokens; "
                           f"{why}")

@@ -78,12 +78,12 @@ def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return jax.lax.optimization_barrier(jnp.clip(xs, -m, m).astype(dtype))
 
 
-def current_scale(am: jax.Array) -> jax.Array:
-    """E4M3 current scaling of a tensor whose max |x| is `am` (any shape): 448 / am, or 1 where am is 0 or not
-    finite (an all-zero or broken tensor keeps its values)."""
+def current_scale(am: jax.Array, dtype=E4M3) -> jax.Array:
+    """Current scaling to `dtype` (E4M3 by default) of a tensor whose max |x| is `am` (any shape): fmt_max / am, or 1
+    where am is 0 or not finite (an all-zero or broken tensor keeps its values)."""
     am = jnp.asarray(am, jnp.float32)
     ok = (am > 0) & jnp.isfinite(am)
-    return jnp.where(ok, E4M3_MAX / jnp.where(ok, am, 1.0), 1.0).astype(jnp.float32)
+    return jnp.where(ok, fp8_max(dtype) / jnp.where(ok, am, 1.0), 1.0).astype(jnp.float32)
 
 
 def inverse_scale(scale: jax.Array) -> jax.Array:
@@ -96,8 +96,8 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
     return (q.astype(jnp.float32) * inverse_scale(scale)).astype(dtype)
 
 
-def amax(x: jax.Array) -> jax.Array:
-    """max |x| as an f32 scalar (NaN if x has a NaN, 0 for an empty x)."""
-    if x.size == 0:
-        return jnp.zeros((), jnp.float32)
-    return jnp.max(jnp.abs(x.astype(jnp.float32)))
+def amax(x: jax.Array, axis=None) -> jax.Array:
+    """max |x| in f32 over `axis` (all by default; NaN if a NaN is there, 0 for an empty x). Taken in x's own dtype
+    (exact) and widened after: an f32 copy of x shared by this reduction and a quantization of x got materialized
+    (the CPU compiler's temporaries for an fp8 weight cache: 4x; see precision/recipe.cache_experts)."""
+    return jnp.max(jnp.abs(x), axis=axis, initial=0).astype(jnp.float32)

@@ -182,9 +182,7 @@ def _transposed(wq, impl):
 
 def _quantized(t, fmt):
     """(Q(t s), 1 / s) with s = fmt_max / max|t| (1 for an all-zero or non-finite tensor)."""
-    am = fp8_formats.amax(t)
-    ok = (am > 0) & jnp.isfinite(am)
-    s = jnp.where(ok, fp8_formats.fp8_max(fmt) / jnp.where(ok, am, 1.0), 1.0)
+    s = fp8_formats.current_scale(fp8_formats.amax(t), fmt)
     return fp8_formats.quantize(t, s, fmt), 1.0 / s
 
 
@@ -225,8 +223,8 @@ _fp8_frozen.defvjp(_fp8_frozen_fwd, _fp8_frozen_bwd)
 
 
 def expert_scales(w: jax.Array, axes=(1, 2)) -> jax.Array:
-    """Per-expert E4M3 current scales [E] of a stacked weight w [E, ...] (448 / max|w_e|)."""
-    return fp8_formats.current_scale(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=axes))
+    """E4M3 current scales of a stacked weight over `axes` (default: per expert of w [E, ...]; 448 / max|w_e|)."""
+    return fp8_formats.current_scale(fp8_formats.amax(w, axis=axes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -246,7 +244,7 @@ def _fp8_trained_bwd(impl, res, dy):
     wq_kn = fp8_formats.quantize(w, s[:, None, None], fp8_formats.E4M3)  # [E, K, M]: dx's operand as it is
     dx = fp8_input_grad(dy, None, s, group_sizes, impl, x.dtype, wq_kn=wq_kn)
     dw_fn = pick(impl, lambda a, g, gs: _dw_ffi(a, g, gs, w.shape[0]),
-                 lambda a, g, gs: _bwd_ref(a, w, gs, g)[1], OP, "bwd")
+                 lambda a, g, gs: jax.vjp(lambda b: grouped_matmul_ref(a, b, gs), w)[1](g)[0], OP, "bwd")
     dw = dw_fn(x, dy.astype(x.dtype), group_sizes)
     return dx, dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
 

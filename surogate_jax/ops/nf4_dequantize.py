@@ -44,6 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AbstractMesh, Mesh
 
 from surogate_jax.names import NF4_BLOCK_SIZES
+from surogate_jax.ops._expert_groups import check_group_sizes, zero_empty_experts
 from surogate_jax.ops._loader import pick, resolve_impl
 from surogate_jax.ops._sharding import on_shards
 
@@ -75,12 +76,7 @@ def nf4_dequantize_ref(codes, absmax, code_table, scale=None, *, shape, block_si
     if out_dtype == jnp.float8_e4m3fn:
         v = jnp.clip(v, -FP8_MAX, FP8_MAX)
     out = v.reshape(shape).astype(out_dtype)
-    if group_sizes is None:
-        return out
-    experts = jnp.asarray(group_sizes).shape[0]
-    active = (jnp.asarray(group_sizes) > 0)[:, None, None]
-    per_expert = (experts, shape[0] // experts, shape[1])
-    return jnp.where(active, out.reshape(per_expert), jnp.zeros((), out_dtype)).reshape(shape)
+    return zero_empty_experts(out, group_sizes)
 
 
 def _ffi(codes, absmax, code_table, scale, group_sizes=None, *, shape, block_size, out_dtype, has_scale, via_dtype):
@@ -133,19 +129,6 @@ def _check_operand(name: str, x, dtype, size: int, why: str):
         raise TypeError(f"nf4_dequantize: {name} must be {jnp.dtype(dtype).name}, got {jnp.dtype(x.dtype).name}")
     if tuple(x.shape) != (size,):
         raise ValueError(f"nf4_dequantize: {name} must have shape ({size},) ({why}), got {tuple(x.shape)}")
-
-
-def _check_groups(group_sizes, rows: int):
-    """group_sizes as int32 [E] with E dividing rows (None stays None)."""
-    if group_sizes is None:
-        return None
-    if not hasattr(group_sizes, "dtype") or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"nf4_dequantize: group_sizes must be an integer array, got "
-                        f"{getattr(group_sizes, 'dtype', type(group_sizes).__name__)}")
-    if group_sizes.ndim != 1 or group_sizes.shape[0] < 1 or rows % group_sizes.shape[0]:
-        raise ValueError(f"nf4_dequantize: group_sizes must have shape (E,) with E dividing the {rows} rows, got "
-                         f"{tuple(group_sizes.shape)}")
-    return jnp.asarray(group_sizes).astype(jnp.int32)
 
 
 def _check_scale(scale):
@@ -206,7 +189,7 @@ def nf4_dequantize(
     _check_operand("absmax", absmax, jnp.float32, -(-n // block_size), f"ceil(n / {block_size}) for shape {shape}")
     _check_operand("code_table", code_table, jnp.float32, 16, "one value per 4-bit code")
     scale = _check_scale(scale)
-    group_sizes = _check_groups(group_sizes, shape[0])
+    group_sizes = check_group_sizes("nf4_dequantize", group_sizes, shape[0])
     via_dtype = None if via_dtype is None or jnp.dtype(via_dtype) == jnp.float32 else jnp.dtype(via_dtype)
     if via_dtype not in VIA:
         raise TypeError(f"nf4_dequantize: via_dtype must be None, float32, bfloat16 or float16, got {via_dtype.name}")

@@ -43,6 +43,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AbstractMesh, Mesh
 
+from surogate_jax.ops._expert_groups import check_group_sizes, zero_empty_experts
 from surogate_jax.ops._loader import pick, resolve_impl
 from surogate_jax.ops._sharding import on_shards
 from surogate_jax.ops.nvfp4_quantize import E2M1_VALUES
@@ -98,12 +99,7 @@ def tile_dequantize_ref(codes, tile_scales, global_scale=None, scale=None, *, fm
     if out_dtype == jnp.float8_e4m3fn:
         v = jnp.clip(v, -FP8_MAX, FP8_MAX)
     out = v.astype(out_dtype)
-    if group_sizes is None:
-        return out
-    experts = jnp.asarray(group_sizes).shape[0]
-    active = (jnp.asarray(group_sizes) > 0)[:, None, None]
-    per_expert = (experts, shape[0] // experts, shape[1])
-    return jnp.where(active, out.reshape(per_expert), jnp.zeros((), out_dtype)).reshape(shape)
+    return zero_empty_experts(out, group_sizes)
 
 
 def _tile_max_code(codes, *, fmt, shape, tile):
@@ -196,19 +192,6 @@ def _check_operand(name: str, x, dtype, shape: tuple[int, ...], why: str):
         raise ValueError(f"tile_dequantize: {name} must have shape {shape} ({why}), got {tuple(x.shape)}")
 
 
-def _check_groups(group_sizes, rows: int):
-    """group_sizes as int32 [E] with E dividing rows (None stays None)."""
-    if group_sizes is None:
-        return None
-    if not hasattr(group_sizes, "dtype") or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"tile_dequantize: group_sizes must be an integer array, got "
-                        f"{getattr(group_sizes, 'dtype', type(group_sizes).__name__)}")
-    if group_sizes.ndim != 1 or group_sizes.shape[0] < 1 or rows % group_sizes.shape[0]:
-        raise ValueError(f"tile_dequantize: group_sizes must have shape (E,) with E dividing the {rows} rows, got "
-                         f"{tuple(group_sizes.shape)}")
-    return jnp.asarray(group_sizes).astype(jnp.int32)
-
-
 def _check_scalar(name: str, x):
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return jnp.float32(x)
@@ -273,7 +256,7 @@ def tile_dequantize(
     has_scale = scale is not None
     scale = _check_scalar("scale", scale) if has_scale else jnp.zeros((), jnp.float32)
     via_dtype = _check_via(via_dtype)
-    group_sizes = _check_groups(group_sizes, rows)
+    group_sizes = check_group_sizes("tile_dequantize", group_sizes, rows)
     impl = resolve_impl(impl, OP)
 
     args = [jax.lax.stop_gradient(a) for a in (codes, tile_scales, global_scale, scale)]

@@ -63,6 +63,7 @@ import jax.numpy as jnp
 
 from surogate_jax.names import EXPERT_PROJECTIONS, FP4_BACKENDS, PROJECTIONS, RECIPE_ALIASES, RECIPES, layer_stack_start
 from surogate_jax.ops import fp8_formats, nvfp4_matmul, nvfp4_quantize
+from surogate_jax.ops.grouped_matmul import expert_scales
 from surogate_jax.precision import fp8
 
 _log = logging.getLogger("surogate_jax")
@@ -360,7 +361,7 @@ def cache_kernel(recipe: QuantRecipe, proj: str, w: jax.Array, num_layers: int):
     layers_q = recipe.layer_quantized(jnp.arange(L), num_layers)
     bshape = (L,) + (1,) * (w.ndim - 1)
     if recipe.name == "fp8-hybrid":
-        scale = fp8_formats.current_scale(_amax(w.reshape(L, -1), axes=(1,)))
+        scale = fp8_formats.current_scale(fp8_formats.amax(w.reshape(L, -1), axis=1))
         q = fp8_formats.quantize(w, scale.reshape(bshape), fp8_formats.E4M3)
         if not recipe.skips:
             return q.reshape(L, k, -1).swapaxes(1, 2), scale
@@ -380,14 +381,8 @@ def cache_kernel(recipe: QuantRecipe, proj: str, w: jax.Array, num_layers: int):
 def cache_experts(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """fp8-hybrid's frozen cache of one stacked expert projection w [L, E, in, out]: (E4M3 [L, E, out, in] (HF
     layout, what the grouped FP8 GEMM reads), scales [L, E]: 448 / max|w_le|)."""
-    s = fp8_formats.current_scale(_amax(w, axes=(2, 3)))
+    s = expert_scales(w, axes=(2, 3))
     return fp8_formats.quantize(jnp.swapaxes(w, 2, 3), s[:, :, None, None], fp8_formats.E4M3), s
-
-
-def _amax(w: jax.Array, axes) -> jax.Array:
-    """max |w| over axes, in f32: taken in w's own dtype (exact), since an f32 copy feeding both this reduction and
-    the quantization got materialized (on the CPU compiler: 4x the temporaries of a [L, E, in, out] bf16 stack)."""
-    return jnp.max(jnp.abs(w), axis=axes).astype(jnp.float32)
 
 
 def _in_layer_stack(path) -> bool:

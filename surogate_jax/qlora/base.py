@@ -196,12 +196,20 @@ def expert_weights(spec: QloraSpec, params: Mapping[str, jax.Array], shape: tupl
 
 
 def selective_applies(spec: QloraSpec, x_shape: tuple[int, int], shape: tuple[int, int, int], dtype: Any) -> bool:
-    """Whether the grouped GEMM of rows x [N, K] with the experts [E, out, in] may take a selective dequantization:
-    our GEMM kernel never reads an expert without rows and the reference dequantization zeroes them; only the
-    reference GEMM (ragged_dot, which may read every expert) after the dequantization kernel may not."""
-    if forward_impl(x_shape, shape, dtype) != "ref":
-        return True
-    return traced_impl(None, _DEQUANTIZE_OPS[spec.format]) == "ref"
+    """Whether the grouped GEMM of rows x [N, K] with the experts [E, out, in] may take a selective dequantization
+    (`_safe_for`: is that GEMM the reference?)."""
+    return _safe_for(spec, forward_impl(x_shape, shape, dtype) == "ref")
+
+
+def _safe_for(spec: QloraSpec, gemm_is_ref: bool) -> bool:
+    """Our GEMM kernels never read an expert without rows and the reference dequantization zeroes them: only a
+    reference GEMM (ragged_dot, which may read every expert) after the dequantization kernel must not take it."""
+    return not gemm_is_ref or traced_impl(None, _DEQUANTIZE_OPS[spec.format]) == "ref"
+
+
+def _selected(sizes, use: bool):
+    """The group sizes a selective dequantization takes, or None (every expert)."""
+    return sizes.astype(jnp.int32) if use else None
 
 
 def splits_by_expert(spec: QloraSpec, shape: tuple[int, int, int]) -> bool:
@@ -218,7 +226,7 @@ def _grouped_weights(x_shape, params, sizes, spec, shape, dtype, selective):
     """The experts [E, out, in] a grouped GEMM over rows x_shape reads: when selective (and `selective_applies`)
     only those with rows, else all."""
     use = selective and selective_applies(spec, x_shape, shape, dtype)
-    return expert_weights(spec, params, shape, dtype, group_sizes=sizes.astype(jnp.int32) if use else None)
+    return expert_weights(spec, params, shape, dtype, group_sizes=_selected(sizes, use))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -266,8 +274,8 @@ def expert_fp8_weights(spec: QloraSpec, params: Mapping[str, jax.Array], shape: 
 def _fp8_grouped_weights(params, sizes, spec, shape, dtype, impl, selective):
     """`expert_fp8_weights` for the FP8 grouped GEMM of impl: selective where that GEMM is our kernel (it never
     reads an expert without rows) or the dequantization is the reference (zeros there)."""
-    use = selective and (impl != "ref" or traced_impl(None, _DEQUANTIZE_OPS[spec.format]) == "ref")
-    return expert_fp8_weights(spec, params, shape, dtype, group_sizes=sizes.astype(jnp.int32) if use else None)
+    use = selective and _safe_for(spec, impl == "ref")
+    return expert_fp8_weights(spec, params, shape, dtype, group_sizes=_selected(sizes, use))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
